@@ -1,0 +1,14 @@
+//! The C ABI: every `extern "C"` function of the library, one file per
+//! area. Each body runs through `ffi_status!` or `ffi_value!`, so no panic
+//! crosses the boundary (checked by `tests/ffi_guard.rs`).
+#![allow(non_camel_case_types)]
+
+#[macro_use]
+pub mod guard;
+pub mod args;
+pub mod errors;
+pub mod map;
+pub mod status;
+pub mod storage_utils;
+
+pub use status::ss_status;

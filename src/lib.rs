@@ -1,0 +1,12 @@
+//! storage-sharing: the storage-sharing layer of a tensor framework.
+//!
+//! Shared-memory allocators that match ATen's names, flags and layouts
+//! byte for byte ([`shm`]), behind a C ABI ([`ffi`], header
+//! `include/storage_sharing.h`). The safe Rust API is public too; the core
+//! modules know nothing of C.
+
+pub mod error;
+pub mod ffi;
+pub mod shm;
+
+pub use error::{Error, ErrorKind, Result};

@@ -1,0 +1,62 @@
+//! ATen's StorageUtils: new fd-backed segments and `share_memory`.
+
+use super::flags::SHM_FD_STORAGE;
+use super::map::{MapAllocator, Reserve};
+use super::names::new_process_wide_shm_handle;
+use super::populate;
+use crate::error::{Error, ErrorKind, Result};
+
+/// A new anonymous shared-memory segment of `size` bytes, reachable only
+/// through its kept descriptor (flags 86: the name is removed at once).
+pub fn new_shm_fd_storage(size: usize) -> Result<MapAllocator> {
+    MapAllocator::open(&new_process_wide_shm_handle(), SHM_FD_STORAGE, size)
+}
+
+/// Copies `src` into a new fd-backed segment and returns its mapping: what
+/// `share_memory_()` does to a CPU storage. Pages are populated in bulk on
+/// several threads while copying; a full /dev/shm gives `NoSpace`.
+pub fn share_memory(src: &[u8]) -> Result<MapAllocator> {
+    if src.is_empty() {
+        return Err(Error::new(ErrorKind::InvalidArgument, "share_memory of 0 bytes: nothing to share"));
+    }
+    let name = new_process_wide_shm_handle();
+    let map = MapAllocator::open_with(&name, None, SHM_FD_STORAGE, src.len(), Reserve::ByCaller)?;
+    match populate::populate_and_copy(map.data(), src) {
+        Ok(()) => Ok(map),
+        Err(e) if e.kind() == ErrorKind::Unsupported => {
+            populate::reserve(map.fd(), map.data(), 0, src.len(), true, &name)?;
+            // SAFETY: the fresh mapping holds src.len() reserved bytes.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), map.data(), src.len()) };
+            Ok(map)
+        }
+        Err(e) => Err(e.context(format!("share_memory of {} bytes into <{name}>", src.len()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn share_memory_copies_every_byte() {
+        for len in [1usize, 4095, 4096, 3 << 20, (9 << 20) + 17] {
+            let src: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+            let m = share_memory(&src).unwrap();
+            assert_eq!(m.len(), len);
+            assert!(m.fd() >= 0);
+            // SAFETY: the mapping holds len bytes.
+            let got = unsafe { std::slice::from_raw_parts(m.data(), len) };
+            assert!(got == &src[..], "mismatch at len {len}");
+        }
+        assert_eq!(share_memory(&[]).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    }
+
+    #[test]
+    fn new_fd_storage_is_zeroed_and_nameless() {
+        let m = new_shm_fd_storage(10_000).unwrap();
+        assert_eq!(m.flags(), 86);
+        assert!(!std::path::Path::new(&format!("/dev/shm{}", m.filename())).exists());
+        // SAFETY: 10_000 bytes mapped.
+        assert!(unsafe { std::slice::from_raw_parts(m.data(), 10_000) }.iter().all(|b| *b == 0));
+    }
+}

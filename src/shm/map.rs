@@ -10,7 +10,7 @@
 
 use super::flags::{self, EXCLUSIVE, FROMFD, KEEPFD, NOCREATE, SHARED, SHAREDMEM, UNLINK};
 use super::names::validate_shm_name;
-use super::populate;
+use super::reserve;
 use crate::error::{errno, Error, ErrorKind, Result};
 use std::ffi::CString;
 use std::os::fd::RawFd;
@@ -23,7 +23,7 @@ pub const UNNAMED: &str = "filename not specified";
 pub(crate) enum Reserve {
     /// Reserve them now (the default).
     Now,
-    /// The caller populates them itself right after (share_memory).
+    /// The caller writes every page itself right after (share_memory).
     ByCaller,
 }
 
@@ -117,7 +117,7 @@ impl MapAllocator {
             closed: false,
         };
         if let (Some(old), Reserve::Now) = (grown_from, reserve) {
-            if let Err(e) = populate::reserve(opened.fd, base, old, size - old, flags & SHARED == 0, name) {
+            if let Err(e) = reserve::reserve(opened.fd, base, old, size - old, name) {
                 let _ = this.unmap_only();
                 return Err(cleanup(&opened, e));
             }

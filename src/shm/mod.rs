@@ -3,9 +3,9 @@
 pub mod flags;
 pub mod map;
 pub mod names;
-pub mod populate;
 pub mod refcounted;
 pub mod registry;
+pub mod reserve;
 pub mod storage_utils;
 
 pub use map::MapAllocator;

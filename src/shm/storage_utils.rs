@@ -3,7 +3,7 @@
 use super::flags::SHM_FD_STORAGE;
 use super::map::{MapAllocator, Reserve};
 use super::names::new_process_wide_shm_handle;
-use super::populate;
+use super::reserve;
 use crate::error::{Error, ErrorKind, Result};
 
 /// A new anonymous shared-memory segment of `size` bytes, reachable only
@@ -13,24 +13,18 @@ pub fn new_shm_fd_storage(size: usize) -> Result<MapAllocator> {
 }
 
 /// Copies `src` into a new fd-backed segment and returns its mapping: what
-/// `share_memory_()` does to a CPU storage. Pages are populated in bulk on
-/// several threads while copying; a full /dev/shm gives `NoSpace`.
+/// `share_memory_()` does to a CPU storage. The bytes go in with pwrite(2),
+/// which allocates and fills each page in one pass (see `reserve`); a full
+/// /dev/shm gives `NoSpace`. The mapping's pages are then faulted in lazily
+/// (minor faults, no allocation) on first access.
 pub fn share_memory(src: &[u8]) -> Result<MapAllocator> {
     if src.is_empty() {
         return Err(Error::new(ErrorKind::InvalidArgument, "share_memory of 0 bytes: nothing to share"));
     }
     let name = new_process_wide_shm_handle();
     let map = MapAllocator::open_with(&name, None, SHM_FD_STORAGE, src.len(), Reserve::ByCaller)?;
-    match populate::populate_and_copy(map.data(), src) {
-        Ok(()) => Ok(map),
-        Err(e) if e.kind() == ErrorKind::Unsupported => {
-            populate::reserve(map.fd(), map.data(), 0, src.len(), true, &name)?;
-            // SAFETY: the fresh mapping holds src.len() reserved bytes.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), map.data(), src.len()) };
-            Ok(map)
-        }
-        Err(e) => Err(e.context(format!("share_memory of {} bytes into <{name}>", src.len()))),
-    }
+    reserve::write_all(map.fd(), src, &name)?;
+    Ok(map)
 }
 
 #[cfg(test)]

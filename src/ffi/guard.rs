@@ -73,3 +73,30 @@ macro_rules! ffi_value {
         $crate::ffi::guard::run_value($func, $fallback, || $body)
     };
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panic_becomes_status_and_message() {
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let status = run_status("ss_test_fn", || panic!("boom {}", 7));
+        let value = run_value("ss_test_value", 42, || -> i32 { panic!("static boom") });
+        std::panic::set_hook(prev);
+        assert_eq!(status, ss_status::SS_ERR_PANIC);
+        assert_eq!(value, 42);
+        // SAFETY: the pointer is this thread's NUL-terminated last error.
+        let msg = unsafe { std::ffi::CStr::from_ptr(last_error_ptr()) }.to_str().unwrap();
+        assert_eq!(msg, "internal panic in ss_test_value: static boom");
+    }
+
+    #[test]
+    fn error_sets_message_and_status() {
+        let status = run_status("ss_test_fn", || Err(Error::new(ErrorKind::NoSpace, "full </x>")));
+        assert_eq!(status, ss_status::SS_ERR_NO_SPACE);
+        // SAFETY: as above.
+        assert_eq!(unsafe { std::ffi::CStr::from_ptr(last_error_ptr()) }.to_str().unwrap(), "full </x>");
+    }
+}

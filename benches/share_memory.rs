@@ -1,6 +1,6 @@
 //! share_memory and open costs, printed as tables beside the physical
 //! floors: memcpy into warm memory, and the plainest create + fault + copy.
-//! Run: cargo bench --bench share_memory [-- --max-mib N] [-- --torch]
+//! Run: cargo bench --bench share_memory [-- --max-mib N] [--torch]
 //! With --torch (and SS_TEST_PYTHON or python3 importing torch) PyTorch's
 //! share_memory_() and open-by-name are measured in the same run.
 
@@ -15,18 +15,38 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Median seconds of `reps` runs of `f`.
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
-    f(); // warm-up
+/// Median seconds of `reps` runs of `f`; what `f` returns is dropped
+/// after the clock stops, so tear-down is not counted (as for PyTorch).
+fn time<T>(reps: usize, mut f: impl FnMut() -> T) -> f64 {
+    drop(f()); // warm-up
     median(
         (0..reps)
             .map(|_| {
                 let t = Instant::now();
-                f();
-                t.elapsed().as_secs_f64()
+                let kept = f();
+                let secs = t.elapsed().as_secs_f64();
+                drop(kept);
+                secs
             })
             .collect(),
     )
+}
+
+/// A mapped segment made by one of the plain ways; unmapped on drop.
+struct Plain {
+    p: *mut libc::c_void,
+    len: usize,
+    fd: i32,
+}
+
+impl Drop for Plain {
+    fn drop(&mut self) {
+        // SAFETY: exactly what mmap and shm_open returned.
+        unsafe {
+            libc::munmap(self.p, self.len);
+            libc::close(self.fd);
+        }
+    }
 }
 
 fn reps_for(len: usize) -> usize {
@@ -59,7 +79,7 @@ fn size_name(len: usize) -> String {
 
 /// The plainest way: shm_open, ftruncate, mmap, memcpy (first-touch faults),
 /// then tear down. `populate` adds MAP_POPULATE, `falloc` a posix_fallocate.
-fn plain_share(src: &[u8], populate: bool, falloc: bool) {
+fn plain_share(src: &[u8], populate: bool, falloc: bool) -> Plain {
     let name = CString::new(new_process_wide_shm_handle()).unwrap();
     // SAFETY: plain syscalls on a fresh object of our own.
     unsafe {
@@ -74,15 +94,14 @@ fn plain_share(src: &[u8], populate: bool, falloc: bool) {
         let p = libc::mmap(std::ptr::null_mut(), src.len(), libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0);
         assert_ne!(p, libc::MAP_FAILED);
         std::ptr::copy_nonoverlapping(src.as_ptr(), p.cast(), src.len());
-        libc::munmap(p, src.len());
-        libc::close(fd);
+        Plain { p, len: src.len(), fd }
     }
 }
 
 /// Copy with pwrite(2) into the empty object, then map: tmpfs allocates
 /// each page and fills it from the source in one pass, with no zeroing and
 /// no page faults.
-fn pwrite_share(src: &[u8]) {
+fn pwrite_share(src: &[u8]) -> Plain {
     let name = CString::new(new_process_wide_shm_handle()).unwrap();
     // SAFETY: plain syscalls on a fresh object of our own.
     unsafe {
@@ -97,8 +116,7 @@ fn pwrite_share(src: &[u8]) {
         }
         let p = libc::mmap(std::ptr::null_mut(), src.len(), libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
         assert_ne!(p, libc::MAP_FAILED);
-        libc::munmap(p, src.len());
-        libc::close(fd);
+        Plain { p, len: src.len(), fd }
     }
 }
 
@@ -121,9 +139,14 @@ def med(f, reps):
     return statistics.median(ts)
 sizes = {sizes:?}
 for n in sizes:
-    src = torch.ones(n, dtype=torch.uint8)
     reps = 200 if n <= 1 << 20 else (20 if n <= 16 << 20 else 3)
-    print(med(lambda: src.clone().share_memory_(), reps) - med(lambda: src.clone(), reps))
+    ts = []
+    for r in range(reps + 1):
+        t0 = torch.ones(n, dtype=torch.uint8)
+        t = time.perf_counter(); t0.share_memory_(); d = time.perf_counter() - t
+        del t0
+        if r: ts.append(d)
+    print(statistics.median(ts))
 torch.multiprocessing.set_sharing_strategy("file_system")
 s = torch.UntypedStorage(4096)
 mgr, name, size = s._share_filename_cpu_()
@@ -156,7 +179,7 @@ fn main() {
         let reps = reps_for(len);
         let memcpy = time(reps, || dst.copy_from_slice(&src));
         drop(dst);
-        let ours = time(reps, || drop(std::hint::black_box(share_memory(&src).unwrap())));
+        let ours = time(reps, || share_memory(&src).unwrap());
         let floor = time(reps, || plain_share(&src, false, false));
         let mpop = time(reps, || plain_share(&src, true, false));
         let falloc = time(reps, || plain_share(&src, false, true));
@@ -177,7 +200,7 @@ fn main() {
             ours / floor
         );
     }
-    println!("\nss_share_memory includes unmapping the result (as do the floors); PyTorch's figure is share_memory_() of a fresh clone minus the clone.\n");
+    println!("\nTimes exclude tear-down (unmap, free). memcpy (warm) copies into memory already faulted in: the bandwidth limit. The floor is the plainest create + first-touch copy. PyTorch's figure is `share_memory_()` of a fresh CPU tensor, torch.set_num_threads(2), same run.\n");
 
     println!("## opening an existing segment (median of 2000)\n");
     println!("| open | ours | bare syscalls | ours / bare | PyTorch |");
@@ -194,9 +217,23 @@ fn main() {
         libc::close(fd);
         libc::munmap(p, st.st_size as usize);
     });
+    let bare_touch = time(2000, || unsafe {
+        // SAFETY: as above, plus the atomic +1/-1 on the header a refcounted
+        // open must do (its first touch of the page is a minor fault).
+        let fd = libc::shm_open(c_name.as_ptr(), libc::O_RDWR, 0);
+        let mut st: libc::stat = std::mem::zeroed();
+        libc::fstat(fd, &mut st);
+        let p = libc::mmap(std::ptr::null_mut(), st.st_size as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+        libc::close(fd);
+        let count = &*(p as *const std::sync::atomic::AtomicI32);
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        libc::munmap(p, st.st_size as usize);
+    });
     let by_name = time(2000, || drop(RefcountedMapAllocator::open(&name, SHAREDMEM | NOCREATE, 4096).unwrap()));
     let pt_open = torch.as_ref().map_or("-".to_string(), |(_, o)| human(*o));
     println!("| by name (refcounted, count +1/-1) | {} | {} | {:.2} | {pt_open} (with manager registration) |", human(by_name), human(bare_by_name), by_name / bare_by_name);
+    println!("| by name, vs bare + the header's atomic +1/-1 | {} | {} | {:.2} | - |", human(by_name), human(bare_touch), by_name / bare_touch);
     drop(creator);
     let shared = share_memory(&[1u8; 4096]).unwrap();
     let fd = shared.fd();

@@ -1,0 +1,3 @@
+module storagesharing
+
+go 1.19

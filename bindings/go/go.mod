@@ -1,3 +1,3 @@
-module storagesharing
+module storage-sharing.local/bindings/go
 
 go 1.19

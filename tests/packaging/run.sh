@@ -41,9 +41,10 @@ lib="$prefix/lib"
 readelf -d "$lib/libstorage_sharing.so.$version" | grep -q "(SONAME) *Library soname: \[libstorage_sharing.so.$major\]" \
     || fail "SONAME is not libstorage_sharing.so.$major: $(readelf -d "$lib/libstorage_sharing.so.$version" | grep SONAME)"
 readelf -d "$lib/libstorage_sharing.so.$version" | grep SONAME
-for f in "$root"/src/bin/*.rs; do
+# The crate's executables (src/bin/NAME.rs, src/bin/NAME/main.rs) are installed.
+for f in "$root"/src/bin/*.rs "$root"/src/bin/*/main.rs; do
     [ -e "$f" ] || continue
-    bin="$(basename "$f" .rs)"
+    bin="$(basename "${f%/main.rs}" .rs)"
     [ -x "$prefix/bin/$bin" ] || fail "executable $bin not installed"
 done
 ls "$prefix/bin" 2>/dev/null | sed 's/^/   installed bin: /' || true

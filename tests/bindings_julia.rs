@@ -94,7 +94,9 @@ fn parse_header(text: &str) -> (BTreeMap<String, Prototype>, Vec<String>) {
         let open = stmt.find('(').unwrap();
         let close = stmt.rfind(')').expect("unbalanced prototype");
         let head = stmt[..open].trim_end();
-        let name_start = head.rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |i| i + 1);
+        let name_start = head
+            .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .map_or(0, |i| i + 1);
         let name = head[name_start..].to_string();
         let ret = normalize_c_type(&head[..name_start]);
         let params = split_top_level(&stmt[open + 1..close])
@@ -102,7 +104,9 @@ fn parse_header(text: &str) -> (BTreeMap<String, Prototype>, Vec<String>) {
             .filter(|p| p != "void")
             .map(|p| {
                 // Drop the parameter's name: the last identifier after the type.
-                let cut = p.rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |i| i + 1);
+                let cut = p
+                    .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
+                    .map_or(0, |i| i + 1);
                 normalize_c_type(&p[..cut])
             })
             .collect();
@@ -156,7 +160,9 @@ fn parse_ccalls(text: &str) -> Result<Vec<Ccall>, String> {
         }
         let args = split_top_level(&code[start..end]);
         if args.len() < 3 {
-            return Err(format!("line {line}: ccall needs (name, lib), a return type and a type tuple"));
+            return Err(format!(
+                "line {line}: ccall needs (name, lib), a return type and a type tuple"
+            ));
         }
         let target = args[0].trim_start_matches('(').trim_end_matches(')');
         let name = split_top_level(target)
@@ -166,10 +172,18 @@ fn parse_ccalls(text: &str) -> Result<Vec<Ccall>, String> {
             .to_string();
         let tuple = args[2].trim();
         if !(tuple.starts_with('(') && tuple.ends_with(')')) {
-            return Err(format!("line {line}: the argument types of {name} are not a literal tuple"));
+            return Err(format!(
+                "line {line}: the argument types of {name} are not a literal tuple"
+            ));
         }
         let types = split_top_level(&tuple[1..tuple.len() - 1]);
-        calls.push(Ccall { line, name, ret: args[1].clone(), types, nargs: args.len() - 3 });
+        calls.push(Ccall {
+            line,
+            name,
+            ret: args[1].clone(),
+            types,
+            nargs: args.len() - 3,
+        });
         from = end;
     }
     Ok(calls)
@@ -194,7 +208,11 @@ fn julia_types_for(c: &str, opaque: &[String]) -> Result<Vec<String>, String> {
         "uint8_t" => vec!["UInt8".into()],
         "pid_t" => vec!["Cint".into()],
         b if opaque.iter().any(|o| o == b) => vec!["Cvoid".into()],
-        b => return Err(format!("C type `{b}` has no Julia spelling yet: add it to julia_types_for in tests/bindings_julia.rs")),
+        b => {
+            return Err(format!(
+                "C type `{b}` has no Julia spelling yet: add it to julia_types_for in tests/bindings_julia.rs"
+            ))
+        }
     };
     for _ in 0..stars {
         options = options.iter().map(|t| format!("Ptr{{{t}}}")).collect();
@@ -215,10 +233,18 @@ fn check_ccalls(calls: &[Ccall], protos: &BTreeMap<String, Prototype>, opaque: &
             continue;
         };
         if call.types.len() != proto.params.len() {
-            problems.push(format!("{at}: {} argument types, the C function has {} parameters", call.types.len(), proto.params.len()));
+            problems.push(format!(
+                "{at}: {} argument types, the C function has {} parameters",
+                call.types.len(),
+                proto.params.len()
+            ));
         }
         if call.nargs != call.types.len() {
-            problems.push(format!("{at}: {} arguments passed for {} types", call.nargs, call.types.len()));
+            problems.push(format!(
+                "{at}: {} arguments passed for {} types",
+                call.nargs,
+                call.types.len()
+            ));
         }
         let mut pairs: Vec<(&str, &str, String)> = vec![(&proto.ret, &call.ret, "return type".to_string())];
         for (i, (c, j)) in proto.params.iter().zip(&call.types).enumerate() {
@@ -227,7 +253,9 @@ fn check_ccalls(calls: &[Ccall], protos: &BTreeMap<String, Prototype>, opaque: &
         for (c, j, what) in pairs {
             match julia_types_for(c, opaque) {
                 Ok(ok) if ok.iter().any(|t| t == j) => {}
-                Ok(ok) => problems.push(format!("{at}: {what} is `{j}` in Julia, C has `{c}` (expected one of {ok:?})")),
+                Ok(ok) => problems.push(format!(
+                    "{at}: {what} is `{j}` in Julia, C has `{c}` (expected one of {ok:?})"
+                )),
                 Err(e) => problems.push(format!("{at}: {e}")),
             }
         }
@@ -275,15 +303,29 @@ fn every_ccall_matches_the_header() {
     let header = read("include/storage_sharing.h");
     let julia = read("bindings/julia/src/StorageSharing.jl");
     let (protos, opaque) = parse_header(&header);
-    assert!(protos.contains_key("ss_map_open") && opaque.contains(&"ss_map".to_string()), "header parser found {protos:?}");
+    assert!(
+        protos.contains_key("ss_map_open") && opaque.contains(&"ss_map".to_string()),
+        "header parser found {protos:?}"
+    );
     let calls = parse_ccalls(&julia).unwrap();
     let written = strip_julia_comments(&julia).matches("ccall(").count();
-    assert!(!calls.is_empty() && calls.len() == written, "parsed {} of {written} ccalls", calls.len());
+    assert!(
+        !calls.is_empty() && calls.len() == written,
+        "parsed {} of {written} ccalls",
+        calls.len()
+    );
     let problems = check_ccalls(&calls, &protos, &opaque);
-    assert!(problems.is_empty(), "Julia ccalls disagree with the header:\n{}", problems.join("\n"));
+    assert!(
+        problems.is_empty(),
+        "Julia ccalls disagree with the header:\n{}",
+        problems.join("\n")
+    );
 
     let unbound: Vec<&String> = protos.keys().filter(|n| !calls.iter().any(|c| &c.name == *n)).collect();
-    println!("{} ccalls checked; C functions without a Julia wrapper yet: {unbound:?}", calls.len());
+    println!(
+        "{} ccalls checked; C functions without a Julia wrapper yet: {unbound:?}",
+        calls.len()
+    );
 }
 
 #[test]
@@ -292,7 +334,9 @@ fn julia_constants_have_the_header_values() {
     let julia = julia_constants(&read("bindings/julia/src/StorageSharing.jl"));
     assert!(julia.len() >= 20, "found only {julia:?}");
     for (name, value) in &julia {
-        let want = consts.get(name).unwrap_or_else(|| panic!("{name} is not in the header"));
+        let want = consts
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} is not in the header"));
         assert_eq!(value, &want.to_string(), "{name}: Julia has {value}, the header {want}");
     }
 }
@@ -306,13 +350,31 @@ fn checker_reports_bad_ccalls() {
     let good = "ccall((:ss_x_open, lib()), Cint, (Cstring, Csize_t, Ptr{Ptr{Cvoid}}), n, s, out)\nccall((:ss_x_free, lib()), Cvoid, (Ptr{Cvoid},), x)";
     assert!(check_ccalls(&parse_ccalls(good).unwrap(), &protos, &opaque).is_empty());
     for (bad, why) in [
-        ("ccall((:ss_x_opne, lib()), Cint, (Cstring, Csize_t, Ptr{Ptr{Cvoid}}), n, s, out)", "no such function"),
-        ("ccall((:ss_x_open, lib()), Cint, (Cstring, Ptr{Ptr{Cvoid}}), n, out)", "2 argument types, the C function has 3"),
-        ("ccall((:ss_x_open, lib()), Cint, (Cstring, Cint, Ptr{Ptr{Cvoid}}), n, s, out)", "parameter 2 is `Cint`"),
-        ("ccall((:ss_x_open, lib()), Cint, (Cstring, Csize_t, Ptr{Ptr{Cvoid}}), n, s)", "2 arguments passed for 3 types"),
-        ("ccall((:ss_x_free, lib()), Cint, (Ptr{Cvoid},), x)", "return type is `Cint`"),
+        (
+            "ccall((:ss_x_opne, lib()), Cint, (Cstring, Csize_t, Ptr{Ptr{Cvoid}}), n, s, out)",
+            "no such function",
+        ),
+        (
+            "ccall((:ss_x_open, lib()), Cint, (Cstring, Ptr{Ptr{Cvoid}}), n, out)",
+            "2 argument types, the C function has 3",
+        ),
+        (
+            "ccall((:ss_x_open, lib()), Cint, (Cstring, Cint, Ptr{Ptr{Cvoid}}), n, s, out)",
+            "parameter 2 is `Cint`",
+        ),
+        (
+            "ccall((:ss_x_open, lib()), Cint, (Cstring, Csize_t, Ptr{Ptr{Cvoid}}), n, s)",
+            "2 arguments passed for 3 types",
+        ),
+        (
+            "ccall((:ss_x_free, lib()), Cint, (Ptr{Cvoid},), x)",
+            "return type is `Cint`",
+        ),
     ] {
         let problems = check_ccalls(&parse_ccalls(bad).unwrap(), &protos, &opaque);
-        assert!(problems.iter().any(|p| p.contains(why)), "{bad}: wanted '{why}', got {problems:?}");
+        assert!(
+            problems.iter().any(|p| p.contains(why)),
+            "{bad}: wanted '{why}', got {problems:?}"
+        );
     }
 }

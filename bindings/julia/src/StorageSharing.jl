@@ -16,7 +16,7 @@ the garbage collector gets to it. Failures throw `SSError`.
 module StorageSharing
 
 export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, share_memory,
-       new_segment_name, data, bytes, fd, filename, flags, isrefcounted, incref!, decref!, refcount,
+       new_segment_name, data, bytes, filename, flags, isrefcounted, incref!, decref!, refcount,
        map_from_data, status_text, version
 
 """The library to load: `STORAGE_SHARING_LIB`, else the standard search path."""
@@ -201,8 +201,8 @@ and reachable (use it inside `GC.@preserve m`).
 """
 bytes(m::SharedMap) = unsafe_wrap(Array, data(m), length(m); own=false)
 
-"""The descriptor kept with `SS_MAPPED_KEEPFD`, else -1. The map owns it."""
-function fd(m::SharedMap)
+"""The descriptor kept with `SS_MAPPED_KEEPFD`, else -1. The map owns it (extends `Base.fd`)."""
+function Base.fd(m::SharedMap)
     h = live_handle(m, "ss_map_fd")
     return Int(GC.@preserve m ccall((:ss_map_fd, libstorage_sharing()), Cint, (Ptr{Cvoid},), h))
 end

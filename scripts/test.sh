@@ -13,6 +13,19 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
 fi
 
+# --- packaging and bindings (issue 5): tools ------------------------------
+# C++ for the RAII tests, pkg-config and Go for the consumer and Go tests.
+pkg_apt=()
+command -v c++ >/dev/null || pkg_apt+=(g++)
+command -v pkg-config >/dev/null || pkg_apt+=(pkg-config)
+command -v go >/dev/null || pkg_apt+=(golang-go)
+if [ ${#pkg_apt[@]} -gt 0 ]; then
+    echo "== installing ${pkg_apt[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkg_apt[@]}"
+fi
+# --- end packaging tools -----------------------------------------------------
+
 target="${CARGO_TARGET_DIR:-$PWD/target}"
 
 echo "== cargo build (release library for the C tests)"
@@ -29,3 +42,8 @@ for variant in plain asan; do
     cmake --build "$build" -j2 >/dev/null
     ctest --test-dir "$build" --output-on-failure -j2
 done
+
+# --- packaging and bindings (issue 5) ----------------------------------------
+echo "== packaging: install to a temp prefix; SONAME; find_package (shared, static), pkg-config, README examples; go test"
+bash tests/packaging/run.sh "$target/release"
+# --- end packaging -------------------------------------------------------------

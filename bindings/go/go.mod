@@ -1,0 +1,3 @@
+module storage-sharing.local/bindings/go
+
+go 1.19

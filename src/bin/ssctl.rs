@@ -1,0 +1,22 @@
+//! ssctl: inspect and clean up storage-sharing segments.
+
+use storage_sharing::ssctl;
+
+const USAGE: &str = "usage: ssctl <command> [args]\ncommands:\n  ls   list segments in /dev/shm named like ours or PyTorch's\n  gc   remove those whose creator is dead and that nobody maps (--dry-run)";
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let code = match args.first().map(String::as_str) {
+        Some("ls") => ssctl::ls::run(&args[1..]),
+        Some("gc") => ssctl::gc::run(&args[1..]),
+        Some("-h" | "--help") => {
+            println!("{USAGE}");
+            0
+        }
+        _ => {
+            eprintln!("{USAGE}");
+            2
+        }
+    };
+    std::process::exit(code);
+}

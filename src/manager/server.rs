@@ -25,8 +25,6 @@ use std::time::Duration;
 
 /// Idle time after which a daemon with no clients exits (libshm's value).
 pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_millis(2000);
-/// Most bytes a client may leave unparsed; more is garbage, not a message.
-const MAX_PENDING: usize = 16 * ALLOC_INFO_SIZE;
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -215,9 +213,6 @@ impl Server {
             let mut rec = [0u8; ALLOC_INFO_SIZE];
             rec.copy_from_slice(&s.pending[..ALLOC_INFO_SIZE]);
             s.pending.drain(..ALLOC_INFO_SIZE);
-            if s.pending.len() > MAX_PENDING {
-                return Err(Error::new(ErrorKind::Protocol, "client sent more than it lets us answer"));
-            }
             let msg = AllocInfo::decode(&rec)?;
             validate_shm_name(&msg.filename).map_err(|e| Error::new(ErrorKind::Protocol, e.message().to_string()))?;
             if msg.free {

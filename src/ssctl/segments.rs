@@ -70,7 +70,7 @@ pub fn scan(prefix: &str) -> Vec<Segment> {
         });
     }
     let names: HashSet<String> = found.iter().map(|s| s.name.clone()).collect();
-    let used = names_in_use(&names, Some(std::process::id() as i32));
+    let used = names_in_use(&names, None);
     for s in &mut found {
         s.in_use = used.contains(&s.name);
     }

@@ -374,9 +374,13 @@ pub fn daemon_main() -> i32 {
             return 1;
         }
     }
-    // Nothing more goes to stdout: point it at /dev/null so the spawner's
-    // pipe is closed and a later print cannot SIGPIPE us.
-    redirect_stdout_to_null();
+    // Nothing more goes to stdout, nor to stderr unless logging: point them
+    // at /dev/null so the spawner's pipes close now (a caller capturing
+    // its output does not wait for us) and a later print cannot SIGPIPE us.
+    redirect_to_null(1);
+    if !server.log {
+        redirect_to_null(2);
+    }
     match server.run() {
         Ok(()) => 0,
         Err(e) => {
@@ -386,9 +390,9 @@ pub fn daemon_main() -> i32 {
     }
 }
 
-fn redirect_stdout_to_null() {
+fn redirect_to_null(target: libc::c_int) {
     if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
-        // SAFETY: dup2 onto fd 1, which we own as the process.
-        unsafe { libc::dup2(null.as_raw_fd(), 1) };
+        // SAFETY: dup2 onto a standard descriptor, which we own as the process.
+        unsafe { libc::dup2(null.as_raw_fd(), target) };
     }
 }

@@ -249,3 +249,32 @@ fn client_errors_are_specific() {
     assert!(matches!(e.kind(), ErrorKind::PeerGone), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn sigterm_cleans_up_what_nobody_uses() {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(manager_bin()).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let path = line.trim().to_string();
+    let (unused, used) = (new_process_wide_shm_handle(), new_process_wide_shm_handle());
+    let mut s = connect(&path);
+    register(&mut s, &unused);
+    register(&mut s, &used);
+    create_unmapped(&unused, 4096);
+    create_unmapped(&used, 4096);
+    let c = CString::new(used.clone()).unwrap();
+    // SAFETY: plain syscall; the descriptor keeps `used` in use.
+    let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDONLY, 0) };
+    assert!(fd >= 0);
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let st = child.wait().unwrap();
+    assert!(st.success(), "{st}");
+    assert!(!shm_exists(&unused));
+    assert!(shm_exists(&used), "a segment in use was removed");
+    assert!(!Path::new(&path).parent().unwrap().exists());
+    // SAFETY: closing what we opened.
+    unsafe { libc::close(fd) };
+    unlink(&used);
+}

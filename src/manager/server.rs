@@ -20,17 +20,10 @@ use std::io::{ErrorKind as IoKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// Idle time after which a daemon with no clients exits (libshm's value).
 pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_millis(2000);
-
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_stop_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
-}
 
 /// The socket folder, created with mkdtemp (mode 0700) under the first of
 /// TMPDIR, TMP, TEMP, TEMPDIR that is set, else /tmp.
@@ -111,20 +104,19 @@ impl Server {
 
     /// Serves until idle (or SIGTERM/SIGINT/SIGHUP), then cleans up.
     pub fn run(&mut self) -> Result<()> {
-        install_stop_handlers();
+        let stop = stop_signal_fd();
+        let stop_fd = stop.as_ref().map_or(-1, |f| f.as_raw_fd());
         loop {
-            if STOP.load(Ordering::SeqCst) {
-                self.note("stop signal");
-                break;
-            }
             let timeout = if self.sessions.is_empty() || !self.watch.is_empty() {
                 SHUTDOWN_TIMEOUT.as_millis() as libc::c_int
             } else {
                 -1
             };
             let ids: Vec<u64> = self.sessions.keys().copied().collect();
-            let mut fds = Vec::with_capacity(ids.len() + 1);
+            let mut fds = Vec::with_capacity(ids.len() + 2);
             fds.push(libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            // A negative fd is skipped by poll: no signalfd, no stop requests.
+            fds.push(libc::pollfd { fd: stop_fd, events: libc::POLLIN, revents: 0 });
             for id in &ids {
                 fds.push(libc::pollfd { fd: self.sessions[id].stream.as_raw_fd(), events: libc::POLLIN, revents: 0 });
             }
@@ -137,6 +129,10 @@ impl Server {
                 }
                 return Err(Error::from_errno(errno, "poll failed in the shared memory manager"));
             }
+            if fds[1].revents & libc::POLLIN != 0 {
+                self.note("stop signal");
+                break;
+            }
             if n == 0 {
                 self.recheck_watch();
                 if self.sessions.is_empty() && self.idle_cleanup() {
@@ -146,7 +142,7 @@ impl Server {
                 continue;
             }
             for (i, id) in ids.iter().enumerate() {
-                let rev = fds[i + 1].revents;
+                let rev = fds[i + 2].revents;
                 if rev & libc::POLLIN != 0 {
                     self.read_session(*id);
                 } else if rev & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
@@ -157,6 +153,9 @@ impl Server {
                 self.accept_all();
             }
         }
+        // Stopping: nobody will tell us about these clients any more, so
+        // everything tracked that no live process uses goes now.
+        self.sessions.clear();
         self.idle_cleanup();
         Ok(())
     }
@@ -339,19 +338,27 @@ fn peer_pid(stream: &UnixStream) -> i32 {
     }
 }
 
-fn install_stop_handlers() {
-    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
-        // SAFETY: the handler only stores to an atomic (async-signal-safe);
-        // no SA_RESTART, so poll() wakes up with EINTR.
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_stop_signal as *const () as usize;
-            libc::sigemptyset(&mut sa.sa_mask);
-            libc::sigaction(sig, &sa, std::ptr::null_mut());
+/// A signalfd that becomes readable on SIGTERM, SIGINT or SIGHUP (blocked
+/// for normal delivery), so a stop request is one more fd in the poll set
+/// and the daemon cleans up instead of dying. SIGPIPE is ignored: a write
+/// to a gone client is an error return.
+fn stop_signal_fd() -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: sigset operations on a local set; the daemon is single-threaded,
+    // so blocking with sigprocmask covers the whole process.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            libc::sigaddset(&mut set, sig);
         }
+        if libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
+            return None;
+        }
+        let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC | libc::SFD_NONBLOCK);
+        (fd >= 0).then(|| std::os::fd::OwnedFd::from_raw_fd(fd))
     }
-    // SAFETY: ignoring SIGPIPE: a write to a gone client is an error return.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
 }
 
 /// The daemon's main: what `ss_shm_manager` (and torch_shm_manager) do when

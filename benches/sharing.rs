@@ -32,13 +32,13 @@ fn main() {
     let quick = std::env::var_os("SS_BENCH_QUICK").is_some();
     let (small_n, big_n) = if quick { (300, 60) } else { (3000, 400) };
 
-    // Rounds interleave every kind of message, so load from other
-    // processes on the machine hits all rows alike.
-    const ROUNDS: usize = 10;
+    // Every kind of message is interleaved one by one (pipe, 4 KiB by fd,
+    // 4 KiB by name, now and then the 16 MiB ones), so each row sees the
+    // same load and the same CPU idle states: the pipe row is the floor
+    // for a message-and-ack under exactly these conditions.
     let mut kid = Kid::start();
     let small = Storage::new(4096).unwrap();
     let big = Storage::new(16 << 20).unwrap();
-    let mut kinds: Vec<(String, Vec<f64>)> = Vec::new();
     for s in [&small, &big] {
         s.write_at(0, &[1]).unwrap();
         s.write_at(s.nbytes() - 1, &[2]).unwrap();
@@ -51,28 +51,69 @@ fn main() {
     big.share_fd().unwrap();
     let names = ["1-byte pipe round trip", "4 KiB by fd (SCM_RIGHTS, map, ack)", "4 KiB by name (manager, map, ack)",
         "16 MiB by fd (SCM_RIGHTS, map, ack)", "16 MiB by name (manager, map, ack)"];
-    for n in names {
-        kinds.push((n.to_string(), Vec::new()));
-    }
-    for _ in 0..ROUNDS {
-        kinds[0].1.extend(kid.pipe_rtt(small_n * 2 / ROUNDS));
-        kinds[1].1.extend(kid.by_fd(&small, small_n / ROUNDS));
-        kinds[2].1.extend(kid.by_name(&small_named, small_n / ROUNDS));
-        kinds[3].1.extend(kid.by_fd(&big, big_n / ROUNDS));
-        kinds[4].1.extend(kid.by_name(&big_named, big_n / ROUNDS));
+    let mut kinds: Vec<(String, Vec<f64>)> = names.iter().map(|n| (n.to_string(), Vec::new())).collect();
+    let every = (small_n / big_n).max(1);
+    for i in 0..small_n + 20 {
+        let keep = i >= 20; // warm-up
+        let mut sample = |k: usize, f: &mut dyn FnMut(&mut Kid)| {
+            let t = Instant::now();
+            f(&mut kid);
+            if keep {
+                kinds[k].1.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        };
+        sample(0, &mut |k| k.pipe_rtt());
+        sample(1, &mut |k| k.by_fd(&small));
+        sample(2, &mut |k| k.by_name(&small_named));
+        if i % every == 0 {
+            sample(3, &mut |k| k.by_fd(&big));
+            sample(4, &mut |k| k.by_name(&big_named));
+        }
     }
     kid.stop();
     let rows: Vec<(String, Stats)> = kinds.into_iter().map(|(n, v)| (n, stats(v))).collect();
     let pipe = rows[0].1.clone();
     let opens = stats(open_by_name(if quick { 300 } else { 3000 }));
 
+    let torch_rows = torch_queue(if quick { 100 } else { 1000 }, if quick { 30 } else { 200 });
+
     let floor = pipe.median;
     println!("\nstorage sharing latency ({} CPUs; median / p90 per message, µs)", std::thread::available_parallelism().map_or(0, |n| n.get()));
-    println!("| {:<42} | {:>9} | {:>9} | {:>12} |", "what", "median", "p90", "x pipe RTT");
-    println!("|{:-<44}|{:->11}|{:->11}|{:->14}|", "", "", "", "");
-    for (what, st) in rows.iter().chain([("open by name + register + close (in-process)".to_string(), opens)].iter()) {
-        println!("| {:<42} | {:>9.1} | {:>9.1} | {:>12.2} |", what, st.median, st.p90, st.median / floor);
+    println!("| {:<44} | {:>9} | {:>9} | {:>12} |", "what", "median", "p90", "x pipe RTT");
+    println!("|{:-<46}|{:->11}|{:->11}|{:->14}|", "", "", "", "");
+    for (what, st) in rows.iter().chain([("open by name + register + close, in-process".to_string(), opens)].iter()) {
+        println!("| {:<44} | {:>9.1} | {:>9.1} | {:>12.2} |", what, st.median, st.p90, st.median / floor);
     }
+    if let Some(rows) = torch_rows {
+        let py_pipe = rows[0].1.median;
+        println!("\nPyTorch in the same run (x = over the Python pipe round trip)");
+        println!("| {:<44} | {:>9} | {:>9} | {:>12} |", "what", "median", "p90", "x py pipe");
+        println!("|{:-<46}|{:->11}|{:->11}|{:->14}|", "", "", "", "");
+        for (what, st) in &rows {
+            println!("| {:<44} | {:>9.1} | {:>9.1} | {:>12.2} |", what, st.median, st.p90, st.median / py_pipe);
+        }
+    }
+}
+
+/// Runs benches/torch_queue.py with SS_TEST_PYTHON (else python3) when
+/// torch imports there; None otherwise.
+fn torch_queue(n_small: usize, n_big: usize) -> Option<Vec<(String, Stats)>> {
+    let py = std::env::var("SS_TEST_PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/torch_queue.py");
+    let out = Command::new(&py).args([script, &n_small.to_string(), &n_big.to_string()]).output().ok()?;
+    if !out.status.success() {
+        println!("(PyTorch rows skipped: {py} could not run {script}; torch not installed?)");
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let rows = text
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split('\t').collect();
+            Some((f.first()?.to_string(), Stats { median: f.get(1)?.parse().ok()?, p90: f.get(2)?.parse().ok()? }))
+        })
+        .collect::<Vec<_>>();
+    (!rows.is_empty()).then_some(rows)
 }
 
 #[derive(Clone)]
@@ -146,35 +187,24 @@ impl Kid {
         assert_eq!(b[0], b'k');
     }
 
-    fn pipe_rtt(&mut self, n: usize) -> Vec<f64> {
-        self.sock.write_all(b"P").unwrap();
-        let st = time_each(n, || {
-            self.to_kid.write_all(b"x").unwrap();
-            let mut b = [0u8; 1];
-            self.from_kid.read_exact(&mut b).unwrap();
-        });
-        self.to_kid.write_all(b"q").unwrap();
-        self.ack();
-        st
+    fn pipe_rtt(&mut self) {
+        self.to_kid.write_all(b"x").unwrap();
+        let mut b = [0u8; 1];
+        self.from_kid.read_exact(&mut b).unwrap();
     }
 
-    fn by_fd(&mut self, s: &Storage, n: usize) -> Vec<f64> {
+    fn by_fd(&mut self, s: &Storage) {
         let (fd, nbytes) = s.share_fd().unwrap();
-        let msg = format!("F{nbytes:<20}");
-        time_each(n, || {
-            send_fds(self.sock.as_raw_fd(), msg.as_bytes(), &[fd]).unwrap();
-            self.ack();
-        })
+        send_fds(self.sock.as_raw_fd(), format!("F{nbytes:<20}").as_bytes(), &[fd]).unwrap();
+        self.ack();
     }
 
-    fn by_name(&mut self, s: &Storage, n: usize) -> Vec<f64> {
+    fn by_name(&mut self, s: &Storage) {
         let h = s.share_filename().unwrap();
+        s.shared_incref().unwrap();
         let msg = format!("N{:<255}", format!("{} {} {}", h.manager_handle, h.filename, h.nbytes));
-        time_each(n, || {
-            s.shared_incref().unwrap();
-            self.sock.write_all(msg.as_bytes()).unwrap();
-            self.ack();
-        })
+        self.sock.write_all(msg.as_bytes()).unwrap();
+        self.ack();
     }
 
     fn stop(mut self) {
@@ -196,21 +226,26 @@ fn child() {
     let mut to_parent = unsafe { std::fs::File::from_raw_fd(5) };
     let mut sink = 0u8;
     loop {
+        let mut fds = [
+            libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: from_parent.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: two valid pollfds.
+        if unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) } < 0 {
+            continue;
+        }
+        if fds[1].revents & libc::POLLIN != 0 {
+            let mut b = [0u8; 1];
+            from_parent.read_exact(&mut b).unwrap();
+            to_parent.write_all(&b).unwrap();
+            continue;
+        }
         let mut buf = [0u8; 256];
         let (n, fds) = recv_fds(sock.as_raw_fd(), &mut buf[..1], 1).unwrap();
         if n == 0 {
             return;
         }
         match buf[0] {
-            b'P' => loop {
-                let mut b = [0u8; 1];
-                from_parent.read_exact(&mut b).unwrap();
-                if b[0] == b'q' {
-                    sock.write_all(b"k").unwrap();
-                    break;
-                }
-                to_parent.write_all(&b).unwrap();
-            },
             b'F' => {
                 let mut len = [0u8; 20];
                 sock.read_exact(&mut len).unwrap();

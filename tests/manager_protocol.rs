@@ -228,25 +228,56 @@ fn client_errors_are_specific() {
     let e = c.register(&format!("/{}", "n".repeat(60))).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NameTooLong);
     assert!(e.message().contains("MapAllocatorContext_filename too long"), "{e}");
-    // A "manager" that accepts and never answers: a timeout.
-    let dir = std::env::temp_dir().join(format!("ss-silent-mgr-{}", std::process::id()));
+    // Fake managers: one that never answers, one that answers garbage,
+    // one that hangs up. Registrations are pipelined, so the failure shows
+    // at sync() or at the next call, and then sticks to the connection.
+    let dir = std::env::temp_dir().join(format!("ss-fake-mgr-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let sock = dir.join("m.sock");
     let _ = std::fs::remove_file(&sock);
     let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
-    let c = Client::connect_with_timeout(sock.to_str().unwrap(), Duration::from_millis(300)).unwrap();
-    let (conn, _) = listener.accept().unwrap();
-    let e = c.register("/torch_1_2_3").unwrap_err();
+    let sock = sock.to_str().unwrap().to_string();
+    let client = || {
+        let c = Client::connect_with_timeout(&sock, Duration::from_millis(300)).unwrap();
+        (c, listener.accept().unwrap().0)
+    };
+
+    let (silent, _conn) = client();
+    silent.register("/torch_1_2_3").unwrap();
+    let e = silent.sync().unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
-    assert!(e.message().contains("timed out"), "{e}");
-    // One that answers garbage, then one that hangs up.
-    let mut conn = conn;
+    assert!(e.message().contains("timed out") && e.message().contains(&sock), "{e}");
+    assert_eq!(silent.register("/torch_1_2_3").unwrap_err().kind(), ErrorKind::Timeout);
+    assert!(silent.is_broken());
+
+    let (patient, _conn) = client();
+    for _ in 0..storage_sharing::manager::client::MAX_OWED_REPLIES {
+        patient.register("/torch_1_2_3").unwrap();
+    }
+    assert_eq!(patient.register("/torch_1_2_3").unwrap_err().kind(), ErrorKind::Timeout);
+
+    let (garbled, mut conn) = client();
+    garbled.register("/torch_1_2_3").unwrap();
     conn.write_all(b"NO").unwrap();
-    let e = c.register("/torch_1_2_3").unwrap_err();
+    let e = garbled.sync().unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+    assert!(e.message().contains("didn't respond with an OK"), "{e}");
+
+    let (hung_up, conn) = client();
+    hung_up.register("/torch_1_2_3").unwrap();
     drop(conn);
-    let e = c.register("/torch_1_2_3").unwrap_err();
-    assert!(matches!(e.kind(), ErrorKind::PeerGone), "{e}");
+    let e = hung_up.sync().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::PeerGone, "{e}");
+
+    // A split "OK" is still one reply.
+    let (split, mut conn) = client();
+    split.register("/torch_1_2_3").unwrap();
+    split.register("/torch_1_2_4").unwrap();
+    conn.write_all(b"OKO").unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    split.register("/torch_1_2_5").unwrap();
+    conn.write_all(b"KOK").unwrap();
+    split.sync().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
 

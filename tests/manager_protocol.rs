@@ -309,3 +309,23 @@ fn sigterm_cleans_up_what_nobody_uses() {
     unsafe { libc::close(fd) };
     unlink(&used);
 }
+
+#[test]
+fn daemon_does_not_keep_the_spawners_descriptors() {
+    // A socketpair without close-on-exec, open while the daemon starts:
+    // the daemon must not hold our end's peer open.
+    let mut sv = [0i32; 2];
+    // SAFETY: socketpair fills sv.
+    assert_eq!(unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, sv.as_mut_ptr()) }, 0);
+    let path = start();
+    let mut s = connect(&path);
+    register(&mut s, &new_process_wide_shm_handle());
+    // SAFETY: closing our copy of the peer end; reading the other end.
+    unsafe { libc::close(sv[1]) };
+    let mut b = [0u8; 1];
+    // SAFETY: reading into a 1-byte buffer.
+    let n = unsafe { libc::recv(sv[0], b.as_mut_ptr().cast(), 1, libc::MSG_DONTWAIT) };
+    assert_eq!(n, 0, "the peer end is still open somewhere (the daemon?)");
+    // SAFETY: closing what we opened.
+    unsafe { libc::close(sv[0]) };
+}

@@ -368,6 +368,7 @@ pub fn daemon_main() -> i32 {
     // Leave the spawner's session so its terminal signals do not reach us.
     // SAFETY: setsid has no memory effects; failure (already a leader) is fine.
     unsafe { libc::setsid() };
+    close_inherited_fds();
     let mut server = match Server::bind() {
         Ok(s) => s,
         Err(e) => {
@@ -394,6 +395,25 @@ pub fn daemon_main() -> i32 {
             eprintln!("ss_shm_manager: {e}");
             1
         }
+    }
+}
+
+/// Closes every descriptor above stderr that the spawner leaked to us
+/// (anything it did not mark close-on-exec): holding, say, one end of its
+/// socketpair would keep its peer from ever seeing EOF.
+fn close_inherited_fds() {
+    // SAFETY: close_range only closes descriptors; nothing else is open yet.
+    let rc = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) };
+    if rc == 0 {
+        return;
+    }
+    // Kernels before 5.9: walk /proc/self/fd instead.
+    let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default();
+    for fd in fds.into_iter().filter(|fd| *fd > 2) {
+        // SAFETY: as above; the directory's own fd may already be gone (EBADF).
+        unsafe { libc::close(fd) };
     }
 }
 

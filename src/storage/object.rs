@@ -172,6 +172,13 @@ impl Storage {
     }
 }
 
+// Storages are shared between threads (the C API promises it).
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<Storage>();
+    send_sync::<WeakStorage>();
+};
+
 impl WeakStorage {
     /// A strong reference if the storage is still alive.
     pub fn upgrade(&self) -> Option<Storage> {

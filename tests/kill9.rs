@@ -72,13 +72,15 @@ fn producer_killed_at_each_step() {
         let pid = peer.pid();
         let manager = peer.recv().split(' ').nth(1).unwrap().to_string();
         let mut name = String::new();
-        while stop != "connected" {
-            let line = peer.recv();
-            if let Some(n) = line.strip_prefix("registered ") {
-                name = n.to_string();
-            }
-            if line.starts_with(stop) {
-                break;
+        if stop != "connected" {
+            loop {
+                let line = peer.recv();
+                if let Some(n) = line.strip_prefix("registered ") {
+                    name = n.to_string();
+                }
+                if line.starts_with(stop) {
+                    break;
+                }
             }
         }
         if stop == "mapped" || stop == "incref" {
@@ -97,14 +99,9 @@ fn producer(parent: &mut Parent) {
     s.shared_incref().unwrap();
     parent.send(&format!("{} {} {}", h.manager_handle, h.filename, h.nbytes));
     let mut s = Some(s);
-    loop {
-        match parent.recv().as_str() {
-            "drop" => {
-                s = None;
-                parent.send("dropped");
-            }
-            _ => break,
-        }
+    while parent.recv() == "drop" {
+        s = None;
+        parent.send("dropped");
     }
     drop(s);
 }

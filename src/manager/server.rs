@@ -176,8 +176,10 @@ impl Server {
                 Err(e) if e.kind() == IoKind::WouldBlock => return,
                 Err(e) if e.kind() == IoKind::Interrupted => {}
                 Err(e) => {
-                    // EMFILE and the like: keep serving those we have.
+                    // EMFILE and the like: keep serving those we have. The
+                    // pause keeps a still-readable listener from spinning poll.
                     self.note(format!("accept failed: {e}"));
+                    std::thread::sleep(Duration::from_millis(10));
                     return;
                 }
             }
@@ -369,6 +371,7 @@ pub fn daemon_main() -> i32 {
     // SAFETY: setsid has no memory effects; failure (already a leader) is fine.
     unsafe { libc::setsid() };
     close_inherited_fds();
+    raise_fd_limit();
     let mut server = match Server::bind() {
         Ok(s) => s,
         Err(e) => {
@@ -414,6 +417,18 @@ fn close_inherited_fds() {
     for fd in fds.into_iter().filter(|fd| *fd > 2) {
         // SAFETY: as above; the directory's own fd may already be gone (EBADF).
         unsafe { libc::close(fd) };
+    }
+}
+
+/// One descriptor per client: take the whole hard limit.
+fn raise_fd_limit() {
+    // SAFETY: rlimit is plain data; get/setrlimit only touch our limits.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
     }
 }
 

@@ -158,6 +158,25 @@ typedef enum {
  */
 typedef struct ss_map ss_map;
 
+/**
+ * A strong reference to a storage: a byte buffer that can be moved into
+ * shared memory and opened by other processes. Each handle is one
+ * reference; `ss_storage_free` drops it and the bytes go with the last.
+ *
+ * Thread safety: a `const ss_storage*` may be used from several threads
+ * at once, including the sharing calls (they lock internally).
+ * `ss_storage_share_fd` and `ss_storage_share_filename` move a heap
+ * storage's bytes: data pointers taken before then are invalid after.
+ */
+typedef struct ss_storage ss_storage;
+
+/**
+ * A weak reference to a storage: does not keep its bytes alive.
+ *
+ * Thread safety: a `const ss_weak*` may be used from several threads.
+ */
+typedef struct ss_weak ss_weak;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -179,6 +198,48 @@ const char *ss_status_str(int code);
  * The library's version, "MAJOR.MINOR.PATCH".
  */
 const char *ss_version(void);
+
+/**
+ * Sends `len` payload bytes (at least 1) and `nfds` descriptors (at most
+ * 253; may be 0 with `fds` NULL) over the connected Unix socket `sock`.
+ * All payload bytes are sent; the descriptors travel with the first ones
+ * and stay open in the sender.
+ */
+ss_status ss_send_fds(int sock, const void *payload, size_t len, const int *fds, size_t nfds);
+
+/**
+ * Receives one message: up to `len` payload bytes into `buf` (their
+ * number in `*out_len`, 0 when the peer closed) and up to `max_fds`
+ * descriptors into `fds` (their number in `*out_nfds`; close-on-exec,
+ * owned by the caller). If the kernel dropped descriptors because this
+ * process is at its open-file limit, the call fails with
+ * `SS_ERR_TOO_MANY_FILES` (PyTorch loses them silently); more descriptors
+ * than `max_fds` give `SS_ERR_BUFFER_TOO_SMALL`. On failure no
+ * descriptor is left open.
+ */
+ss_status ss_recv_fds(int sock,
+                      void *buf,
+                      size_t len,
+                      size_t *out_len,
+                      int *fds,
+                      size_t max_fds,
+                      size_t *out_nfds);
+
+/**
+ * Uses the daemon binary at `path` when a manager must be started
+ * (libshm's `libshm_init`). Without this call the library looks at the
+ * environment variable `SS_SHM_MANAGER`, then for `ss_shm_manager` beside
+ * the shared library (and in `../bin` from it), then on `PATH`.
+ */
+ss_status ss_shm_manager_set_binary(const char *path);
+
+/**
+ * Starts a new manager daemon (it exits by itself after 2 s without
+ * clients) and writes its socket path, NUL-terminated, into `buf` of
+ * `len` bytes (108 always suffice). Connect to it by passing the path as
+ * the manager handle of `ss_storage_new_shared_filename`.
+ */
+ss_status ss_shm_manager_spawn(char *buf, size_t len);
 
 /**
  * Opens `name` with `flags` and maps `size` bytes, as ATen's
@@ -274,6 +335,143 @@ void ss_map_free(ss_map *map);
  * NULL: ATen's `fromDataPtr`. The handle is borrowed, not owned.
  */
 ss_map *ss_map_from_data(const void *ptr);
+
+/**
+ * A new resizable storage of `nbytes` zero bytes on the heap (64-byte
+ * aligned). `nbytes` may be 0 (data is then NULL).
+ */
+ss_status ss_storage_new(size_t nbytes, ss_storage **out);
+
+/**
+ * A second strong reference to the same storage (free both).
+ */
+ss_status ss_storage_ref(const ss_storage *s, ss_storage **out);
+
+/**
+ * Start of the bytes; NULL for NULL or an empty storage. Changes when a
+ * heap storage is moved into shared memory.
+ */
+void *ss_storage_data(const ss_storage *s);
+
+/**
+ * Size in bytes; 0 for NULL.
+ */
+size_t ss_storage_nbytes(const ss_storage *s);
+
+/**
+ * Whether the bytes are in shared memory (fd-backed or managed); false
+ * for NULL.
+ */
+bool ss_storage_is_shared(const ss_storage *s);
+
+/**
+ * Resizes a heap storage (prefix kept, the rest zero). A shared storage
+ * is not resizable: `SS_ERR_UNSUPPORTED`.
+ */
+ss_status ss_storage_resize(const ss_storage *s, size_t nbytes);
+
+/**
+ * Moves the storage into an fd-backed shared segment (a copy, unless it
+ * is fd-backed already) and returns its descriptor and size. The fd
+ * stays owned by the storage: send it (`ss_send_fds`) or dup it, never
+ * close it. A 0-byte storage cannot be shared: `SS_ERR_INVALID_ARGUMENT`.
+ */
+ss_status ss_storage_share_fd(const ss_storage *s, int *out_fd, size_t *out_nbytes);
+
+/**
+ * Opens a storage shared by fd: maps `nbytes` of a duplicate of `fd`
+ * (ATen flags 58). The caller keeps `fd` and closes it when done.
+ */
+ss_status ss_storage_new_shared_fd(int fd, size_t nbytes, ss_storage **out);
+
+/**
+ * A new fd-backed shared storage of `nbytes` zero bytes (ATen flags 86).
+ */
+ss_status ss_storage_new_using_fd(size_t nbytes, ss_storage **out);
+
+/**
+ * The descriptor of an fd-backed storage (owned by it);
+ * `SS_ERR_NOT_FOUND` for other storages.
+ */
+ss_status ss_storage_get_shared_fd(const ss_storage *s, int *out_fd);
+
+/**
+ * Moves the storage into a managed refcounted segment (a copy, unless it
+ * is one already; registered with this process's manager, which is
+ * started on first use) and writes the manager's socket path and the
+ * segment name, NUL-terminated, into the two buffers, and the size into
+ * `out_nbytes`. These three values are what `ss_storage_new_shared_filename`
+ * takes in another process. Buffers of 108 and 64 bytes always suffice;
+ * a smaller one gives `SS_ERR_BUFFER_TOO_SMALL` (the storage is shared
+ * anyway; call again with room).
+ */
+ss_status ss_storage_share_filename(const ss_storage *s,
+                                    char *manager_buf,
+                                    size_t manager_len,
+                                    char *name_buf,
+                                    size_t name_len,
+                                    size_t *out_nbytes);
+
+/**
+ * Opens a storage shared by name: registers with the manager at
+ * `manager` (its socket path; "" = this process's own manager), then maps
+ * the segment `name` of `nbytes` bytes (ATen flags 10; header count + 1).
+ * A segment that is gone gives `SS_ERR_NOT_FOUND`; an unreachable manager
+ * `SS_ERR_NOT_FOUND`/`SS_ERR_PEER_GONE`/`SS_ERR_TIMEOUT`.
+ */
+ss_status ss_storage_new_shared_filename(const char *manager,
+                                         const char *name,
+                                         size_t nbytes,
+                                         ss_storage **out);
+
+/**
+ * A new managed shared storage of `nbytes` zero bytes (ATen flags 6).
+ */
+ss_status ss_storage_new_using_filename(size_t nbytes, ss_storage **out);
+
+/**
+ * Adds one to a storage shared by name's header count: the sender's
+ * reference "in flight", taken before the handle is sent.
+ * `SS_ERR_UNSUPPORTED` for storages not shared by name.
+ */
+ss_status ss_storage_shared_incref(const ss_storage *s);
+
+/**
+ * Subtracts one from the header count: the receiver cancels the sender's
+ * in-flight reference after opening. The name is never removed here.
+ */
+ss_status ss_storage_shared_decref(const ss_storage *s);
+
+/**
+ * Reads the header count of a storage shared by name.
+ */
+ss_status ss_storage_shared_refcount(const ss_storage *s, int32_t *out);
+
+/**
+ * Drops this strong reference. NULL is a no-op.
+ */
+void ss_storage_free(ss_storage *s);
+
+/**
+ * A weak reference to `s` (free it with `ss_weak_free`).
+ */
+ss_status ss_storage_weak_ref(const ss_storage *s, ss_weak **out);
+
+/**
+ * A new strong reference if the storage is still alive;
+ * `SS_ERR_NOT_FOUND` once every strong reference is gone.
+ */
+ss_status ss_weak_upgrade(const ss_weak *w, ss_storage **out);
+
+/**
+ * Whether no strong reference is left (true for NULL).
+ */
+bool ss_weak_expired(const ss_weak *w);
+
+/**
+ * Frees a weak reference. NULL is a no-op.
+ */
+void ss_weak_free(ss_weak *w);
 
 /**
  * Writes a fresh process-wide segment name (`/torch_<pid>_<rand>_<n>`,

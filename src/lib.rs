@@ -7,6 +7,9 @@
 
 pub mod error;
 pub mod ffi;
+pub mod manager;
 pub mod shm;
+pub mod ssctl;
+pub mod storage;
 
 pub use error::{Error, ErrorKind, Result};

@@ -7,8 +7,11 @@
 pub mod guard;
 pub mod args;
 pub mod errors;
+pub mod fd_passing;
+pub mod manager;
 pub mod map;
 pub mod status;
+pub mod storage;
 pub mod storage_utils;
 
 pub use status::ss_status;

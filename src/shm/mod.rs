@@ -1,6 +1,7 @@
 //! Shared-memory allocators with ATen's names, flags and layouts.
 
 pub mod flags;
+pub mod managed;
 pub mod map;
 pub mod names;
 pub mod refcounted;
@@ -8,6 +9,7 @@ pub mod registry;
 pub mod reserve;
 pub mod storage_utils;
 
+pub use managed::ManagedMapAllocator;
 pub use map::MapAllocator;
 pub use names::new_process_wide_shm_handle;
 pub use refcounted::{RefcountedMapAllocator, HEADER_SIZE};

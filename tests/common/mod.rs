@@ -1,10 +1,16 @@
-//! Helpers shared by the multi-process integration tests: each test binary
-//! re-runs itself as a child through an ignored `child_role` test that
-//! reads its job from the environment.
+//! Helpers shared by the multi-process integration tests. Two ways to run
+//! this test binary again as a child: `child_command` (an ignored
+//! `child_role` test reads its job from the environment, output captured)
+//! and `Peer::spawn` (a role that talks to the parent over a Unix socket).
 
 #![allow(dead_code)]
 
-use std::process::{Command, Output};
+use std::process::Output;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 pub const ROLE_VAR: &str = "SS_TEST_CHILD_ROLE";
 
@@ -39,7 +45,7 @@ pub fn run_ok(mut cmd: Command) -> Output {
 }
 
 pub fn shm_exists(name: &str) -> bool {
-    std::path::Path::new(&format!("/dev/shm{name}")).exists()
+    std::fs::symlink_metadata(format!("/dev/shm{name}")).is_ok()
 }
 
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -63,3 +69,149 @@ pub fn torch_available(test: &str) -> bool {
     }
     ok
 }
+
+pub const ROLE_ENV: &str = "SS_TEST_ROLE";
+pub const SOCK_ENV: &str = "SS_TEST_SOCK";
+pub const ARG_ENV: &str = "SS_TEST_ARG";
+
+/// Points the library at the daemon cargo built for these tests.
+pub fn use_built_manager() {
+    std::env::set_var("SS_SHM_MANAGER", env!("CARGO_BIN_EXE_ss_shm_manager"));
+}
+
+pub fn manager_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_ss_shm_manager"))
+}
+
+/// Polls `cond` every 20 ms for up to `limit`; true once it held.
+pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() > end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A child process of this test binary in `role`, connected back to us.
+pub struct Peer {
+    pub child: Child,
+    pub stream: UnixStream,
+    reader: BufReader<UnixStream>,
+    dir: PathBuf,
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("ss-test-{}-{tag}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+impl Peer {
+    /// Starts `role` in a child (the test fn `entry` of this binary must
+    /// call [`child_main`]) with `arg`, and accepts its connection.
+    pub fn spawn(entry: &str, role: &str, arg: &str) -> Peer {
+        let dir = temp_dir(role);
+        let sock = dir.join("s");
+        let listener = UnixListener::bind(&sock).unwrap();
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", entry, "--nocapture", "--test-threads=1", "-q"])
+            .env(ROLE_ENV, role)
+            .env(SOCK_ENV, &sock)
+            .env(ARG_ENV, arg)
+            .env("SS_SHM_MANAGER", env!("CARGO_BIN_EXE_ss_shm_manager"))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let end = Instant::now() + Duration::from_secs(30);
+        let stream = loop {
+            match listener.accept() {
+                Ok((s, _)) => break s,
+                Err(_) if Instant::now() < end => std::thread::sleep(Duration::from_millis(5)),
+                Err(e) => panic!("child {role} never connected: {e}"),
+            }
+        };
+        stream.set_nonblocking(false).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let reader = BufReader::new(stream.try_clone().unwrap());
+        Peer { child, stream, reader, dir }
+    }
+
+    pub fn send(&mut self, line: &str) {
+        self.stream.write_all(format!("{line}\n").as_bytes()).unwrap();
+    }
+
+    pub fn recv(&mut self) -> String {
+        let mut line = String::new();
+        self.reader.read_line(&mut line).unwrap();
+        assert!(line.ends_with('\n'), "child closed the connection early (got {line:?})");
+        line.trim_end().to_string()
+    }
+
+    /// Kills the child with SIGKILL and reaps it.
+    pub fn kill9(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// Waits for the child to exit and asserts success.
+    pub fn finish(mut self) {
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "child failed: {status}");
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The child's side: its connection to the parent and its argument.
+pub struct Parent {
+    pub stream: UnixStream,
+    reader: BufReader<UnixStream>,
+    pub arg: String,
+}
+
+impl Parent {
+    pub fn send(&mut self, line: &str) {
+        self.stream.write_all(format!("{line}\n").as_bytes()).unwrap();
+    }
+
+    pub fn recv(&mut self) -> String {
+        let mut line = String::new();
+        self.reader.read_line(&mut line).unwrap();
+        line.trim_end().to_string()
+    }
+
+    /// Blocks until the parent closes the connection (or kills us).
+    pub fn wait_for_close(&mut self) {
+        let mut sink = Vec::new();
+        let _ = self.reader.read_to_end(&mut sink);
+    }
+}
+
+/// If this process is a child started by [`Peer::spawn`], runs its role
+/// with `run` and exits; otherwise returns at once.
+pub fn child_main(run: impl FnOnce(&str, Parent)) {
+    let Ok(role) = std::env::var(ROLE_ENV) else { return };
+    let sock = std::env::var(SOCK_ENV).unwrap();
+    let stream = UnixStream::connect(sock).unwrap();
+    let reader = BufReader::new(stream.try_clone().unwrap());
+    let arg = std::env::var(ARG_ENV).unwrap_or_default();
+    run(&role, Parent { stream, reader, arg });
+    std::process::exit(0);
+}
+

@@ -2,17 +2,25 @@
 
 mod demo;
 
-fn usage() -> ! {
-    eprintln!("usage: ssctl <command>\n\ncommands:\n  demo [MiB]   share a buffer with a second process and show what happened and how fast");
-    std::process::exit(2);
-}
+use storage_sharing::ssctl;
+
+const USAGE: &str = "usage: ssctl <command> [args]\ncommands:\n  demo [MiB]  share a buffer with a second process and show what happened and how fast\n  ls          list segments in /dev/shm named like ours or PyTorch's\n  gc          remove those whose creator is dead and that nobody maps (--dry-run)";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let code = match args.first().map(String::as_str) {
         Some("demo") => demo::run(&args[1..]),
         Some(demo::CHILD_COMMAND) => demo::child(&args[1..]),
-        _ => usage(),
+        Some("ls") => ssctl::ls::run(&args[1..]),
+        Some("gc") => ssctl::gc::run(&args[1..]),
+        Some("-h" | "--help") => {
+            println!("{USAGE}");
+            0
+        }
+        _ => {
+            eprintln!("{USAGE}");
+            2
+        }
     };
     std::process::exit(code);
 }

@@ -1,0 +1,284 @@
+//! The managed allocator's side of libshm: one connection per manager
+//! socket per process, registrations answered by `OK`, frees that are not.
+//!
+//! Registrations are pipelined: `register` sends the record and returns;
+//! the `OK` is collected at the start of the next call on the connection
+//! (or by [`Client::sync`]), and at most [`MAX_OWED_REPLIES`] may be
+//! outstanding before a call waits. The guarantee libshm wants from
+//! "register before mapping" still holds: the record is in the manager's
+//! socket before we map, and the manager reads it even if we die right
+//! after (a dead sender's queued bytes stay readable). A manager that is
+//! gone fails the send at once; one that answers anything but `OK`, or
+//! does not answer within the time-out once replies are awaited, breaks
+//! the connection with a `Protocol` or `Timeout` error, and the next use
+//! reconnects. This saves one round trip to the manager per open.
+//!
+//! Unlike libshm, a connection inherited across fork() is not reused by the
+//! child (replies would go to whichever process reads first): each process
+//! opens its own.
+
+use super::protocol::{AllocInfo, ALLOC_INFO_SIZE, OK_REPLY};
+use super::spawn;
+use crate::error::{Error, ErrorKind, Result};
+use once_cell::sync::Lazy;
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a call waits for the manager's `OK` once it must.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+/// Registrations that may await their `OK` before `register` waits.
+pub const MAX_OWED_REPLIES: usize = 64;
+
+#[derive(Debug)]
+struct Conn {
+    stream: UnixStream,
+    /// Registrations whose `OK` has not been read yet.
+    owed: usize,
+    /// Bytes of a reply read so far (a reply may arrive split).
+    partial: Vec<u8>,
+    /// Set once the connection broke; every later call fails with it.
+    broken: Option<Error>,
+}
+
+/// A connection to one manager.
+#[derive(Debug)]
+pub struct Client {
+    path: String,
+    pid: u32,
+    conn: Mutex<Conn>,
+    timeout: Duration,
+}
+
+impl Client {
+    /// Connects to the manager listening at `path`.
+    pub fn connect(path: &str) -> Result<Self> {
+        Self::connect_with_timeout(path, REPLY_TIMEOUT)
+    }
+
+    pub fn connect_with_timeout(path: &str, timeout: Duration) -> Result<Self> {
+        if path.is_empty() {
+            return Err(Error::new(ErrorKind::InvalidArgument, "empty shared memory manager handle"));
+        }
+        // sun_path holds 108 bytes with the NUL.
+        if path.len() >= 108 {
+            return Err(Error::new(
+                ErrorKind::NameTooLong,
+                format!("shared memory manager socket path <{path}> has {} bytes, at most 107 fit", path.len()),
+            ));
+        }
+        let stream = UnixStream::connect(path).map_err(|e| {
+            Error::from_errno(
+                e.raw_os_error().unwrap_or(libc::EIO),
+                format!("could not connect to the shared memory manager at <{path}>"),
+            )
+        })?;
+        let conn = Conn { stream, owed: 0, partial: Vec::new(), broken: None };
+        Ok(Client { path: path.to_string(), pid: std::process::id(), conn: Mutex::new(conn), timeout })
+    }
+
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Conn> {
+        // Every update under the lock leaves Conn consistent (no user code
+        // runs there), so a poisoned lock still holds valid data.
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the connection broke (a later `client_for` reconnects).
+    pub fn is_broken(&self) -> bool {
+        self.conn().broken.is_some()
+    }
+
+    /// Tells the manager this process maps (or is about to map) `filename`.
+    /// The `OK` is checked later (see the module comment); call
+    /// [`Client::sync`] to wait for it now.
+    pub fn register(&self, filename: &str) -> Result<()> {
+        let msg = AllocInfo::new(std::process::id() as i32, false, filename)?.encode();
+        let mut c = self.conn();
+        self.collect(&mut c, MAX_OWED_REPLIES - 1)?;
+        self.send(&mut c, &msg)?;
+        c.owed += 1;
+        Ok(())
+    }
+
+    /// Tells the manager this process unmapped `filename`; no reply comes.
+    pub fn free(&self, filename: &str) -> Result<()> {
+        let msg = AllocInfo::new(std::process::id() as i32, true, filename)?.encode();
+        let mut c = self.conn();
+        self.collect(&mut c, usize::MAX)?;
+        self.send(&mut c, &msg)
+    }
+
+    /// Waits until every registration sent so far has its `OK`.
+    pub fn sync(&self) -> Result<()> {
+        let mut c = self.conn();
+        self.collect(&mut c, 0)
+    }
+
+    /// Reads the replies that are there, and waits (up to the time-out)
+    /// until at most `max_owed` are outstanding.
+    fn collect(&self, c: &mut Conn, max_owed: usize) -> Result<()> {
+        if let Some(e) = &c.broken {
+            return Err(e.clone());
+        }
+        let deadline = Instant::now() + self.timeout;
+        while c.owed > 0 {
+            let must_wait = c.owed > max_owed;
+            match self.read_replies(c, must_wait, deadline) {
+                Ok(0) if !must_wait => return Ok(()),
+                Ok(_) => {}
+                Err(e) => {
+                    c.broken = Some(e.clone());
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One read of replies; returns how many `OK`s it consumed.
+    fn read_replies(&self, c: &mut Conn, wait: bool, deadline: Instant) -> Result<usize> {
+        let fd = c.stream.as_raw_fd();
+        if wait {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd.
+            let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as libc::c_int) };
+            if n == 0 {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("Shared memory manager connection has timed out (manager <{}>, {} ms)", self.path, self.timeout.as_millis()),
+                ));
+            }
+            if n < 0 {
+                let errno = crate::error::errno();
+                return if errno == libc::EINTR { Ok(0) } else { Err(Error::from_errno(errno, self.what())) };
+            }
+        }
+        let mut buf = [0u8; 2 * MAX_OWED_REPLIES];
+        let want = (2 * c.owed - c.partial.len()).min(buf.len());
+        // SAFETY: reading at most `want` bytes into our buffer.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), want, libc::MSG_DONTWAIT) };
+        if n < 0 {
+            let errno = crate::error::errno();
+            return match errno {
+                libc::EAGAIN | libc::EINTR => Ok(0),
+                _ => Err(Error::from_errno(errno, self.what())),
+            };
+        }
+        if n == 0 {
+            return Err(Error::new(
+                ErrorKind::PeerGone,
+                format!("Other end has closed the connection (shared memory manager <{}>)", self.path),
+            ));
+        }
+        c.partial.extend_from_slice(&buf[..n as usize]);
+        let mut got = 0;
+        while c.partial.len() >= 2 {
+            if &c.partial[..2] != OK_REPLY {
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!("Shared memory manager didn't respond with an OK (manager <{}>, got {:?})", self.path, &c.partial[..2]),
+                ));
+            }
+            c.partial.drain(..2);
+            c.owed -= 1;
+            got += 1;
+        }
+        Ok(got)
+    }
+
+    fn what(&self) -> String {
+        format!("shared memory manager <{}>", self.path)
+    }
+
+    fn send(&self, c: &mut Conn, msg: &[u8; ALLOC_INFO_SIZE]) -> Result<()> {
+        // MSG_NOSIGNAL: a dead manager must be an error, not SIGPIPE.
+        let mut sent = 0;
+        while sent < msg.len() {
+            // SAFETY: the buffer range is valid for reading.
+            let n = unsafe {
+                libc::send(c.stream.as_raw_fd(), msg[sent..].as_ptr().cast(), msg.len() - sent, libc::MSG_NOSIGNAL)
+            };
+            if n < 0 {
+                let errno = crate::error::errno();
+                if errno == libc::EINTR {
+                    continue;
+                }
+                let e = Error::from_errno(errno, format!("could not send to the shared memory manager at <{}>", self.path));
+                c.broken = Some(e.clone());
+                return Err(e);
+            }
+            sent += n as usize;
+        }
+        Ok(())
+    }
+}
+
+struct Connections {
+    by_path: HashMap<String, Arc<Client>>,
+    /// The manager this process spawned (or adopted) for handle-less use.
+    default: Option<String>,
+}
+
+static CONNECTIONS: Lazy<Mutex<Connections>> =
+    Lazy::new(|| Mutex::new(Connections { by_path: HashMap::new(), default: None }));
+
+fn connections() -> std::sync::MutexGuard<'static, Connections> {
+    CONNECTIONS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// This process's connection to the manager at `path`, opened on first use.
+pub fn client_for(path: &str) -> Result<Arc<Client>> {
+    let me = std::process::id();
+    let mut c = connections();
+    if let Some(client) = c.by_path.get(path) {
+        if client.pid == me && !client.is_broken() {
+            return Ok(client.clone());
+        }
+    }
+    let client = Arc::new(Client::connect(path)?);
+    c.by_path.insert(path.to_string(), client.clone());
+    Ok(client)
+}
+
+/// The connection used when no handle is given: an existing one of this
+/// process (as libshm), else a manager spawned now.
+pub fn default_client() -> Result<Arc<Client>> {
+    let me = std::process::id();
+    let path = {
+        let c = connections();
+        c.default.clone().or_else(|| c.by_path.values().find(|cl| cl.pid == me).map(|cl| cl.path.clone()))
+    };
+    if let Some(path) = path {
+        // A forked child reconnects to the same manager by path.
+        if let Ok(client) = client_for(&path) {
+            connections().default = Some(path);
+            return Ok(client);
+        }
+    }
+    let path = spawn::spawn_manager()?;
+    let client = client_for(&path)?;
+    connections().default = Some(path);
+    Ok(client)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_handles() {
+        assert_eq!(Client::connect("").unwrap_err().kind(), ErrorKind::InvalidArgument);
+        let long = format!("/tmp/{}", "x".repeat(120));
+        assert_eq!(Client::connect(&long).unwrap_err().kind(), ErrorKind::NameTooLong);
+        let e = Client::connect("/nonexistent-dir/manager.sock").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotFound);
+        assert!(e.message().contains("/nonexistent-dir/manager.sock"), "{e}");
+    }
+}

@@ -1,0 +1,440 @@
+//! The manager daemon: libshm's protocol on a Unix socket in a private 0700
+//! folder, and cleanup that does not wait for every client to go.
+//!
+//! A client that closes its connection while it still has registered
+//! segments (it was killed, or it broke the protocol) has *abandoned*
+//! them. An abandoned segment is removed as soon as no connected client
+//! holds it and no live process maps or holds it open (see
+//! [`segment_users`]); until then it is re-checked every 2 s. Segments
+//! freed cleanly are left to their holders' reference count, as libshm
+//! does. With no clients, every tracked segment no one uses is removed, and
+//! the daemon exits after 2 s idle once nothing it tracks is still in use.
+
+use super::protocol::{AllocInfo, ALLOC_INFO_SIZE, OK_REPLY};
+use super::segment_users::{names_in_use, shm_path};
+use crate::error::{Error, ErrorKind, Result};
+use crate::shm::names::validate_shm_name;
+use std::collections::{HashMap, HashSet};
+use std::ffi::CString;
+use std::io::{ErrorKind as IoKind, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Idle time after which a daemon with no clients exits (libshm's value).
+pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_millis(2000);
+
+/// The socket folder, created with mkdtemp (mode 0700) under the first of
+/// TMPDIR, TMP, TEMP, TEMPDIR that is set, else /tmp.
+pub fn make_socket_dir() -> Result<PathBuf> {
+    let base = ["TMPDIR", "TMP", "TEMP", "TEMPDIR"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
+        .unwrap_or_else(|| "/tmp".to_string());
+    let template = CString::new(format!("{}/torch-shm-dir-XXXXXX", base.trim_end_matches('/')))
+        .map_err(|_| Error::new(ErrorKind::InvalidArgument, "temporary folder path contains NUL"))?;
+    let mut raw = template.into_bytes_with_nul();
+    // SAFETY: raw is a writable NUL-terminated template.
+    if unsafe { libc::mkdtemp(raw.as_mut_ptr().cast()) }.is_null() {
+        return Err(Error::last_os_error(format!("could not create a folder under <{base}>")));
+    }
+    raw.pop();
+    Ok(PathBuf::from(String::from_utf8_lossy(&raw).into_owned()))
+}
+
+struct Session {
+    stream: UnixStream,
+    peer_pid: i32,
+    pending: Vec<u8>,
+    /// Registrations not yet freed, per name.
+    held: HashMap<String, u32>,
+}
+
+/// The daemon's state: listening socket, sessions, and what it tracks.
+pub struct Server {
+    dir: PathBuf,
+    socket: PathBuf,
+    listener: UnixListener,
+    sessions: HashMap<u64, Session>,
+    next_id: u64,
+    /// Every name registered and not known to be gone.
+    tracked: HashSet<String>,
+    /// Abandoned names still in use somewhere: re-checked on each tick.
+    watch: HashSet<String>,
+    log: bool,
+}
+
+impl Server {
+    /// Creates the folder and binds `<dir>/manager.sock`.
+    pub fn bind() -> Result<Self> {
+        let dir = make_socket_dir()?;
+        let socket = dir.join("manager.sock");
+        let listener = match UnixListener::bind(&socket) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = std::fs::remove_dir(&dir);
+                return Err(Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not bind <{}>", socket.display())));
+            }
+        };
+        listener.set_nonblocking(true).map_err(|e| Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), "set_nonblocking"))?;
+        // std listens with a backlog of 128 (libshm: 10): many clients may
+        // connect at once.
+        Ok(Server {
+            dir,
+            socket,
+            listener,
+            sessions: HashMap::new(),
+            next_id: 0,
+            tracked: HashSet::new(),
+            watch: HashSet::new(),
+            log: std::env::var_os("SS_SHM_MANAGER_LOG").is_some_and(|v| v != "0"),
+        })
+    }
+
+    pub fn socket_path(&self) -> &std::path::Path {
+        &self.socket
+    }
+
+    fn note(&self, text: impl AsRef<str>) {
+        if self.log {
+            eprintln!("ss_shm_manager[{}]: {}", std::process::id(), text.as_ref());
+        }
+    }
+
+    /// Serves until idle (or SIGTERM/SIGINT/SIGHUP), then cleans up.
+    pub fn run(&mut self) -> Result<()> {
+        let stop = stop_signal_fd();
+        let stop_fd = stop.as_ref().map_or(-1, |f| f.as_raw_fd());
+        loop {
+            let timeout = if self.sessions.is_empty() || !self.watch.is_empty() {
+                SHUTDOWN_TIMEOUT.as_millis() as libc::c_int
+            } else {
+                -1
+            };
+            let ids: Vec<u64> = self.sessions.keys().copied().collect();
+            let mut fds = Vec::with_capacity(ids.len() + 2);
+            fds.push(libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            // A negative fd is skipped by poll: no signalfd, no stop requests.
+            fds.push(libc::pollfd { fd: stop_fd, events: libc::POLLIN, revents: 0 });
+            for id in &ids {
+                fds.push(libc::pollfd { fd: self.sessions[id].stream.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            }
+            // SAFETY: fds is a valid array of pollfd of the given length.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+            if n < 0 {
+                let errno = crate::error::errno();
+                if errno == libc::EINTR {
+                    continue;
+                }
+                return Err(Error::from_errno(errno, "poll failed in the shared memory manager"));
+            }
+            if fds[1].revents & libc::POLLIN != 0 {
+                self.note("stop signal");
+                break;
+            }
+            if n == 0 {
+                self.recheck_watch();
+                if self.sessions.is_empty() && self.idle_cleanup() {
+                    self.note("idle, exiting");
+                    break;
+                }
+                continue;
+            }
+            for (i, id) in ids.iter().enumerate() {
+                let rev = fds[i + 2].revents;
+                if rev & libc::POLLIN != 0 {
+                    self.read_session(*id);
+                } else if rev & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+                    self.drop_session(*id, "connection error");
+                }
+            }
+            if fds[0].revents & libc::POLLIN != 0 {
+                self.accept_all();
+            }
+        }
+        // Stopping: nobody will tell us about these clients any more, so
+        // everything tracked that no live process uses goes now.
+        self.sessions.clear();
+        self.idle_cleanup();
+        Ok(())
+    }
+
+    fn accept_all(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    if stream.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    let peer_pid = peer_pid(&stream);
+                    let id = self.next_id;
+                    self.next_id += 1;
+                    self.note(format!("client {id} connected (pid {peer_pid})"));
+                    self.sessions.insert(id, Session { stream, peer_pid, pending: Vec::new(), held: HashMap::new() });
+                }
+                Err(e) if e.kind() == IoKind::WouldBlock => return,
+                Err(e) if e.kind() == IoKind::Interrupted => {}
+                Err(e) => {
+                    // EMFILE and the like: keep serving those we have. The
+                    // pause keeps a still-readable listener from spinning poll.
+                    self.note(format!("accept failed: {e}"));
+                    std::thread::sleep(Duration::from_millis(10));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn read_session(&mut self, id: u64) {
+        let mut buf = [0u8; 64 * ALLOC_INFO_SIZE];
+        loop {
+            let Some(s) = self.sessions.get_mut(&id) else { return };
+            match s.stream.read(&mut buf) {
+                Ok(0) => return self.drop_session(id, "closed"),
+                Ok(n) => {
+                    s.pending.extend_from_slice(&buf[..n]);
+                    if let Err(e) = self.handle_pending(id) {
+                        return self.drop_session(id, e.message());
+                    }
+                }
+                Err(e) if e.kind() == IoKind::WouldBlock => return,
+                Err(e) if e.kind() == IoKind::Interrupted => {}
+                Err(e) => return self.drop_session(id, &e.to_string()),
+            }
+        }
+    }
+
+    fn handle_pending(&mut self, id: u64) -> Result<()> {
+        loop {
+            let s = self.sessions.get_mut(&id).expect("live session");
+            if s.pending.len() < ALLOC_INFO_SIZE {
+                return Ok(());
+            }
+            let mut rec = [0u8; ALLOC_INFO_SIZE];
+            rec.copy_from_slice(&s.pending[..ALLOC_INFO_SIZE]);
+            s.pending.drain(..ALLOC_INFO_SIZE);
+            let msg = AllocInfo::decode(&rec)?;
+            validate_shm_name(&msg.filename).map_err(|e| Error::new(ErrorKind::Protocol, e.message().to_string()))?;
+            if msg.free {
+                self.on_free(id, &msg.filename);
+            } else {
+                self.on_register(id, &msg.filename)?;
+            }
+        }
+    }
+
+    fn on_register(&mut self, id: u64, name: &str) -> Result<()> {
+        let s = self.sessions.get_mut(&id).expect("live session");
+        *s.held.entry(name.to_string()).or_default() += 1;
+        // The reply is 2 bytes; a client that never reads them fills its
+        // socket buffer and is dropped instead of blocking everyone.
+        match s.stream.write(OK_REPLY) {
+            Ok(2) => {}
+            Ok(_) | Err(_) => return Err(Error::new(ErrorKind::Protocol, "could not send OK (client not reading)")),
+        }
+        self.tracked.insert(name.to_string());
+        Ok(())
+    }
+
+    fn on_free(&mut self, id: u64, name: &str) {
+        let s = self.sessions.get_mut(&id).expect("live session");
+        if let Some(n) = s.held.get_mut(name) {
+            *n -= 1;
+            if *n == 0 {
+                s.held.remove(name);
+            }
+        }
+        if !shm_exists(name) {
+            self.forget(name);
+        } else if self.watch.contains(name) && !self.held_by_anyone(name) {
+            self.recheck(&[name.to_string()].into_iter().collect());
+        }
+    }
+
+    fn held_by_anyone(&self, name: &str) -> bool {
+        self.sessions.values().any(|s| s.held.contains_key(name))
+    }
+
+    fn forget(&mut self, name: &str) {
+        self.tracked.remove(name);
+        self.watch.remove(name);
+    }
+
+    fn drop_session(&mut self, id: u64, why: &str) {
+        let Some(s) = self.sessions.remove(&id) else { return };
+        self.note(format!("client {id} (pid {}) gone: {why}; {} names held", s.peer_pid, s.held.len()));
+        // Its references are abandoned: the header count stays too high,
+        // so a segment it held is watched until nobody uses it, even if
+        // other clients still hold it now.
+        let abandoned: HashSet<String> = s.held.into_keys().collect();
+        self.watch.extend(abandoned.iter().cloned());
+        self.recheck(&abandoned);
+    }
+
+    /// Removes each of `names` that exists and no live process uses; the
+    /// rest stay on the watch list.
+    fn recheck(&mut self, names: &HashSet<String>) {
+        let candidates: HashSet<String> = names.iter().filter(|n| !self.held_by_anyone(n)).cloned().collect();
+        if candidates.is_empty() {
+            return;
+        }
+        let used = names_in_use(&candidates, None);
+        for name in candidates {
+            if used.contains(&name) {
+                self.watch.insert(name);
+            } else {
+                self.unlink(&name);
+            }
+        }
+    }
+
+    fn recheck_watch(&mut self) {
+        let watch: HashSet<String> = self.watch.clone();
+        self.recheck(&watch);
+    }
+
+    /// With no clients: removes every tracked name no one uses. True when
+    /// nothing tracked is left in use (the daemon may exit).
+    fn idle_cleanup(&mut self) -> bool {
+        let tracked: HashSet<String> = self.tracked.iter().filter(|n| shm_exists(n)).cloned().collect();
+        self.tracked.retain(|n| tracked.contains(n));
+        self.recheck(&tracked);
+        self.watch.is_empty() || !self.sessions.is_empty()
+    }
+
+    fn unlink(&mut self, name: &str) {
+        if let Ok(c) = CString::new(name) {
+            // SAFETY: c is a valid NUL-terminated name.
+            let rc = unsafe { libc::shm_unlink(c.as_ptr()) };
+            if rc == 0 {
+                self.note(format!("removed abandoned segment {name}"));
+            }
+        }
+        self.forget(name);
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+fn shm_exists(name: &str) -> bool {
+    std::fs::symlink_metadata(shm_path(name)).is_ok()
+}
+
+fn peer_pid(stream: &UnixStream) -> i32 {
+    // SAFETY: ucred is plain data; getsockopt writes at most `len` bytes.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
+    };
+    if rc == 0 {
+        cred.pid
+    } else {
+        -1
+    }
+}
+
+/// A signalfd that becomes readable on SIGTERM, SIGINT or SIGHUP (blocked
+/// for normal delivery), so a stop request is one more fd in the poll set
+/// and the daemon cleans up instead of dying. SIGPIPE is ignored: a write
+/// to a gone client is an error return.
+fn stop_signal_fd() -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: sigset operations on a local set; the daemon is single-threaded,
+    // so blocking with sigprocmask covers the whole process.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            libc::sigaddset(&mut set, sig);
+        }
+        if libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
+            return None;
+        }
+        let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC | libc::SFD_NONBLOCK);
+        (fd >= 0).then(|| std::os::fd::OwnedFd::from_raw_fd(fd))
+    }
+}
+
+/// The daemon's main: what `ss_shm_manager` (and torch_shm_manager) do when
+/// run with no arguments. Prints the socket path (or `ERROR: ...`) and a
+/// newline on stdout, then serves until idle. Returns the exit code.
+pub fn daemon_main() -> i32 {
+    // Leave the spawner's session so its terminal signals do not reach us.
+    // SAFETY: setsid has no memory effects; failure (already a leader) is fine.
+    unsafe { libc::setsid() };
+    close_inherited_fds();
+    raise_fd_limit();
+    let mut server = match Server::bind() {
+        Ok(s) => s,
+        Err(e) => {
+            println!("ERROR: {e}");
+            return 1;
+        }
+    };
+    {
+        let mut out = std::io::stdout().lock();
+        if writeln!(out, "{}", server.socket_path().display()).and_then(|_| out.flush()).is_err() {
+            return 1;
+        }
+    }
+    // Nothing more goes to stdout, nor to stderr unless logging: point them
+    // at /dev/null so the spawner's pipes close now (a caller capturing
+    // its output does not wait for us) and a later print cannot SIGPIPE us.
+    redirect_to_null(1);
+    if !server.log {
+        redirect_to_null(2);
+    }
+    match server.run() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("ss_shm_manager: {e}");
+            1
+        }
+    }
+}
+
+/// Closes every descriptor above stderr that the spawner leaked to us
+/// (anything it did not mark close-on-exec): holding, say, one end of its
+/// socketpair would keep its peer from ever seeing EOF.
+fn close_inherited_fds() {
+    // SAFETY: close_range only closes descriptors; nothing else is open yet.
+    let rc = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) };
+    if rc == 0 {
+        return;
+    }
+    // Kernels before 5.9: walk /proc/self/fd instead.
+    let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default();
+    for fd in fds.into_iter().filter(|fd| *fd > 2) {
+        // SAFETY: as above; the directory's own fd may already be gone (EBADF).
+        unsafe { libc::close(fd) };
+    }
+}
+
+/// One descriptor per client: take the whole hard limit.
+fn raise_fd_limit() {
+    // SAFETY: rlimit is plain data; get/setrlimit only touch our limits.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
+fn redirect_to_null(target: libc::c_int) {
+    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+        // SAFETY: dup2 onto a standard descriptor, which we own as the process.
+        unsafe { libc::dup2(null.as_raw_fd(), target) };
+    }
+}

@@ -1,0 +1,80 @@
+//! ManagedMapAllocator (libshm's THManagedMapAllocator): a refcounted
+//! segment that is registered with a manager daemon *before* it is created
+//! or opened, and reported freed after it is closed, so the manager can
+//! remove it if this process dies holding it.
+
+use super::refcounted::RefcountedMapAllocator;
+use crate::error::Result;
+use crate::manager::{client_for, default_client, Client};
+use std::sync::Arc;
+
+/// A refcounted segment known to a manager. Dropping it closes it.
+#[derive(Debug)]
+pub struct ManagedMapAllocator {
+    inner: RefcountedMapAllocator,
+    client: Arc<Client>,
+    closed: bool,
+}
+
+impl ManagedMapAllocator {
+    /// Registers `name` with the manager at `manager_handle` (empty: this
+    /// process's manager, spawned if it has none), then opens it as
+    /// [`RefcountedMapAllocator::open`] does.
+    pub fn open(manager_handle: &str, name: &str, flags: i32, size: usize) -> Result<Self> {
+        super::names::validate_shm_name(name)?;
+        crate::manager::protocol::check_filename(name)?;
+        let client = if manager_handle.is_empty() { default_client()? } else { client_for(manager_handle)? };
+        client.register(name)?;
+        match RefcountedMapAllocator::open(name, flags, size) {
+            Ok(inner) => Ok(ManagedMapAllocator { inner, client, closed: false }),
+            Err(e) => {
+                // We hold nothing: tell the manager so it does not watch it.
+                let _ = client.free(name);
+                Err(e)
+            }
+        }
+    }
+
+    /// Socket path of the manager this segment is registered with.
+    pub fn manager_handle(&self) -> &str {
+        self.client.path()
+    }
+
+    pub fn refcounted(&self) -> &RefcountedMapAllocator {
+        &self.inner
+    }
+
+    pub fn data(&self) -> *mut u8 {
+        self.inner.data()
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.inner.is_empty()
+    }
+
+    pub fn filename(&self) -> &str {
+        self.inner.filename()
+    }
+
+    /// Closes the segment (count −1, removed at 0), then tells the manager.
+    /// The free message has no reply; a gone manager is not an error here.
+    pub fn close(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        let result = self.inner.close();
+        let _ = self.client.free(self.inner.filename());
+        result
+    }
+}
+
+impl Drop for ManagedMapAllocator {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}

@@ -1,0 +1,104 @@
+//! The segments in /dev/shm that look like ours or PyTorch's
+//! (`torch_<pid>_<rand>_<n>`, or the older `torch_<pid>_<n>`), with what
+//! `ssctl ls` shows and `ssctl gc` decides on.
+
+use crate::manager::segment_users::{creator_alive, names_in_use, SHM_DIR};
+use crate::shm::HEADER_SIZE;
+use std::collections::HashSet;
+use std::os::unix::fs::{FileExt, MetadataExt};
+
+#[derive(Clone, Debug)]
+pub struct Segment {
+    /// `/torch_...`
+    pub name: String,
+    pub size: u64,
+    /// The int32 at offset 0: the refcount of a refcounted segment.
+    pub refcount: Option<i32>,
+    /// Creating pid, from the name.
+    pub pid: i32,
+    /// The creator still runs (same pid, started before the segment).
+    pub creator_alive: bool,
+    /// Some live process maps it or holds it open.
+    pub in_use: bool,
+    /// Seconds since the epoch of the segment's last size change (its
+    /// creation, for segments nobody resized).
+    pub created: f64,
+}
+
+impl Segment {
+    /// `gc` removes it: its creator is gone and no live process uses it.
+    pub fn collectable(&self) -> bool {
+        !self.creator_alive && !self.in_use
+    }
+}
+
+/// The creating pid if `file` (without the leading '/') has our naming.
+pub fn creator_pid(file: &str) -> Option<i32> {
+    let rest = file.strip_prefix("torch_")?;
+    let parts: Vec<&str> = rest.split('_').collect();
+    if !(parts.len() == 2 || parts.len() == 3) || parts.iter().any(|p| p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit())) {
+        return None;
+    }
+    parts[0].parse().ok()
+}
+
+/// Every segment with our naming whose name starts with `prefix` (with
+/// or without the leading '/').
+pub fn scan(prefix: &str) -> Vec<Segment> {
+    let prefix = prefix.trim_start_matches('/');
+    let mut found = Vec::new();
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else { return found };
+    for entry in dir.flatten() {
+        let Some(file) = entry.file_name().to_str().map(str::to_string) else { continue };
+        if !file.starts_with(prefix) {
+            continue;
+        }
+        let Some(pid) = creator_pid(&file) else { continue };
+        let Ok(meta) = entry.metadata() else { continue };
+        if !meta.is_file() {
+            continue;
+        }
+        let created = meta.mtime() as f64 + meta.mtime_nsec() as f64 * 1e-9;
+        found.push(Segment {
+            name: format!("/{file}"),
+            size: meta.len(),
+            refcount: read_refcount(&entry.path(), meta.len()),
+            pid,
+            creator_alive: creator_alive(pid, created),
+            in_use: false,
+            created,
+        });
+    }
+    let names: HashSet<String> = found.iter().map(|s| s.name.clone()).collect();
+    let used = names_in_use(&names, None);
+    for s in &mut found {
+        s.in_use = used.contains(&s.name);
+    }
+    found.sort_by(|a, b| a.name.cmp(&b.name));
+    found
+}
+
+fn read_refcount(path: &std::path::Path, size: u64) -> Option<i32> {
+    if size < HEADER_SIZE as u64 {
+        return None;
+    }
+    let f = std::fs::File::open(path).ok()?;
+    let mut b = [0u8; 4];
+    f.read_exact_at(&mut b, 0).ok()?;
+    Some(i32::from_ne_bytes(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn naming() {
+        assert_eq!(creator_pid("torch_12_345_6"), Some(12));
+        assert_eq!(creator_pid("torch_12_6"), Some(12));
+        assert_eq!(creator_pid("torch_12"), None);
+        assert_eq!(creator_pid("torch_a_1_2"), None);
+        assert_eq!(creator_pid("torch_1__2"), None);
+        assert_eq!(creator_pid("other_1_2_3"), None);
+    }
+}

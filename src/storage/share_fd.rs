@@ -1,0 +1,73 @@
+//! Sharing by file descriptor (ATen's `_share_fd_cpu_`, `_new_shared_fd_cpu`,
+//! `_new_using_fd_cpu`, `_get_shared_fd`).
+
+use super::object::{Allocation, Storage};
+use crate::error::{Error, ErrorKind, Result};
+use crate::shm::{flags, new_shm_fd_storage, share_memory, MapAllocator};
+use std::os::fd::RawFd;
+
+impl Storage {
+    /// Moves the bytes into an fd-backed segment if they are not in one
+    /// yet (a copy, then the storage points at the segment) and returns
+    /// `(fd, nbytes)`. The fd belongs to the storage: the caller sends or
+    /// dups it and must not close it.
+    pub fn share_fd(&self) -> Result<(RawFd, usize)> {
+        {
+            let s = self.read();
+            if let Allocation::Fd(m) = &s.alloc {
+                return Ok((m.fd(), s.nbytes));
+            }
+        }
+        let mut s = self.write();
+        if let Allocation::Fd(m) = &s.alloc {
+            return Ok((m.fd(), s.nbytes));
+        }
+        if s.nbytes == 0 {
+            return Err(Error::new(ErrorKind::InvalidArgument, "cannot share a storage of 0 bytes: send an empty storage instead"));
+        }
+        // SAFETY: the allocation holds nbytes bytes while we hold the lock.
+        let bytes = unsafe { std::slice::from_raw_parts(s.alloc.data(), s.nbytes) };
+        let map = share_memory(bytes)?;
+        let fd = map.fd();
+        let nbytes = s.nbytes;
+        let old = Storage::swap_in(&mut s, Allocation::Fd(map));
+        drop(s);
+        drop(old);
+        Ok((fd, nbytes))
+    }
+
+    /// Maps a segment received as `fd` (which the caller keeps: it is
+    /// duplicated) with flags 58 (SHAREDMEM | NOCREATE | KEEPFD | FROMFD).
+    pub fn new_shared_fd(fd: RawFd, nbytes: usize) -> Result<Storage> {
+        if fd < 0 {
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("invalid file descriptor {fd}")));
+        }
+        // SAFETY: fcntl only duplicates the descriptor number given.
+        let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if dup < 0 {
+            return Err(Error::last_os_error(format!("could not duplicate a shared memory file descriptor ({fd})")));
+        }
+        match MapAllocator::open_fd("", dup, flags::OPEN_SHARED_FD, nbytes) {
+            Ok(map) => Ok(Storage::from_allocation(Allocation::Fd(map), nbytes, false)),
+            Err(e) => {
+                // SAFETY: the failed open left `dup` with us.
+                unsafe { libc::close(dup) };
+                Err(e.context(format!("mapping shared fd {fd}")))
+            }
+        }
+    }
+
+    /// A new fd-backed storage of `nbytes` zero bytes (flags 86).
+    pub fn new_using_fd(nbytes: usize) -> Result<Storage> {
+        let map = new_shm_fd_storage(nbytes)?;
+        Ok(Storage::from_allocation(Allocation::Fd(map), nbytes, false))
+    }
+
+    /// The descriptor of an fd-backed storage (owned by the storage).
+    pub fn get_shared_fd(&self) -> Result<RawFd> {
+        match &self.read().alloc {
+            Allocation::Fd(m) if m.fd() >= 0 => Ok(m.fd()),
+            _ => Err(Error::new(ErrorKind::NotFound, "couldn't retrieve a shared file descriptor: the storage is not fd-backed")),
+        }
+    }
+}

@@ -10,12 +10,13 @@ use crate::shm::flags::{EXCLUSIVE, NOCREATE, SHAREDMEM};
 use crate::shm::MapAllocator;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use super::sent::Deleter;
 
 pub struct HostBackend {
     tag: String,
     next_alloc: AtomicU64,
-    allocs: Mutex<HashMap<u64, MapAllocator>>,
+    allocs: Arc<Mutex<HashMap<u64, MapAllocator>>>,
     opened: Mutex<HashMap<u64, MapAllocator>>,
     next_event: AtomicU64,
     pub events_destroyed: AtomicUsize,
@@ -29,7 +30,7 @@ impl HostBackend {
         HostBackend {
             tag: tag.to_string(),
             next_alloc: AtomicU64::new(0),
-            allocs: Mutex::new(HashMap::new()),
+            allocs: Arc::new(Mutex::new(HashMap::new())),
             opened: Mutex::new(HashMap::new()),
             next_event: AtomicU64::new(1),
             events_destroyed: AtomicUsize::new(0),
@@ -57,6 +58,19 @@ impl HostBackend {
     pub fn free(&self, base: u64) {
         let map = self.allocs.lock().unwrap().remove(&base);
         drop(map.expect("freeing an allocation this backend made"));
+    }
+
+    /// A deleter that frees the allocation holding the pointer it gets and
+    /// logs that pointer in `log`.
+    pub fn deleter(&self, log: &Arc<Mutex<Vec<u64>>>) -> Deleter {
+        let (allocs, log) = (self.allocs.clone(), log.clone());
+        Box::new(move |ptr| {
+            let mut allocs = allocs.lock().unwrap();
+            let base = allocs.iter().find(|(b, m)| ptr >= **b && ptr < **b + m.len() as u64).map(|(b, _)| *b);
+            let base = base.unwrap_or_else(|| panic!("deleter got 0x{ptr:x}, in no allocation"));
+            allocs.remove(&base);
+            log.lock().unwrap().push(ptr);
+        })
     }
 
     pub fn live_allocations(&self) -> usize {

@@ -6,12 +6,19 @@ use super::ipc::CudaIpc;
 use crate::error::{ErrorKind, Result};
 use once_cell::sync::Lazy;
 
+/// The process that made the state: a child made by fork() inherits the
+/// state but owns none of its counter files, so its exit must not remove them.
+static OWNER_PID: Lazy<u32> = Lazy::new(std::process::id);
+
 static GLOBAL: Lazy<CudaIpc<CudaBackend>> = Lazy::new(|| {
     extern "C" fn at_exit() {
         // Statics are never dropped: report held blocks and remove counter
         // file names here.
-        GLOBAL.teardown();
+        if std::process::id() == *OWNER_PID {
+            GLOBAL.teardown();
+        }
     }
+    Lazy::force(&OWNER_PID);
     // SAFETY: registers a plain function; failure only loses the teardown.
     unsafe { libc::atexit(at_exit) };
     CudaIpc::new(CudaBackend)

@@ -108,6 +108,7 @@ static void test_unavailable(void) {
     CHECK(ss_cuda_limbo_size() == 0);
     CHECK_OK(ss_cuda_sent_free(NULL, NULL));
     CHECK_OK(ss_cuda_received_free(NULL));
+    ss_cuda_ipc_teardown();
     /* Argument checks come first. */
     CHECK_STATUS(ss_cuda_share(&dummy, 4, 0, NULL, NULL, NULL, NULL, &sent), SS_ERR_NULL_POINTER);
     CHECK_STATUS(ss_cuda_open(NULL, NULL, &r), SS_ERR_NULL_POINTER);
@@ -202,6 +203,9 @@ static void test_gpu(void) {
     CHECK(c == 0);
     CHECK_OK(ss_cuda_sent_free(sent[1], &in_limbo));
     CHECK(!in_limbo && f.calls == 2);
+    /* Nothing in use and limbo empty: the counter file is gone already. */
+    CHECK(!shm_exists(h[0].ref_counter_handle));
+    ss_cuda_ipc_teardown();
     int status = 0;
     CHECK(waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0);
     printf("GPU share/open/release through the C API: ok\n");

@@ -253,6 +253,15 @@ extern "C" {
 #endif // __cplusplus
 
 /**
+ * Ends this process's part in CUDA IPC: warns on stderr if consumers still
+ * hold blocks this producer freed, and removes the names of its ref-counter
+ * files so nothing is left in /dev/shm (consumers releasing later get
+ * `SS_ERR_PEER_GONE`). Runs by itself at exit once `ss_cuda_share` or
+ * `ss_cuda_open` was called; does nothing in a forked child.
+ */
+void ss_cuda_ipc_teardown(void);
+
+/**
  * Whether CUDA can be used here: the driver library loads, is new enough,
  * and a device is visible. When false, `ss_last_error_message()` says why.
  */

@@ -1,28 +1,27 @@
-//! The process's one [`CudaIpc`] over the CUDA driver, with a teardown at
-//! exit, and device allocation that collects limbo before giving up.
+//! The process's one [`CudaIpc`] over the CUDA driver, its end-of-process
+//! teardown, and device allocation that collects limbo before giving up.
 
 use super::cuda_backend::CudaBackend;
-use super::ipc::CudaIpc;
+use super::ipc::{CudaIpc, TeardownReport};
 use crate::error::{ErrorKind, Result};
 use once_cell::sync::Lazy;
 
 /// The process that made the state: a child made by fork() inherits the
-/// state but owns none of its counter files, so its exit must not remove them.
+/// state but owns none of its counter files, so it must not remove them.
 static OWNER_PID: Lazy<u32> = Lazy::new(std::process::id);
 
 static GLOBAL: Lazy<CudaIpc<CudaBackend>> = Lazy::new(|| {
-    extern "C" fn at_exit() {
-        // Statics are never dropped: report held blocks and remove counter
-        // file names here.
-        if std::process::id() == *OWNER_PID {
-            GLOBAL.teardown();
-        }
-    }
     Lazy::force(&OWNER_PID);
-    // SAFETY: registers a plain function; failure only loses the teardown.
-    unsafe { libc::atexit(at_exit) };
     CudaIpc::new(CudaBackend)
 });
+
+/// The end-of-process teardown of the state (see [`CudaIpc::teardown`]),
+/// skipped in a forked child and when the state was never used. The C API
+/// registers it to run at exit; Rust programs call it themselves.
+pub fn teardown() -> Option<TeardownReport> {
+    let ipc = Lazy::get(&GLOBAL)?;
+    (std::process::id() == *OWNER_PID).then(|| ipc.teardown())
+}
 
 /// This process's CUDA IPC state.
 pub fn global() -> &'static CudaIpc<CudaBackend> {

@@ -28,7 +28,7 @@ pub use backend::IpcBackend;
 pub use counters::release_slot as release_ipc_counter;
 pub use cuda_backend::CudaBackend;
 pub use driver::check_available;
-pub use global::{device_alloc, device_free, global};
+pub use global::{device_alloc, device_free, global, teardown};
 pub use handle::IpcHandle;
 pub use ipc::{CudaIpc, TeardownReport};
 pub use received::Received;

@@ -87,6 +87,45 @@ pub fn release_slot(name: &str, slot: u64) -> Result<()> {
     }
 }
 
+/// Reads `slot` of the counter file `name` without mapping it (one
+/// `pread`, cheaper than a mapping): a consumer's check at open that the
+/// producer is still there (`PeerGone` otherwise) and the tuple not yet
+/// released.
+pub fn peek_slot(name: &str, slot: u64) -> Result<i64> {
+    let slot = check_slot(slot)?;
+    validate_shm_name(name)?;
+    let c = std::ffi::CString::new(name).map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("name <{name}> contains a NUL byte")))?;
+    // SAFETY: shm_open with a valid C string; the descriptor is closed below.
+    let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0) };
+    if fd < 0 {
+        let e = Error::last_os_error(format!("opening CUDA IPC ref-counter file <{name}>"));
+        if e.kind() == ErrorKind::NotFound {
+            return Err(Error::new(
+                ErrorKind::PeerGone,
+                format!("CUDA IPC ref-counter file <{name}> is gone: its producer process has exited or released it"),
+            ));
+        }
+        return Err(e);
+    }
+    let mut bytes = [0u8; 8];
+    let at = (crate::shm::HEADER_SIZE + slot * 8) as libc::off_t;
+    // SAFETY: reads at most 8 bytes into our buffer from our descriptor.
+    let n = unsafe { libc::pread(fd, bytes.as_mut_ptr().cast(), 8, at) };
+    let read_error = (n < 0).then(|| Error::last_os_error(format!("reading slot {slot} of <{name}>")));
+    // SAFETY: closing the descriptor opened above.
+    unsafe { libc::close(fd) };
+    if let Some(e) = read_error {
+        return Err(e);
+    }
+    if n != 8 {
+        return Err(Error::new(
+            ErrorKind::SizeMismatch,
+            format!("<{name}> is too short for slot {slot}: not a CUDA IPC ref-counter file"),
+        ));
+    }
+    Ok(i64::from_ne_bytes(bytes))
+}
+
 /// A slot number from a tuple, checked against the file size.
 pub fn check_slot(slot: u64) -> Result<usize> {
     if slot >= SLOTS_PER_FILE as u64 {
@@ -213,8 +252,11 @@ mod tests {
         assert_eq!(i32::from_ne_bytes(raw[0..4].try_into().unwrap()), 1, "header count: the producer");
         assert_eq!(i64::from_ne_bytes(raw[64..72].try_into().unwrap()), 1);
         assert_eq!(i64::from_ne_bytes(raw[72..80].try_into().unwrap()), 1);
+        assert_eq!(peek_slot(&name, 1).unwrap(), 1);
         release_slot(&name, 1).unwrap();
         assert_eq!(b.value(), 0);
+        assert_eq!(peek_slot(&name, 1).unwrap(), 0);
+        assert_eq!(peek_slot(&name, 10_000).unwrap_err().kind(), ErrorKind::InvalidArgument);
         let e = release_slot(&name, 1).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::BadRefcount, "{e}");
         assert_eq!(b.value(), 0, "a refused release leaves the slot alone");
@@ -227,8 +269,16 @@ mod tests {
         assert!(!exists(&name));
         let e = release_slot(&name, 0).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::PeerGone, "{e}");
+        assert_eq!(peek_slot(&name, 0).unwrap_err().kind(), ErrorKind::PeerGone);
         assert!(e.message().contains(&name), "{e}");
         assert_eq!(release_slot("no-slash", 0).unwrap_err().kind(), ErrorKind::InvalidArgument);
+        // A segment too small to be a counter file.
+        let small = new_process_wide_shm_handle();
+        let m = RefcountedMapAllocator::open(&small, SHAREDMEM | EXCLUSIVE, 16).unwrap();
+        let e = peek_slot(&small, 5).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::SizeMismatch, "{e}");
+        drop(m);
+        assert!(!exists(&small));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! back the blocks whose counter reached 0.
 
 use super::backend::IpcBackend;
-use super::counters::{check_slot, release_slot, CounterFile, CounterFiles};
+use super::counters::{check_slot, peek_slot, release_slot, CounterFiles};
 use super::handle::{decode_mem_handle, encode_mem_handle, IpcHandle, IPC_HANDLE_SIZE};
 use super::limbo::Limbo;
 use super::received::{Received, ReceivedCache};
@@ -241,8 +241,7 @@ impl<B: IpcBackend> CudaIpc<B> {
         // The counter file tells whether the producer is still there, and
         // whether this tuple was already released.
         {
-            let file = CounterFile::open(&h.ref_counter_handle)?;
-            let value = file.slot(slot).load(Ordering::SeqCst);
+            let value = peek_slot(&h.ref_counter_handle, slot as u64)?;
             if value <= 0 {
                 return Err(Error::new(
                     ErrorKind::BadRefcount,

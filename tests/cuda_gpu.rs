@@ -332,13 +332,18 @@ fn our_tuple_rebuilt_by_pytorch() {
     fill_async(ptr + 8192, words, PATTERN, side);
     let (h, sent) = ipc.share(ptr + 8192, words * 4, 0, side, None).unwrap();
     let sent = sent.unwrap();
+    let (h2, sent2) = ipc.share(ptr, 8192, 0, side, None).unwrap();
+    let sent2 = sent2.unwrap();
     let mut cmd = Command::new(py);
     cmd.args(["-c", TORCH_CONSUMER, &PATTERN.to_string()]);
     let mut torch = Peer::spawn(cmd);
     assert_eq!(torch.cmd(&h.to_text()), "ok", "PyTorch read our pattern");
+    assert_eq!(torch.cmd(&h2.to_text()), "released");
     torch.finish();
     assert_eq!(sent.counter_value(), 0, "PyTorch's (non-atomic) release reached our slot");
+    assert_eq!(sent2.counter_value(), 0, "and its _release_ipc_counter_cuda too");
     assert!(read_words(ptr + 8192, words).iter().all(|w| *w == 9), "PyTorch's writes are here");
     assert!(!ipc.sent_free(sent));
+    assert!(!ipc.sent_free(sent2));
     cuda::device_free(0, ptr).unwrap();
 }

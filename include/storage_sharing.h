@@ -307,8 +307,8 @@ ss_status ss_cuda_sent_counter(const ss_cuda_sent *sent, int64_t *out);
  * The producer's release of a send (the handle is freed). If no consumer
  * refers to the memory any more it is given back (the deleter runs) now;
  * else it waits in limbo until a collection finds its counter at 0, and
- * `*out_in_limbo` (may be NULL) is set to true. Runs a collection. NULL
- * `sent` is a no-op.
+ * `*out_in_limbo` (may be NULL) is set to true. Also frees the limbo
+ * blocks already released. NULL `sent` is a no-op.
  */
 ss_status ss_cuda_sent_free(ss_cuda_sent *sent, bool *out_in_limbo);
 
@@ -354,7 +354,9 @@ ss_status ss_cuda_release_ipc_counter(const char *counter_name, uint64_t slot);
 /**
  * Gives back every block in limbo that no consumer refers to any more
  * (running their deleters); `*out_freed` (may be NULL) gets how many.
- * Call it when device memory runs short (`ss_cuda_malloc` does).
+ * With limbo then empty, also closes the current ref-counter file if no
+ * send uses it. Call it when device memory runs short (`ss_cuda_malloc`
+ * does), as `torch.cuda.ipc_collect()`.
  */
 ss_status ss_cuda_ipc_collect(size_t *out_freed);
 

@@ -166,7 +166,9 @@ impl<B: IpcBackend> CudaIpc<B> {
 
     /// The producer's release of a send: given back now if no consumer
     /// refers to it, else put in limbo (true) until a collection finds its
-    /// counter at 0. Runs a collection either way.
+    /// counter at 0. Then frees the limbo blocks already released (but
+    /// keeps the current counter file, so that steady send/free cycles do
+    /// not create a file each).
     pub fn sent_free(&self, block: SentData) -> bool {
         let pending = !block.released();
         if pending {
@@ -174,19 +176,27 @@ impl<B: IpcBackend> CudaIpc<B> {
         } else {
             self.retire(block);
         }
-        self.collect();
+        self.collect_limbo();
         pending
     }
 
-    /// Gives back every limbo block whose counter reached 0 (freed outside
-    /// the limbo lock); with limbo empty, also drops the current counter
-    /// file if none of its slots is in use. Returns how many were freed.
-    pub fn collect(&self) -> usize {
+    /// Gives back the limbo blocks whose counter reached 0, outside the
+    /// limbo lock; returns how many.
+    fn collect_limbo(&self) -> usize {
         let done = self.limbo.take_released();
         let n = done.len();
         for block in done {
             self.retire(block);
         }
+        n
+    }
+
+    /// A full collection (`torch.cuda.ipc_collect()`, and what runs before an
+    /// allocation gives up): frees the limbo blocks whose counter reached 0;
+    /// with limbo then empty, also drops the current counter file if none
+    /// of its slots is in use. Returns how many blocks were freed.
+    pub fn collect(&self) -> usize {
+        let n = self.collect_limbo();
         if self.limbo.is_empty() {
             self.counters().drop_current_if_unused();
         }

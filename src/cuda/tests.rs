@@ -247,7 +247,9 @@ fn consumers_in_other_processes_release_and_limbo_drains() {
     assert_eq!(ipc.backend().live_allocations(), 0);
     assert_eq!(ipc.events_in_use(), 0);
     assert_eq!(ipc.backend().events_destroyed.load(std::sync::atomic::Ordering::SeqCst), 4);
-    assert!(ipc.counter_file_names().is_empty(), "current file dropped once limbo is empty and no slot is used");
+    assert_eq!(ipc.counter_file_names(), counters, "sent_free keeps the current file for the next send");
+    assert_eq!(ipc.collect(), 0);
+    assert!(ipc.counter_file_names().is_empty(), "a full collection drops it: limbo empty, no slot used");
     a.exit();
     b.exit();
     finish(ipc, &tag, &counters);
@@ -323,7 +325,9 @@ fn file_rotates_after_10000_sends_and_events_fall_back_to_sync() {
         release_ipc_counter(&h.ref_counter_handle, h.ref_counter_offset).unwrap();
         assert!(!ipc.sent_free(s));
     }
-    assert!(!exists(&first));
+    assert!(!exists(&first), "exhausted and unused: retired at once");
+    assert!(exists(&second), "the current file stays for the next send");
+    ipc.collect();
     assert!(!exists(&second));
     assert_eq!(ipc.events_in_use(), 0);
     assert_eq!(ipc.backend().events_destroyed.load(SeqCst), MAX_EVENTS_IN_USE);

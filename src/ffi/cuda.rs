@@ -94,7 +94,7 @@ impl SsCudaIpcHandle {
         Ok(out)
     }
 
-    fn to_core(&self) -> Result<IpcHandle> {
+    fn to_core(self) -> Result<IpcHandle> {
         if self.mem_handle_len > SS_CUDA_MEM_HANDLE_MAX {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
@@ -153,7 +153,7 @@ pub extern "C" fn ss_cuda_ipc_teardown() {
 /// Whether CUDA can be used here: the driver library loads, is new enough,
 /// and a device is visible. When false, `ss_last_error_message()` says why.
 #[no_mangle]
-pub unsafe extern "C" fn ss_cuda_available() -> bool {
+pub extern "C" fn ss_cuda_available() -> bool {
     ffi_value!("ss_cuda_available", false, {
         match cuda::check_available() {
             Ok(()) => true,
@@ -259,8 +259,8 @@ pub unsafe extern "C" fn ss_cuda_sent_counter(sent: *const SsCudaSent, out: *mut
 /// The producer's release of a send (the handle is freed). If no consumer
 /// refers to the memory any more it is given back (the deleter runs) now;
 /// else it waits in limbo until a collection finds its counter at 0, and
-/// `*out_in_limbo` (may be NULL) is set to true. Runs a collection. NULL
-/// `sent` is a no-op.
+/// `*out_in_limbo` (may be NULL) is set to true. Also frees the limbo
+/// blocks already released. NULL `sent` is a no-op.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_sent_free(sent: *mut SsCudaSent, out_in_limbo: *mut bool) -> ss_status {
     ffi_status!("ss_cuda_sent_free", {
@@ -354,7 +354,9 @@ pub unsafe extern "C" fn ss_cuda_release_ipc_counter(counter_name: *const c_char
 
 /// Gives back every block in limbo that no consumer refers to any more
 /// (running their deleters); `*out_freed` (may be NULL) gets how many.
-/// Call it when device memory runs short (`ss_cuda_malloc` does).
+/// With limbo then empty, also closes the current ref-counter file if no
+/// send uses it. Call it when device memory runs short (`ss_cuda_malloc`
+/// does), as `torch.cuda.ipc_collect()`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_ipc_collect(out_freed: *mut usize) -> ss_status {
     ffi_status!("ss_cuda_ipc_collect", {
@@ -369,7 +371,7 @@ pub unsafe extern "C" fn ss_cuda_ipc_collect(out_freed: *mut usize) -> ss_status
 
 /// Blocks freed by this producer that consumers still refer to.
 #[no_mangle]
-pub unsafe extern "C" fn ss_cuda_limbo_size() -> usize {
+pub extern "C" fn ss_cuda_limbo_size() -> usize {
     ffi_value!("ss_cuda_limbo_size", 0, { cuda::global().limbo_size() })
 }
 

@@ -91,6 +91,16 @@ fn main() {
         times.push(d);
     }
     row("sent_free of a released send", times, "-");
+    let mut times = Vec::new();
+    for _ in 0..ROUNDS {
+        let (_, d) = timed(|| {
+            let (h, s) = ipc.share(block, 1 << 20, 0, 0, None).unwrap();
+            cuda::release_ipc_counter(&h.ref_counter_handle, h.ref_counter_offset).unwrap();
+            assert!(!ipc.sent_free(s.unwrap()));
+        });
+        times.push(d);
+    }
+    row("one send at a time: share + release_ipc_counter + sent_free", times, "-");
 
     // Open/release in a consumer process.
     let blocks: Vec<u64> = (0..OPENS).map(|_| cuda::device_alloc(0, 1 << 20).unwrap()).collect();

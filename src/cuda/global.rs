@@ -12,12 +12,15 @@ static OWNER_PID: Lazy<u32> = Lazy::new(std::process::id);
 
 static GLOBAL: Lazy<CudaIpc<CudaBackend>> = Lazy::new(|| {
     Lazy::force(&OWNER_PID);
+    // Statics are never dropped: have `teardown` run at exit. The exit
+    // hook is an `extern "C"` function, so it lives in the C API module.
+    crate::ffi::cuda::teardown_at_exit();
     CudaIpc::new(CudaBackend)
 });
 
 /// The end-of-process teardown of the state (see [`CudaIpc::teardown`]),
-/// skipped in a forked child and when the state was never used. The C API
-/// registers it to run at exit; Rust programs call it themselves.
+/// skipped in a forked child and when the state was never used. Runs by
+/// itself at exit once the state exists; calling it earlier is allowed.
 pub fn teardown() -> Option<TeardownReport> {
     let ipc = Lazy::get(&GLOBAL)?;
     (std::process::id() == *OWNER_PID).then(|| ipc.teardown())

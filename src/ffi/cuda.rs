@@ -129,8 +129,9 @@ struct CDeleter {
 // its context may be used from whichever thread frees the block.
 unsafe impl Send for CDeleter {}
 
-/// Runs `ss_cuda_ipc_teardown` at exit, once this process shares or opens.
-fn teardown_at_exit() {
+/// Runs `ss_cuda_ipc_teardown` at exit; called when the process's CUDA IPC
+/// state is first used (from Rust or C).
+pub(crate) fn teardown_at_exit() {
     static REGISTER: Once = Once::new();
     // SAFETY: registers a plain function taking and returning nothing.
     REGISTER.call_once(|| unsafe {
@@ -141,8 +142,8 @@ fn teardown_at_exit() {
 /// Ends this process's part in CUDA IPC: warns on stderr if consumers still
 /// hold blocks this producer freed, and removes the names of its ref-counter
 /// files so nothing is left in /dev/shm (consumers releasing later get
-/// `SS_ERR_PEER_GONE`). Runs by itself at exit once `ss_cuda_share` or
-/// `ss_cuda_open` was called; does nothing in a forked child.
+/// `SS_ERR_PEER_GONE`). Runs by itself at exit once any CUDA IPC function
+/// was used; does nothing in a forked child. Later sends start afresh.
 #[no_mangle]
 pub extern "C" fn ss_cuda_ipc_teardown() {
     ffi_value!("ss_cuda_ipc_teardown", (), {
@@ -217,7 +218,6 @@ pub unsafe extern "C" fn ss_cuda_share(
                 unsafe { (d.f)(d.ctx, ptr as *mut c_void) }
             }) as cuda::Deleter
         });
-        teardown_at_exit();
         let (h, sent) = cuda::global().share(device_ptr as u64, nbytes, device, stream as u64, deleter)?;
         let c = SsCudaIpcHandle::from_core(&h);
         let c = match c {
@@ -294,7 +294,6 @@ pub unsafe extern "C" fn ss_cuda_open(
         out_arg(out, "out")?;
         // SAFETY: NULL or a readable struct.
         let h = unsafe { handle(ipc_handle, "ipc_handle") }?.to_core()?;
-        teardown_at_exit();
         let r = cuda::global().open(&h, stream as u64)?;
         // SAFETY: checked above.
         unsafe { write_out(out, Box::into_raw(Box::new(SsCudaReceived(r)))) };

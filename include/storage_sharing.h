@@ -256,8 +256,8 @@ extern "C" {
  * Ends this process's part in CUDA IPC: warns on stderr if consumers still
  * hold blocks this producer freed, and removes the names of its ref-counter
  * files so nothing is left in /dev/shm (consumers releasing later get
- * `SS_ERR_PEER_GONE`). Runs by itself at exit once `ss_cuda_share` or
- * `ss_cuda_open` was called; does nothing in a forked child.
+ * `SS_ERR_PEER_GONE`). Runs by itself at exit once any CUDA IPC function
+ * was used; does nothing in a forked child. Later sends start afresh.
  */
 void ss_cuda_ipc_teardown(void);
 

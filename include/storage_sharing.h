@@ -14,6 +14,32 @@
 #define SS_VERSION_STRING "0.1.0"
 
 /**
+ * Bytes of `ss_cuda_ipc_handle.mem_handle`: version byte, 'c', and the
+ * 64-byte `cudaIpcMemHandle_t` (PyTorch's format).
+ */
+#define SS_CUDA_MEM_HANDLE_MAX 66
+
+/**
+ * Bytes of a raw CUDA IPC handle (memory or event).
+ */
+#define SS_CUDA_IPC_HANDLE_SIZE 64
+
+/**
+ * Bytes of `ss_cuda_ipc_handle.ref_counter_handle`, NUL included.
+ */
+#define SS_CUDA_COUNTER_NAME_MAX 64
+
+/**
+ * Slots in a ref-counter file (a file serves 10000 sends).
+ */
+#define SS_CUDA_COUNTER_SLOTS 10000
+
+/**
+ * A buffer of this many bytes holds any `ss_cuda_ipc_handle_to_text` output.
+ */
+#define SS_CUDA_HANDLE_TEXT_MAX 512
+
+/**
  * `open(2)` a regular file read-write, MAP_SHARED.
  */
 #define SS_MAPPED_SHARED 1
@@ -150,6 +176,18 @@ typedef enum {
 } ss_status;
 
 /**
+ * A storage received from another process. Release it with
+ * `ss_cuda_received_free`. Thread safety: one thread at a time.
+ */
+typedef struct ss_cuda_received ss_cuda_received;
+
+/**
+ * The producer's record of one send. Release it with `ss_cuda_sent_free`.
+ * Thread safety: one thread at a time.
+ */
+typedef struct ss_cuda_sent ss_cuda_sent;
+
+/**
  * A mapped file or shared-memory segment, plain or refcounted.
  *
  * Thread safety: a `const ss_map*` may be used from several threads at once
@@ -177,9 +215,207 @@ typedef struct ss_storage ss_storage;
  */
 typedef struct ss_weak ss_weak;
 
+/**
+ * Called when shared memory is no longer used by anyone: gets back the
+ * `deleter_ctx` given to `ss_cuda_share` and the device pointer. Runs on
+ * whichever thread frees or collects; it may call `ss_cuda_free`.
+ */
+typedef void (*ss_cuda_deleter)(void *ctx, void *device_ptr);
+
+/**
+ * The eight fields of PyTorch's `storage._share_cuda_()` tuple, in its
+ * order, as a plain struct that may be copied byte for byte between
+ * processes (pipes, sockets, shared memory).
+ */
+typedef struct {
+  /**
+   * Device ordinal of the memory.
+   */
+  int32_t device;
+  /**
+   * Memory-handle bytes: version 2, 'c', the segment's cudaIpcMemHandle_t.
+   */
+  uint8_t mem_handle[SS_CUDA_MEM_HANDLE_MAX];
+  /**
+   * Used bytes of `mem_handle`: 66, or 64 for a legacy raw handle, or 0
+   * for a storage without data (PyTorch's `None`).
+   */
+  size_t mem_handle_len;
+  /**
+   * Bytes of the shared storage.
+   */
+  uint64_t size_bytes;
+  /**
+   * Bytes from the segment base to the storage's data.
+   */
+  uint64_t offset_bytes;
+  /**
+   * NUL-terminated name of the producer's ref-counter file.
+   */
+  char ref_counter_handle[SS_CUDA_COUNTER_NAME_MAX];
+  /**
+   * Slot of this send in the ref-counter file.
+   */
+  uint64_t ref_counter_offset;
+  /**
+   * cudaIpcEventHandle_t to wait on (zeros when no event was recorded).
+   */
+  uint8_t event_handle[SS_CUDA_IPC_HANDLE_SIZE];
+  /**
+   * Whether the consumer must wait on the event before using the data.
+   */
+  bool event_sync_required;
+} ss_cuda_ipc_handle;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Ends this process's part in CUDA IPC: warns on stderr if consumers still
+ * hold blocks this producer freed, and removes the names of its ref-counter
+ * files so nothing is left in /dev/shm (consumers releasing later get
+ * `SS_ERR_PEER_GONE`). Runs by itself at exit once any CUDA IPC function
+ * was used; does nothing in a forked child. Later sends start afresh.
+ */
+void ss_cuda_ipc_teardown(void);
+
+/**
+ * Whether CUDA can be used here: the driver library loads, is new enough,
+ * and a device is visible. When false, `ss_last_error_message()` says why.
+ */
+bool ss_cuda_available(void);
+
+/**
+ * The driver's CUDA version (1000 × major + 10 × minor) and the number of
+ * visible devices. `SS_ERR_CUDA_UNAVAILABLE` (with the reason) otherwise.
+ */
+ss_status ss_cuda_driver_info(int32_t *out_version, int32_t *out_device_count);
+
+/**
+ * Shares `nbytes` of device memory at `device_ptr` (inside a cudaMalloc
+ * allocation of `device`) with another process. Work queued on `stream`
+ * (a `cudaStream_t`; NULL = the default stream) before this call is
+ * visible to the consumer: an interprocess event is recorded there (or,
+ * with 1000 events alive, the stream is synchronised).
+ *
+ * Writes the tuple to send into `*out_handle` and the producer's record
+ * into `*out_sent`; release that with `ss_cuda_sent_free` when the
+ * producer is done with the memory. Once the consumer has released it too,
+ * `deleter(deleter_ctx, device_ptr)` gives the memory back (NULL deleter:
+ * nothing is called). Memory received from another process cannot be sent
+ * on (`SS_ERR_UNSUPPORTED`: clone it first). A NULL `device_ptr` with
+ * `nbytes` 0 gives the tuple of a storage without data and `*out_sent` NULL.
+ */
+ss_status ss_cuda_share(const void *device_ptr,
+                        size_t nbytes,
+                        int32_t device,
+                        void *stream,
+                        ss_cuda_deleter deleter,
+                        void *deleter_ctx,
+                        ss_cuda_ipc_handle *out_handle,
+                        ss_cuda_sent **out_sent);
+
+/**
+ * The consumer count of a send: 1 while the consumer holds it, 0 once it
+ * released it.
+ */
+ss_status ss_cuda_sent_counter(const ss_cuda_sent *sent, int64_t *out);
+
+/**
+ * The producer's release of a send (the handle is freed). If no consumer
+ * refers to the memory any more it is given back (the deleter runs) now;
+ * else it waits in limbo until a collection finds its counter at 0, and
+ * `*out_in_limbo` (may be NULL) is set to true. Also frees the limbo
+ * blocks already released. NULL `sent` is a no-op.
+ */
+ss_status ss_cuda_sent_free(ss_cuda_sent *sent, bool *out_in_limbo);
+
+/**
+ * Opens a tuple from another process (ours or PyTorch's `_share_cuda_()`):
+ * maps the memory (once per allocation in this process) and makes
+ * `stream` (NULL = default stream) wait for the producer's event. Use the
+ * data with work on that stream; release with `ss_cuda_received_free`.
+ * `SS_ERR_PEER_GONE` when the producer has exited; `SS_ERR_BAD_REFCOUNT`
+ * when the tuple was already released.
+ */
+ss_status ss_cuda_open(const ss_cuda_ipc_handle *ipc_handle, void *stream, ss_cuda_received **out);
+
+/**
+ * Device address of a received storage's first byte (NULL for NULL or a
+ * storage without data).
+ */
+void *ss_cuda_received_data(const ss_cuda_received *received);
+
+/**
+ * Bytes of a received storage (0 for NULL).
+ */
+size_t ss_cuda_received_size(const ss_cuda_received *received);
+
+/**
+ * The consumer's release (the handle is freed whatever the result): waits
+ * for the work queued on the stream given to `ss_cuda_open`, unmaps the
+ * memory if this was its last user here, and decrements the producer's
+ * counter slot atomically. `SS_ERR_PEER_GONE` when the producer is gone.
+ * NULL is a no-op.
+ */
+ss_status ss_cuda_received_free(ss_cuda_received *received);
+
+/**
+ * Decrements slot `slot` of the ref-counter file `counter_name` by one,
+ * atomically, as PyTorch's `_release_ipc_counter_cuda` does (non-atomically).
+ * For a consumer that drops a duplicate tuple without opening it. Needs
+ * no GPU. `SS_ERR_PEER_GONE` when the file is gone, `SS_ERR_BAD_REFCOUNT`
+ * when the slot is already 0.
+ */
+ss_status ss_cuda_release_ipc_counter(const char *counter_name, uint64_t slot);
+
+/**
+ * Gives back every block in limbo that no consumer refers to any more
+ * (running their deleters); `*out_freed` (may be NULL) gets how many.
+ * With limbo then empty, also closes the current ref-counter file if no
+ * send uses it. Call it when device memory runs short (`ss_cuda_malloc`
+ * does), as `torch.cuda.ipc_collect()`.
+ */
+ss_status ss_cuda_ipc_collect(size_t *out_freed);
+
+/**
+ * Blocks freed by this producer that consumers still refer to.
+ */
+size_t ss_cuda_limbo_size(void);
+
+/**
+ * Base address and size of the cudaMalloc allocation of `device` that
+ * holds `device_ptr` (what the tuple's offset is measured from).
+ */
+ss_status ss_cuda_pointer_base(const void *device_ptr,
+                               int32_t device,
+                               void **out_base,
+                               size_t *out_size);
+
+/**
+ * Allocates `nbytes` of device memory on `device` (cuMemAlloc, shareable
+ * with `ss_cuda_share`). When the device is full, collects limbo and tries
+ * again before failing with `SS_ERR_NO_SPACE`.
+ */
+ss_status ss_cuda_malloc(int32_t device, size_t nbytes, void **out);
+
+/**
+ * Frees memory from `ss_cuda_malloc`. NULL is a no-op.
+ */
+ss_status ss_cuda_free(int32_t device, void *device_ptr);
+
+/**
+ * Writes the tuple as one line of text (eight space-separated fields,
+ * byte strings in hex, `-` for an empty one) into `buf` of `len` bytes
+ * (`SS_CUDA_HANDLE_TEXT_MAX` is always enough): for pipes, argv, Python.
+ */
+ss_status ss_cuda_ipc_handle_to_text(const ss_cuda_ipc_handle *ipc_handle, char *buf, size_t len);
+
+/**
+ * Parses `ss_cuda_ipc_handle_to_text`'s form into `*out`.
+ */
+ss_status ss_cuda_ipc_handle_from_text(const char *text, ss_cuda_ipc_handle *out);
 
 /**
  * The detail of the last failure on the calling thread ("" if none yet):

@@ -22,6 +22,8 @@ fn child_role() {
     println!("map: {e}");
     let e = RefcountedMapAllocator::open(&new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE, ASK).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
+    let e = RefcountedMapAllocator::create_with(&new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE, &vec![7u8; ASK]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
     let e = share_memory(&vec![7u8; ASK]).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
     println!("share_memory: {e}");

@@ -18,13 +18,15 @@ use std::os::fd::RawFd;
 /// What ATen calls a name when none was given (FROMFD maps).
 pub const UNNAMED: &str = "filename not specified";
 
-/// How an open treats pages of an object it grows.
+/// How an open puts pages behind an object it grows.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum Reserve {
-    /// Reserve them now (the default).
+pub(crate) enum Reserve<'a> {
+    /// Reserve them (posix_fallocate); they read as zeros.
     Now,
-    /// The caller writes every page itself right after (share_memory).
-    ByCaller,
+    /// Write `bytes` at offset `at` with pwrite(2), which allocates and
+    /// fills each page in one pass (see `reserve`); the bytes must cover
+    /// every page of the object (`at` < page size, `at + len` = size).
+    Fill { at: usize, bytes: &'a [u8] },
 }
 
 /// One mapped file or shared-memory object. Dropping it closes it.
@@ -116,11 +118,14 @@ impl MapAllocator {
             created,
             closed: false,
         };
-        if let (Some(old), Reserve::Now) = (grown_from, reserve) {
-            if let Err(e) = reserve::reserve(opened.fd, base, old, size - old, name) {
-                let _ = this.unmap_only();
-                return Err(cleanup(&opened, e));
-            }
+        let filled = match (grown_from, reserve) {
+            (_, Reserve::Fill { at, bytes }) => reserve::write_all(opened.fd, at, bytes, name),
+            (Some(old), Reserve::Now) => reserve::reserve(opened.fd, base, old, size - old, name),
+            (None, Reserve::Now) => Ok(()),
+        };
+        if let Err(e) = filled {
+            let _ = this.unmap_only();
+            return Err(cleanup(&opened, e));
         }
         if flags & UNLINK != 0 && (flags & FROMFD == 0 || name != UNNAMED) {
             if let Err(e) = unlink_name(&c_name, name, flags) {

@@ -28,13 +28,15 @@ pub fn reserve(fd: RawFd, base: *mut u8, offset: usize, len: usize, what: &str) 
     result.map_err(|e| e.context(format!("unable to reserve {len} bytes for <{what}>")))
 }
 
-/// Writes all of `src` at offset 0 of `fd` (a new, empty or truncated
-/// object), so every page of it exists and holds the data.
-pub fn write_all(fd: RawFd, src: &[u8], what: &str) -> Result<()> {
+/// Writes all of `src` at offset `at` of `fd` (a new object), so every
+/// page the bytes touch exists and holds them.
+pub fn write_all(fd: RawFd, at: usize, src: &[u8], what: &str) -> Result<()> {
     let mut done = 0;
     while done < src.len() {
         // SAFETY: the source range is inside `src`; pwrite only reads it.
-        let n = unsafe { libc::pwrite(fd, src.as_ptr().add(done).cast(), src.len() - done, done as libc::off_t) };
+        let n = unsafe {
+            libc::pwrite(fd, src.as_ptr().add(done).cast(), src.len() - done, (at + done) as libc::off_t)
+        };
         if n < 0 {
             let e = errno();
             if e == libc::EINTR {
@@ -88,7 +90,7 @@ mod tests {
         let fd = unsafe { libc::memfd_create(c"ss-reserve-test".as_ptr(), libc::MFD_CLOEXEC) };
         assert!(fd >= 0);
         let src: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
-        write_all(fd, &src, "memfd").unwrap();
+        write_all(fd, 0, &src, "memfd").unwrap();
         let mut back = vec![0u8; src.len()];
         // SAFETY: reading into our buffer.
         assert_eq!(unsafe { libc::pread(fd, back.as_mut_ptr().cast(), back.len(), 0) }, 10_000);

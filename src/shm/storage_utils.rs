@@ -3,7 +3,6 @@
 use super::flags::SHM_FD_STORAGE;
 use super::map::{MapAllocator, Reserve};
 use super::names::new_process_wide_shm_handle;
-use super::reserve;
 use crate::error::{Error, ErrorKind, Result};
 
 /// A new anonymous shared-memory segment of `size` bytes, reachable only
@@ -13,7 +12,8 @@ pub fn new_shm_fd_storage(size: usize) -> Result<MapAllocator> {
 }
 
 /// Copies `src` into a new fd-backed segment and returns its mapping: what
-/// `share_memory_()` does to a CPU storage. The bytes go in with pwrite(2),
+/// `share_memory_()` does to a CPU storage. The bytes go in with pwrite(2)
+/// (`Reserve::Fill`),
 /// which allocates and fills each page in one pass (see `reserve`); a full
 /// /dev/shm gives `NoSpace`. The mapping's pages are then faulted in lazily
 /// (minor faults, no allocation) on first access.
@@ -22,9 +22,7 @@ pub fn share_memory(src: &[u8]) -> Result<MapAllocator> {
         return Err(Error::new(ErrorKind::InvalidArgument, "share_memory of 0 bytes: nothing to share"));
     }
     let name = new_process_wide_shm_handle();
-    let map = MapAllocator::open_with(&name, None, SHM_FD_STORAGE, src.len(), Reserve::ByCaller)?;
-    reserve::write_all(map.fd(), src, &name)?;
-    Ok(map)
+    MapAllocator::open_with(&name, None, SHM_FD_STORAGE, src.len(), Reserve::Fill { at: 0, bytes: src })
 }
 
 #[cfg(test)]

@@ -1,10 +1,12 @@
 //! `ssctl demo`: shares a buffer with a second process, by descriptor and by
-//! name, and prints what each side saw and how long it took.
+//! name through the manager daemon, and prints what each side saw and how
+//! long it took.
 
 use std::os::fd::RawFd;
 use std::process::Command;
 use std::time::Instant;
-use storage_sharing::shm::{flags, new_process_wide_shm_handle, share_memory, MapAllocator, RefcountedMapAllocator};
+use storage_sharing::shm::{flags, share_memory, MapAllocator};
+use storage_sharing::storage::Storage;
 
 /// Hidden subcommand the demo runs in its second process.
 pub const CHILD_COMMAND: &str = "__demo-child";
@@ -68,23 +70,31 @@ fn demo(len: usize) -> Result<(), Box<dyn std::error::Error>> {
     println!("parent: the child wrote {:?} into the shared bytes", String::from_utf8_lossy(head));
     drop(map);
 
-    // 2. By name: a refcounted segment that the last holder removes.
-    let name = new_process_wide_shm_handle();
+    // 2. By name through the manager daemon (PyTorch's file_system strategy):
+    // a managed refcounted segment, cleaned up even if every holder dies.
+    let storage = Storage::from_bytes(&src)?;
     let t = Instant::now();
-    let seg = RefcountedMapAllocator::open(&name, flags::SHAREDMEM | flags::EXCLUSIVE, len)?;
-    // SAFETY: the segment holds len bytes of data.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), seg.data(), len) };
-    println!("refcounted segment {name}: created and filled in {:.2} ms, count {}", ms(t), seg.refcount()?);
+    let handle = storage.share_filename()?;
+    storage.shared_incref()?; // the sender's reference "in flight"
+    println!(
+        "share_filename: {:.2} ms into {} ({} bytes), registered with the manager at {}",
+        ms(t),
+        handle.filename,
+        handle.nbytes,
+        handle.manager_handle
+    );
     let status = Command::new(std::env::current_exe()?)
-        .args([CHILD_COMMAND, "name", &name, &len.to_string(), &format!("{sum:x}")])
+        .args([CHILD_COMMAND, "name", &format!("{}\n{}", handle.manager_handle, handle.filename), &len.to_string(), &format!("{sum:x}")])
         .status()?;
     if !status.success() {
         return Err(format!("child (by name) failed: {status}").into());
     }
-    println!("parent: count back to {} after the child closed", seg.refcount()?);
-    drop(seg);
-    let gone = !std::path::Path::new(&format!("/dev/shm{name}")).exists();
-    println!("parent: closed the last reference; {name} removed from /dev/shm: {gone}");
+    let mut head = vec![0u8; GREETING.len()];
+    head.copy_from_slice(&storage.to_vec()[..GREETING.len()]);
+    println!("parent: the child wrote {:?}; refcount now {}", String::from_utf8_lossy(&head), storage.shared_refcount()?);
+    drop(storage);
+    let gone = !std::path::Path::new(&format!("/dev/shm{}", handle.filename)).exists();
+    println!("parent: dropped the last reference; {} removed from /dev/shm: {gone}", handle.filename);
     Ok(())
 }
 
@@ -119,9 +129,11 @@ fn child_main(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
         let m = MapAllocator::open_fd("", fd, flags::OPEN_SHARED_FD, len)?;
         (m.data(), Box::new(m))
     } else {
-        let m = RefcountedMapAllocator::open(what, flags::SHAREDMEM | flags::NOCREATE, len)?;
-        println!("child {me}: opened {what} by name, count now {}", m.refcount()?);
-        (m.data(), Box::new(m))
+        let (manager, name) = what.split_once('\n').ok_or("child: bad name argument")?;
+        let s = Storage::new_shared_filename(manager, name, len)?;
+        s.shared_decref()?; // cancels the sender's in-flight reference
+        println!("child {me}: opened {name} by name through the manager, refcount now {}", s.shared_refcount()?);
+        (s.data(), Box::new(s))
     };
     let open_us = t.elapsed().as_secs_f64() * 1e6;
     // SAFETY: the mapping holds len bytes and lives in `holder`.

@@ -395,8 +395,8 @@ ss_status ss_cuda_pointer_base(const void *device_ptr,
 
 /**
  * Allocates `nbytes` of device memory on `device` (cuMemAlloc, shareable
- * with `ss_cuda_share`). When the device is full, collects limbo and tries
- * again before failing with `SS_ERR_NO_SPACE`.
+ * with `ss_cuda_share`). When the device is full, collects limbo and, if
+ * that gave any block back, tries once more; else `SS_ERR_NO_SPACE`.
  */
 ss_status ss_cuda_malloc(int32_t device, size_t nbytes, void **out);
 

@@ -37,10 +37,7 @@ impl CounterFile {
         validate_shm_name(name)?;
         match RefcountedMapAllocator::open(name, SHAREDMEM | NOCREATE, COUNTER_FILE_DATA_SIZE) {
             Ok(map) => Ok(CounterFile { map }),
-            Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::BadRefcount) => Err(Error::new(
-                ErrorKind::PeerGone,
-                format!("CUDA IPC ref-counter file <{name}> is gone: its producer process has exited or released it ({e})"),
-            )),
+            Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::BadRefcount) => Err(producer_gone(name, &format!(" ({e})"))),
             Err(e) => Err(e.context(format!("opening CUDA IPC ref-counter file <{name}>"))),
         }
     }
@@ -62,6 +59,15 @@ impl CounterFile {
     pub fn mappers(&self) -> Result<i32> {
         self.map.refcount()
     }
+}
+
+/// `PeerGone` for a counter file that no longer exists (or is being
+/// released), with `detail` appended to the message.
+fn producer_gone(name: &str, detail: &str) -> Error {
+    Error::new(
+        ErrorKind::PeerGone,
+        format!("CUDA IPC ref-counter file <{name}> is gone: its producer process has exited or released it{detail}"),
+    )
 }
 
 /// Decrements `slot` of the counter file `name` by one, atomically (PyTorch
@@ -100,10 +106,7 @@ pub fn peek_slot(name: &str, slot: u64) -> Result<i64> {
     if fd < 0 {
         let e = Error::last_os_error(format!("opening CUDA IPC ref-counter file <{name}>"));
         if e.kind() == ErrorKind::NotFound {
-            return Err(Error::new(
-                ErrorKind::PeerGone,
-                format!("CUDA IPC ref-counter file <{name}> is gone: its producer process has exited or released it"),
-            ));
+            return Err(producer_gone(name, ""));
         }
         return Err(e);
     }

@@ -20,7 +20,7 @@ const LIBRARY_NAMES: [&str; 2] = ["libcuda.so.1", "libcuda.so"];
 
 /// Every driver entry point this crate calls; all are checked at load so a
 /// missing one becomes `CudaUnavailable` instead of a panic in cudarc.
-const REQUIRED_SYMBOLS: [&str; 26] = [
+const REQUIRED_SYMBOLS: [&str; 23] = [
     "cuInit",
     "cuDriverGetVersion",
     "cuDeviceGetCount",
@@ -44,9 +44,6 @@ const REQUIRED_SYMBOLS: [&str; 26] = [
     "cuStreamSynchronize",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
-    "cuMemcpyHtoD_v2",
-    "cuMemcpyDtoH_v2",
-    "cuMemsetD32Async",
 ];
 
 /// A loaded, initialised driver.

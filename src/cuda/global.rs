@@ -32,7 +32,7 @@ pub fn global() -> &'static CudaIpc<CudaBackend> {
 }
 
 /// Allocates device memory; when the device is out of memory, collects
-/// limbo (blocks consumers released) and tries once more.
+/// limbo (blocks consumers released) and, if that freed any, tries once more.
 pub fn device_alloc(device: i32, nbytes: usize) -> Result<u64> {
     let ipc = global();
     match ipc.backend().alloc(device, nbytes) {

@@ -7,12 +7,15 @@
 //! back the blocks whose counter reached 0.
 
 use super::backend::IpcBackend;
-use super::counters::{check_slot, peek_slot, release_slot, CounterFiles};
+use super::counters::{peek_slot, release_slot, CounterFiles};
 use super::handle::{decode_mem_handle, encode_mem_handle, IpcHandle, IPC_HANDLE_SIZE};
 use super::limbo::Limbo;
 use super::received::{Received, ReceivedCache};
 use super::sent::{Deleter, PinnedBlock, SentData};
 use crate::error::{Error, ErrorKind, Result};
+use crate::shm::flags::SHAREDMEM;
+use crate::shm::map::unlink_name;
+use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
@@ -247,20 +250,18 @@ impl<B: IpcBackend> CudaIpc<B> {
             });
         }
         let raw = decode_mem_handle(&h.mem_handle)?;
-        let slot = check_slot(h.ref_counter_offset)?;
         // The counter file tells whether the producer is still there, and
-        // whether this tuple was already released.
-        {
-            let value = peek_slot(&h.ref_counter_handle, slot as u64)?;
-            if value <= 0 {
-                return Err(Error::new(
-                    ErrorKind::BadRefcount,
-                    format!(
-                        "slot {slot} of CUDA IPC ref-counter file <{}> is {value}: this tuple was already released",
-                        h.ref_counter_handle
-                    ),
-                ));
-            }
+        // whether this tuple was already released (peek_slot also checks
+        // the slot number).
+        let value = peek_slot(&h.ref_counter_handle, h.ref_counter_offset)?;
+        if value <= 0 {
+            return Err(Error::new(
+                ErrorKind::BadRefcount,
+                format!(
+                    "slot {} of CUDA IPC ref-counter file <{}> is {value}: this tuple was already released",
+                    h.ref_counter_offset, h.ref_counter_handle
+                ),
+            ));
         }
         let device = h.device;
         let (base, size) = self.received.acquire(device, &raw, || self.backend.open_memory(device, &raw))?;
@@ -330,15 +331,13 @@ impl<B: IpcBackend> CudaIpc<B> {
         names.extend(blocks.iter().map(|b| b.counter_name().to_string()));
         names.sort();
         names.dedup();
-        let mut removed = 0;
-        for name in &names {
-            if let Ok(c) = std::ffi::CString::new(name.as_str()) {
-                // SAFETY: shm_unlink with a valid C string.
-                if unsafe { libc::shm_unlink(c.as_ptr()) } == 0 {
-                    removed += 1;
-                }
-            }
-        }
+        let removed = names
+            .iter()
+            .filter(|name| {
+                let Ok(c) = CString::new(name.as_str()) else { return false };
+                unlink_name(&c, name, SHAREDMEM).is_ok()
+            })
+            .count();
         // Forget events and deleters: no device or user code at teardown.
         for mut b in blocks {
             if b.event.take().is_some() {

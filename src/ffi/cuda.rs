@@ -397,8 +397,8 @@ pub unsafe extern "C" fn ss_cuda_pointer_base(
 }
 
 /// Allocates `nbytes` of device memory on `device` (cuMemAlloc, shareable
-/// with `ss_cuda_share`). When the device is full, collects limbo and tries
-/// again before failing with `SS_ERR_NO_SPACE`.
+/// with `ss_cuda_share`). When the device is full, collects limbo and, if
+/// that gave any block back, tries once more; else `SS_ERR_NO_SPACE`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_malloc(device: i32, nbytes: usize, out: *mut *mut c_void) -> ss_status {
     ffi_status!("ss_cuda_malloc", {

@@ -61,16 +61,23 @@ pub unsafe fn copy_c_string(text: &str, buf: *mut c_char, len: usize, what: &str
     if buf.is_null() {
         return Err(null(what));
     }
+    c_string_fits(text, len, what)?;
+    // SAFETY: checked above that len > text.len().
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast(), text.len());
+        buf.add(text.len()).write(0);
+    }
+    Ok(())
+}
+
+/// Checks that `text` plus a NUL fits in `len` bytes (lets a function with
+/// several string out-parameters check them all before writing any).
+pub fn c_string_fits(text: &str, len: usize, what: &str) -> Result<()> {
     if text.len() + 1 > len {
         return Err(Error::new(
             ErrorKind::BufferTooSmall,
             format!("{what} needs {} bytes (with the NUL) but has {len}", text.len() + 1),
         ));
-    }
-    // SAFETY: checked above that len > text.len().
-    unsafe {
-        std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast(), text.len());
-        buf.add(text.len()).write(0);
     }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! C API of the storage object and its sharing: `ss_storage`, `ss_weak`.
 
-use super::args::{copy_c_string, handle, out_arg, str_arg, write_out};
+use super::args::{c_string_fits, copy_c_string, handle, out_arg, str_arg, write_out};
 use super::status::ss_status;
 use crate::error::{Error, ErrorKind};
 use crate::storage::{Storage, WeakStorage};
@@ -166,8 +166,8 @@ pub unsafe extern "C" fn ss_storage_get_shared_fd(s: *const SsStorage, out_fd: *
 /// segment name, NUL-terminated, into the two buffers, and the size into
 /// `out_nbytes`. These three values are what `ss_storage_new_shared_filename`
 /// takes in another process. Buffers of 108 and 64 bytes always suffice;
-/// a smaller one gives `SS_ERR_BUFFER_TOO_SMALL` (the storage is shared
-/// anyway; call again with room).
+/// a smaller one gives `SS_ERR_BUFFER_TOO_SMALL` and writes neither buffer
+/// (the storage is shared anyway; call again with room).
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_share_filename(
     s: *const SsStorage,
@@ -183,6 +183,9 @@ pub unsafe extern "C" fn ss_storage_share_filename(
         out_arg(out_nbytes, "out_nbytes")?;
         // SAFETY: NULL or a live handle.
         let h = unsafe { storage(s) }?.share_filename()?;
+        // Both sizes first: neither buffer is written unless both fit.
+        c_string_fits(&h.manager_handle, manager_len, "manager_buf")?;
+        c_string_fits(&h.filename, name_len, "name_buf")?;
         // SAFETY: the caller gives buffers of the stated lengths.
         unsafe {
             copy_c_string(&h.manager_handle, manager_buf, manager_len, "manager_buf")?;

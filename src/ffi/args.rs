@@ -82,6 +82,18 @@ pub fn c_string_fits(text: &str, len: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Drops a handle made with `Box::into_raw`; NULL is a no-op (every
+/// `ss_<thing>_free`).
+///
+/// # Safety
+/// `p` is NULL or a handle from this library, not used after this call.
+pub unsafe fn free_handle<T>(p: *mut T) {
+    if !p.is_null() {
+        // SAFETY: per the contract above.
+        drop(unsafe { Box::from_raw(p) });
+    }
+}
+
 pub fn null(what: &str) -> Error {
     Error::new(ErrorKind::NullPointer, format!("{what} is NULL"))
 }

@@ -77,10 +77,9 @@ impl Server {
                 return Err(Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not bind <{}>", socket.display())));
             }
         };
-        listener.set_nonblocking(true).map_err(|e| Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), "set_nonblocking"))?;
         // std listens with a backlog of 128 (libshm: 10): many clients may
         // connect at once.
-        Ok(Server {
+        let server = Server {
             dir,
             socket,
             listener,
@@ -89,7 +88,12 @@ impl Server {
             tracked: HashSet::new(),
             watch: HashSet::new(),
             log: std::env::var_os("SS_SHM_MANAGER_LOG").is_some_and(|v| v != "0"),
-        })
+        };
+        // On failure dropping `server` removes the socket and its folder.
+        server.listener.set_nonblocking(true).map_err(|e| {
+            Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not make <{}> non-blocking", server.socket.display()))
+        })?;
+        Ok(server)
     }
 
     pub fn socket_path(&self) -> &std::path::Path {

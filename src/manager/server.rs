@@ -13,6 +13,8 @@
 use super::protocol::{AllocInfo, ALLOC_INFO_SIZE, OK_REPLY};
 use super::segment_users::{names_in_use, shm_path};
 use crate::error::{Error, ErrorKind, Result};
+use crate::shm::flags::SHAREDMEM;
+use crate::shm::map::unlink_name;
 use crate::shm::names::validate_shm_name;
 use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
@@ -309,9 +311,7 @@ impl Server {
 
     fn unlink(&mut self, name: &str) {
         if let Ok(c) = CString::new(name) {
-            // SAFETY: c is a valid NUL-terminated name.
-            let rc = unsafe { libc::shm_unlink(c.as_ptr()) };
-            if rc == 0 {
+            if unlink_name(&c, name, SHAREDMEM).is_ok() {
                 self.note(format!("removed abandoned segment {name}"));
             }
         }

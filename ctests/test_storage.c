@@ -177,6 +177,10 @@ static void test_share_filename_to_child(void) {
     char manager[108], name[64], tiny[4];
     size_t nb = 0;
     CHECK_STATUS(ss_storage_share_filename(s, tiny, sizeof tiny, name, sizeof name, &nb), SS_ERR_BUFFER_TOO_SMALL);
+    /* A too small name buffer: the manager buffer is not written either. */
+    memset(manager, 'x', sizeof manager);
+    CHECK_STATUS(ss_storage_share_filename(s, manager, sizeof manager, tiny, sizeof tiny, &nb), SS_ERR_BUFFER_TOO_SMALL);
+    CHECK(manager[0] == 'x' && nb == 0);
     CHECK_OK(ss_storage_share_filename(s, manager, sizeof manager, name, sizeof name, &nb));
     CHECK(nb == n);
     CHECK(strncmp(name, "/torch_", 7) == 0 && shm_exists(name));

@@ -472,7 +472,8 @@ ss_status ss_shm_manager_set_binary(const char *path);
 /**
  * Starts a new manager daemon (it exits by itself after 2 s without
  * clients) and writes its socket path, NUL-terminated, into `buf` of
- * `len` bytes (108 always suffice). Connect to it by passing the path as
+ * `len` bytes (108 always suffice). A daemon that prints no path within
+ * 5 s is stopped: `SS_ERR_TIMEOUT`. Connect to it by passing the path as
  * the manager handle of `ss_storage_new_shared_filename`.
  */
 ss_status ss_shm_manager_spawn(char *buf, size_t len);
@@ -638,8 +639,8 @@ ss_status ss_storage_get_shared_fd(const ss_storage *s, int *out_fd);
  * segment name, NUL-terminated, into the two buffers, and the size into
  * `out_nbytes`. These three values are what `ss_storage_new_shared_filename`
  * takes in another process. Buffers of 108 and 64 bytes always suffice;
- * a smaller one gives `SS_ERR_BUFFER_TOO_SMALL` (the storage is shared
- * anyway; call again with room).
+ * a smaller one gives `SS_ERR_BUFFER_TOO_SMALL` and writes neither buffer
+ * (the storage is shared anyway; call again with room).
  */
 ss_status ss_storage_share_filename(const ss_storage *s,
                                     char *manager_buf,

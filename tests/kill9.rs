@@ -127,13 +127,34 @@ fn handle_of(line: &str) -> (String, String, usize) {
     (p[0].to_string(), p[1].to_string(), p[2].parse().unwrap())
 }
 
-#[test]
-fn producer_killed_with_incref_in_flight_before_consumer_opens() {
+/// A producer that shared a storage by name (incref in flight) and a
+/// consumer given its handle, ready to open it; and the manager's socket
+/// path and the segment name from that handle.
+struct Pair {
+    prod: Peer,
+    cons: Peer,
+    manager: String,
+    name: String,
+}
+
+fn producer_and_consumer() -> Pair {
     let mut prod = Peer::spawn(ENTRY, "producer", "");
     let line = prod.recv();
     let (manager, name, _) = handle_of(&line);
     let mut cons = Peer::spawn(ENTRY, "consumer", &line);
     assert_eq!(cons.recv(), "ready");
+    Pair { prod, cons, manager, name }
+}
+
+/// Tells the consumer to open the handle and waits until it has.
+fn open_in(cons: &mut Peer) {
+    cons.send("open");
+    assert_eq!(cons.recv(), "opened");
+}
+
+#[test]
+fn producer_killed_with_incref_in_flight_before_consumer_opens() {
+    let Pair { prod, mut cons, manager, name } = producer_and_consumer();
     let pid = prod.pid();
     prod.kill9();
     // Nobody maps it any more: the manager removes it at once.
@@ -147,13 +168,8 @@ fn producer_killed_with_incref_in_flight_before_consumer_opens() {
 
 #[test]
 fn producer_killed_after_consumer_mapped_keeps_segment_until_consumer_closes() {
-    let mut prod = Peer::spawn(ENTRY, "producer", "");
-    let line = prod.recv();
-    let (manager, name, _) = handle_of(&line);
-    let mut cons = Peer::spawn(ENTRY, "consumer", &line);
-    assert_eq!(cons.recv(), "ready");
-    cons.send("open");
-    assert_eq!(cons.recv(), "opened");
+    let Pair { prod, mut cons, manager, name } = producer_and_consumer();
+    open_in(&mut cons);
     let pid = prod.pid();
     prod.kill9();
     // The consumer is alive and maps it: it must stay through several of
@@ -167,13 +183,8 @@ fn producer_killed_after_consumer_mapped_keeps_segment_until_consumer_closes() {
 
 #[test]
 fn consumer_killed_after_mapping_producer_keeps_it_then_it_goes() {
-    let mut prod = Peer::spawn(ENTRY, "producer", "");
-    let line = prod.recv();
-    let (manager, name, _) = handle_of(&line);
-    let mut cons = Peer::spawn(ENTRY, "consumer", &line);
-    assert_eq!(cons.recv(), "ready");
-    cons.send("open");
-    assert_eq!(cons.recv(), "opened");
+    let Pair { mut prod, mut cons, manager, name } = producer_and_consumer();
+    open_in(&mut cons);
     cons.kill9();
     std::thread::sleep(Duration::from_millis(2500));
     assert!(shm_exists(&name), "the live producer's segment was removed");
@@ -190,11 +201,7 @@ fn consumer_killed_after_mapping_producer_keeps_it_then_it_goes() {
 
 #[test]
 fn consumer_killed_with_incref_in_flight_then_producer_exits() {
-    let mut prod = Peer::spawn(ENTRY, "producer", "");
-    let line = prod.recv();
-    let (manager, name, _) = handle_of(&line);
-    let mut cons = Peer::spawn(ENTRY, "consumer", &line);
-    assert_eq!(cons.recv(), "ready");
+    let Pair { mut prod, cons, manager, name } = producer_and_consumer();
     cons.kill9();
     prod.send("drop");
     assert_eq!(prod.recv(), "dropped");
@@ -209,13 +216,8 @@ fn consumer_killed_with_incref_in_flight_then_producer_exits() {
 
 #[test]
 fn both_killed() {
-    let mut prod = Peer::spawn(ENTRY, "producer", "");
-    let line = prod.recv();
-    let (manager, _, _) = handle_of(&line);
-    let mut cons = Peer::spawn(ENTRY, "consumer", &line);
-    assert_eq!(cons.recv(), "ready");
-    cons.send("open");
-    assert_eq!(cons.recv(), "opened");
+    let Pair { prod, mut cons, manager, .. } = producer_and_consumer();
+    open_in(&mut cons);
     let pid = prod.pid();
     cons.kill9();
     prod.kill9();

@@ -23,10 +23,6 @@ fn child_entry() {
     });
 }
 
-fn read_bytes(s: &Storage) -> Vec<u8> {
-    s.to_vec()
-}
-
 /// Receives (nbytes, fd), maps it, checks the pattern, writes 0xEE at 0.
 fn open_fd_child(parent: &mut Parent) {
     let mut buf = [0u8; 32];
@@ -35,7 +31,7 @@ fn open_fd_child(parent: &mut Parent) {
     let s = Storage::new_shared_fd(fds[0].as_raw_fd(), nbytes).unwrap();
     drop(fds);
     assert!(s.is_shared() && !s.resizable());
-    let ok = read_bytes(&s)[1..] == pattern(nbytes, 3)[1..];
+    let ok = s.to_vec()[1..] == pattern(nbytes, 3)[1..];
     s.write_at(0, &[0xEE]).unwrap();
     parent.send(if ok { "ok" } else { "bad" });
     parent.recv();
@@ -92,7 +88,7 @@ fn open_name_child(parent: &mut Parent) {
     let nbytes: usize = parts[2].parse().unwrap();
     let s = Storage::new_shared_filename(parts[0], parts[1], nbytes).unwrap();
     s.shared_decref().unwrap();
-    let ok = read_bytes(&s)[1..] == pattern(nbytes, 5)[1..];
+    let ok = s.to_vec()[1..] == pattern(nbytes, 5)[1..];
     s.write_at(0, &[0xEE]).unwrap();
     parent.send(&format!("{} {}", if ok { "ok" } else { "bad" }, s.shared_refcount().unwrap()));
     parent.recv();

@@ -55,6 +55,13 @@ fn lookup_order_and_start_failures() {
     assert_eq!(e.kind(), ErrorKind::PeerGone);
     assert!(e.message().contains("no response"), "{e}");
 
+    // One that keeps its stdout open and never answers is stopped.
+    let hanging = script(&dir, "hanging", "exec /bin/sleep 600");
+    std::env::set_var(MANAGER_ENV, &hanging);
+    let e = spawn_manager().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert!(e.message().contains("printed no socket path"), "{e}");
+
     // An explicit path wins over everything.
     set_manager_binary(common::manager_bin().to_str().unwrap()).unwrap();
     assert_eq!(find_manager_binary().unwrap(), common::manager_bin());

@@ -61,18 +61,37 @@ pub unsafe fn copy_c_string(text: &str, buf: *mut c_char, len: usize, what: &str
     if buf.is_null() {
         return Err(null(what));
     }
-    if text.len() + 1 > len {
-        return Err(Error::new(
-            ErrorKind::BufferTooSmall,
-            format!("{what} needs {} bytes (with the NUL) but has {len}", text.len() + 1),
-        ));
-    }
+    c_string_fits(text, len, what)?;
     // SAFETY: checked above that len > text.len().
     unsafe {
         std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast(), text.len());
         buf.add(text.len()).write(0);
     }
     Ok(())
+}
+
+/// Checks that `text` plus a NUL fits in `len` bytes (lets a function with
+/// several string out-parameters check them all before writing any).
+pub fn c_string_fits(text: &str, len: usize, what: &str) -> Result<()> {
+    if text.len() + 1 > len {
+        return Err(Error::new(
+            ErrorKind::BufferTooSmall,
+            format!("{what} needs {} bytes (with the NUL) but has {len}", text.len() + 1),
+        ));
+    }
+    Ok(())
+}
+
+/// Drops a handle made with `Box::into_raw`; NULL is a no-op (every
+/// `ss_<thing>_free`).
+///
+/// # Safety
+/// `p` is NULL or a handle from this library, not used after this call.
+pub unsafe fn free_handle<T>(p: *mut T) {
+    if !p.is_null() {
+        // SAFETY: per the contract above.
+        drop(unsafe { Box::from_raw(p) });
+    }
 }
 
 pub fn null(what: &str) -> Error {

@@ -20,7 +20,8 @@ pub unsafe extern "C" fn ss_shm_manager_set_binary(path: *const c_char) -> ss_st
 
 /// Starts a new manager daemon (it exits by itself after 2 s without
 /// clients) and writes its socket path, NUL-terminated, into `buf` of
-/// `len` bytes (108 always suffice). Connect to it by passing the path as
+/// `len` bytes (108 always suffice). A daemon that prints no path within
+/// 5 s is stopped: `SS_ERR_TIMEOUT`. Connect to it by passing the path as
 /// the manager handle of `ss_storage_new_shared_filename`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_shm_manager_spawn(buf: *mut c_char, len: usize) -> ss_status {

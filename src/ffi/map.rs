@@ -1,6 +1,6 @@
 //! C API of MapAllocator and RefcountedMapAllocator: the `ss_map` handle.
 
-use super::args::{handle, handle_mut, out_arg, str_arg, write_out};
+use super::args::{free_handle, handle, handle_mut, out_arg, str_arg, write_out};
 use super::status::ss_status;
 use crate::error::{Error, ErrorKind, Result};
 use crate::shm::{registry, MapAllocator, RefcountedMapAllocator};
@@ -284,10 +284,8 @@ pub unsafe extern "C" fn ss_map_close(map: *mut SsMap) -> ss_status {
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_free(map: *mut SsMap) {
     ffi_value!("ss_map_free", (), {
-        if !map.is_null() {
-            // SAFETY: a handle from this library, not used after this call.
-            drop(unsafe { Box::from_raw(map) });
-        }
+        // SAFETY: NULL or a handle from this library, not used after this call.
+        unsafe { free_handle(map) }
     })
 }
 

@@ -1,6 +1,6 @@
 //! C API of the storage object and its sharing: `ss_storage`, `ss_weak`.
 
-use super::args::{copy_c_string, handle, out_arg, str_arg, write_out};
+use super::args::{c_string_fits, copy_c_string, free_handle, handle, out_arg, str_arg, write_out};
 use super::status::ss_status;
 use crate::error::{Error, ErrorKind};
 use crate::storage::{Storage, WeakStorage};
@@ -26,8 +26,17 @@ pub struct SsWeak {
     weak: WeakStorage,
 }
 
-fn boxed(storage: Storage) -> *mut SsStorage {
-    Box::into_raw(Box::new(SsStorage { storage }))
+/// Checks `out`, then makes a storage and hands a new handle to it out:
+/// the body of every function that returns an `ss_storage`.
+///
+/// # Safety
+/// `out` is NULL or writable for one pointer.
+unsafe fn new_handle(out: *mut *mut SsStorage, make: impl FnOnce() -> crate::Result<Storage>) -> crate::Result<()> {
+    out_arg(out, "out")?;
+    let storage = make()?;
+    // SAFETY: checked above.
+    unsafe { write_out(out, Box::into_raw(Box::new(SsStorage { storage }))) };
+    Ok(())
 }
 
 /// The storage behind a handle argument.
@@ -41,11 +50,8 @@ unsafe fn storage<'a>(s: *const SsStorage) -> crate::Result<&'a Storage> {
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_new(nbytes: usize, out: *mut *mut SsStorage) -> ss_status {
     ffi_status!("ss_storage_new", {
-        out_arg(out, "out")?;
-        let s = Storage::new(nbytes)?;
-        // SAFETY: checked above.
-        unsafe { write_out(out, boxed(s)) };
-        Ok(())
+        // SAFETY: out is NULL or writable.
+        unsafe { new_handle(out, || Storage::new(nbytes)) }
     })
 }
 
@@ -53,12 +59,8 @@ pub unsafe extern "C" fn ss_storage_new(nbytes: usize, out: *mut *mut SsStorage)
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_ref(s: *const SsStorage, out: *mut *mut SsStorage) -> ss_status {
     ffi_status!("ss_storage_ref", {
-        out_arg(out, "out")?;
-        // SAFETY: NULL or a live handle.
-        let s = unsafe { storage(s) }?.clone();
-        // SAFETY: checked above.
-        unsafe { write_out(out, boxed(s)) };
-        Ok(())
+        // SAFETY: out is NULL or writable; s is NULL or a live handle.
+        unsafe { new_handle(out, || Ok(storage(s)?.clone())) }
     })
 }
 
@@ -126,11 +128,8 @@ pub unsafe extern "C" fn ss_storage_share_fd(s: *const SsStorage, out_fd: *mut c
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_new_shared_fd(fd: c_int, nbytes: usize, out: *mut *mut SsStorage) -> ss_status {
     ffi_status!("ss_storage_new_shared_fd", {
-        out_arg(out, "out")?;
-        let s = Storage::new_shared_fd(fd, nbytes)?;
-        // SAFETY: checked above.
-        unsafe { write_out(out, boxed(s)) };
-        Ok(())
+        // SAFETY: out is NULL or writable.
+        unsafe { new_handle(out, || Storage::new_shared_fd(fd, nbytes)) }
     })
 }
 
@@ -138,11 +137,8 @@ pub unsafe extern "C" fn ss_storage_new_shared_fd(fd: c_int, nbytes: usize, out:
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_new_using_fd(nbytes: usize, out: *mut *mut SsStorage) -> ss_status {
     ffi_status!("ss_storage_new_using_fd", {
-        out_arg(out, "out")?;
-        let s = Storage::new_using_fd(nbytes)?;
-        // SAFETY: checked above.
-        unsafe { write_out(out, boxed(s)) };
-        Ok(())
+        // SAFETY: out is NULL or writable.
+        unsafe { new_handle(out, || Storage::new_using_fd(nbytes)) }
     })
 }
 
@@ -166,8 +162,8 @@ pub unsafe extern "C" fn ss_storage_get_shared_fd(s: *const SsStorage, out_fd: *
 /// segment name, NUL-terminated, into the two buffers, and the size into
 /// `out_nbytes`. These three values are what `ss_storage_new_shared_filename`
 /// takes in another process. Buffers of 108 and 64 bytes always suffice;
-/// a smaller one gives `SS_ERR_BUFFER_TOO_SMALL` (the storage is shared
-/// anyway; call again with room).
+/// a smaller one gives `SS_ERR_BUFFER_TOO_SMALL` and writes neither buffer
+/// (the storage is shared anyway; call again with room).
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_share_filename(
     s: *const SsStorage,
@@ -183,6 +179,9 @@ pub unsafe extern "C" fn ss_storage_share_filename(
         out_arg(out_nbytes, "out_nbytes")?;
         // SAFETY: NULL or a live handle.
         let h = unsafe { storage(s) }?.share_filename()?;
+        // Both sizes first: neither buffer is written unless both fit.
+        c_string_fits(&h.manager_handle, manager_len, "manager_buf")?;
+        c_string_fits(&h.filename, name_len, "name_buf")?;
         // SAFETY: the caller gives buffers of the stated lengths.
         unsafe {
             copy_c_string(&h.manager_handle, manager_buf, manager_len, "manager_buf")?;
@@ -206,15 +205,10 @@ pub unsafe extern "C" fn ss_storage_new_shared_filename(
     out: *mut *mut SsStorage,
 ) -> ss_status {
     ffi_status!("ss_storage_new_shared_filename", {
-        out_arg(out, "out")?;
-        // SAFETY: NUL-terminated strings or NULL.
-        let manager = unsafe { str_arg(manager, "manager") }?;
-        // SAFETY: as above.
-        let name = unsafe { str_arg(name, "name") }?;
-        let s = Storage::new_shared_filename(manager, name, nbytes)?;
-        // SAFETY: checked above.
-        unsafe { write_out(out, boxed(s)) };
-        Ok(())
+        // SAFETY: out is NULL or writable; the strings NUL-terminated or NULL.
+        unsafe {
+            new_handle(out, || Storage::new_shared_filename(str_arg(manager, "manager")?, str_arg(name, "name")?, nbytes))
+        }
     })
 }
 
@@ -222,11 +216,8 @@ pub unsafe extern "C" fn ss_storage_new_shared_filename(
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_new_using_filename(nbytes: usize, out: *mut *mut SsStorage) -> ss_status {
     ffi_status!("ss_storage_new_using_filename", {
-        out_arg(out, "out")?;
-        let s = Storage::new_using_filename(nbytes)?;
-        // SAFETY: checked above.
-        unsafe { write_out(out, boxed(s)) };
-        Ok(())
+        // SAFETY: out is NULL or writable.
+        unsafe { new_handle(out, || Storage::new_using_filename(nbytes)) }
     })
 }
 
@@ -268,10 +259,8 @@ pub unsafe extern "C" fn ss_storage_shared_refcount(s: *const SsStorage, out: *m
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_free(s: *mut SsStorage) {
     ffi_value!("ss_storage_free", (), {
-        if !s.is_null() {
-            // SAFETY: a handle from this library, not used after this call.
-            drop(unsafe { Box::from_raw(s) });
-        }
+        // SAFETY: NULL or a handle from this library, not used after this call.
+        unsafe { free_handle(s) }
     })
 }
 
@@ -293,13 +282,12 @@ pub unsafe extern "C" fn ss_storage_weak_ref(s: *const SsStorage, out: *mut *mut
 #[no_mangle]
 pub unsafe extern "C" fn ss_weak_upgrade(w: *const SsWeak, out: *mut *mut SsStorage) -> ss_status {
     ffi_status!("ss_weak_upgrade", {
-        out_arg(out, "out")?;
-        // SAFETY: NULL or a live handle.
-        let w = unsafe { handle(w, "weak") }?;
-        let s = w.weak.upgrade().ok_or_else(|| Error::new(ErrorKind::NotFound, "weak reference expired: the storage is gone"))?;
-        // SAFETY: checked above.
-        unsafe { write_out(out, boxed(s)) };
-        Ok(())
+        // SAFETY: out is NULL or writable; w is NULL or a live handle.
+        unsafe {
+            new_handle(out, || {
+                handle(w, "weak")?.weak.upgrade().ok_or_else(|| Error::new(ErrorKind::NotFound, "weak reference expired: the storage is gone"))
+            })
+        }
     })
 }
 
@@ -316,9 +304,7 @@ pub unsafe extern "C" fn ss_weak_expired(w: *const SsWeak) -> bool {
 #[no_mangle]
 pub unsafe extern "C" fn ss_weak_free(w: *mut SsWeak) {
     ffi_value!("ss_weak_free", (), {
-        if !w.is_null() {
-            // SAFETY: a handle from this library, not used after this call.
-            drop(unsafe { Box::from_raw(w) });
-        }
+        // SAFETY: NULL or a handle from this library, not used after this call.
+        unsafe { free_handle(w) }
     })
 }

@@ -84,7 +84,7 @@ fn scan_fds(pid: i32, paths: &[(String, &String)], found: &mut HashSet<String>) 
 pub fn process_start_ticks(pid: i32) -> Option<u64> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may hold spaces.
-    let rest = &stat[stat.rfind(')')? + 2..];
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 

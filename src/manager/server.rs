@@ -13,6 +13,8 @@
 use super::protocol::{AllocInfo, ALLOC_INFO_SIZE, OK_REPLY};
 use super::segment_users::{names_in_use, shm_path};
 use crate::error::{Error, ErrorKind, Result};
+use crate::shm::flags::SHAREDMEM;
+use crate::shm::map::unlink_name;
 use crate::shm::names::validate_shm_name;
 use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
@@ -77,10 +79,9 @@ impl Server {
                 return Err(Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not bind <{}>", socket.display())));
             }
         };
-        listener.set_nonblocking(true).map_err(|e| Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), "set_nonblocking"))?;
         // std listens with a backlog of 128 (libshm: 10): many clients may
         // connect at once.
-        Ok(Server {
+        let server = Server {
             dir,
             socket,
             listener,
@@ -89,7 +90,12 @@ impl Server {
             tracked: HashSet::new(),
             watch: HashSet::new(),
             log: std::env::var_os("SS_SHM_MANAGER_LOG").is_some_and(|v| v != "0"),
-        })
+        };
+        // On failure dropping `server` removes the socket and its folder.
+        server.listener.set_nonblocking(true).map_err(|e| {
+            Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not make <{}> non-blocking", server.socket.display()))
+        })?;
+        Ok(server)
     }
 
     pub fn socket_path(&self) -> &std::path::Path {
@@ -305,9 +311,7 @@ impl Server {
 
     fn unlink(&mut self, name: &str) {
         if let Ok(c) = CString::new(name) {
-            // SAFETY: c is a valid NUL-terminated name.
-            let rc = unsafe { libc::shm_unlink(c.as_ptr()) };
-            if rc == 0 {
+            if unlink_name(&c, name, SHAREDMEM).is_ok() {
                 self.note(format!("removed abandoned segment {name}"));
             }
         }

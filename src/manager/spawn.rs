@@ -1,6 +1,7 @@
 //! Starting a manager daemon for a process that has none (libshm's
 //! `start_manager`): find the binary, run it, read the socket path it
-//! prints on its first line (or its `ERROR: ...` line).
+//! prints on its first line (or its `ERROR: ...` line) within
+//! [`START_TIMEOUT`].
 //!
 //! The binary is looked up in this order: the path set with
 //! [`set_manager_binary`]; the environment variable `SS_SHM_MANAGER`;
@@ -12,12 +13,17 @@ use once_cell::sync::Lazy;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::os::fd::AsRawFd;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// File name of the daemon.
 pub const MANAGER_BINARY: &str = "ss_shm_manager";
 /// Environment variable naming the daemon binary.
 pub const MANAGER_ENV: &str = "SS_SHM_MANAGER";
+
+/// How long a started daemon may take to print its socket path.
+pub const START_TIMEOUT: Duration = Duration::from_secs(5);
 
 static BINARY: Lazy<Mutex<Option<PathBuf>>> = Lazy::new(|| Mutex::new(None));
 
@@ -100,28 +106,22 @@ pub fn spawn_manager_at(binary: &Path) -> Result<String> {
         .map_err(|e| {
             Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not start the shared memory manager \"{shown}\""))
         })?;
-    let mut out = child.stdout.take().expect("stdout was piped");
-    let mut line = Vec::new();
-    let mut chunk = [0u8; 256];
-    while !line.ends_with(b"\n") && line.len() < 4096 {
-        match out.read(&mut chunk) {
-            Ok(0) => break,
-            Ok(n) => line.extend_from_slice(&chunk[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                return Err(Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("reading from the shared memory manager \"{shown}\"")))
-            }
-        }
+    let line = child.stdout.take().map_or_else(
+        || Err(Error::new(ErrorKind::Io, format!("no stdout pipe to the shared memory manager \"{shown}\""))),
+        |out| read_first_line(out, &shown, START_TIMEOUT),
+    );
+    if line.is_err() {
+        // It may still be running without ever answering: stop it, so the
+        // reaper below does not wait on it for ever.
+        let _ = child.kill();
     }
-    drop(out);
     // The daemon outlives this call; a thread reaps it when it exits so it
-    // never lingers as a zombie of the host process.
-    let reaper = std::thread::Builder::new().name("ss-manager-reaper".into()).spawn(move || {
+    // never lingers as a zombie of the host process, also when its output
+    // could not be read. Without a thread it stays unreaped until we exit.
+    let _ = std::thread::Builder::new().name("ss-manager-reaper".into()).spawn(move || {
         let _ = child.wait();
     });
-    if reaper.is_err() {
-        // Without a thread the child stays unreaped until we exit; still usable.
-    }
+    let line = line?;
     let text = String::from_utf8_lossy(&line);
     let text = text.trim_end_matches('\n');
     if text.is_empty() {
@@ -131,4 +131,40 @@ pub fn spawn_manager_at(binary: &Path) -> Result<String> {
         return Err(Error::new(ErrorKind::Io, format!("shared memory manager at \"{shown}\": {}", rest.trim())));
     }
     Ok(text.to_string())
+}
+
+/// The daemon's first line (up to 4 KiB), or what it wrote before closing;
+/// a `Timeout` error when it has written no full line after `limit`.
+fn read_first_line(mut out: std::process::ChildStdout, shown: &str, limit: Duration) -> Result<Vec<u8>> {
+    let deadline = Instant::now() + limit;
+    let mut line = Vec::new();
+    let mut chunk = [0u8; 256];
+    while !line.ends_with(b"\n") && line.len() < 4096 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut pfd = libc::pollfd { fd: out.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as libc::c_int) };
+        if n == 0 {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!("the shared memory manager \"{shown}\" printed no socket path within {} ms", limit.as_millis()),
+            ));
+        }
+        if n < 0 {
+            let errno = crate::error::errno();
+            if errno == libc::EINTR {
+                continue;
+            }
+            return Err(Error::from_errno(errno, format!("waiting for the shared memory manager \"{shown}\"")));
+        }
+        match out.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => line.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("reading from the shared memory manager \"{shown}\"")))
+            }
+        }
+    }
+    Ok(line)
 }

@@ -4,6 +4,8 @@
 
 use super::segments::{scan, Segment};
 use crate::error::{Error, Result};
+use crate::shm::flags::SHAREDMEM;
+use crate::shm::map::unlink_name;
 use std::ffi::CString;
 
 /// What one gc pass did.
@@ -35,12 +37,8 @@ pub fn collect(prefix: &str, dry_run: bool) -> Report {
 }
 
 fn unlink(name: &str) -> Result<()> {
-    let c = CString::new(name).map_err(|_| Error::new(crate::ErrorKind::InvalidArgument, "NUL in name"))?;
-    // SAFETY: c is a valid NUL-terminated name.
-    if unsafe { libc::shm_unlink(c.as_ptr()) } != 0 {
-        return Err(Error::last_os_error(format!("could not remove <{name}>")));
-    }
-    Ok(())
+    let c = CString::new(name).map_err(|_| Error::new(crate::ErrorKind::InvalidArgument, format!("segment name <{name}> contains NUL")))?;
+    unlink_name(&c, name, SHAREDMEM)
 }
 
 pub fn run(args: &[String]) -> i32 {

@@ -21,11 +21,26 @@ impl ManagedMapAllocator {
     /// process's manager, spawned if it has none), then opens it as
     /// [`RefcountedMapAllocator::open`] does.
     pub fn open(manager_handle: &str, name: &str, flags: i32, size: usize) -> Result<Self> {
+        Self::register_then(manager_handle, name, || RefcountedMapAllocator::open(name, flags, size))
+    }
+
+    /// Registers `name` as [`ManagedMapAllocator::open`] does, then creates
+    /// it holding a copy of `bytes` ([`RefcountedMapAllocator::create_with`]:
+    /// one pwrite pass instead of reserving and copying through the map).
+    pub fn create_with(manager_handle: &str, name: &str, flags: i32, bytes: &[u8]) -> Result<Self> {
+        Self::register_then(manager_handle, name, || RefcountedMapAllocator::create_with(name, flags, bytes))
+    }
+
+    fn register_then(
+        manager_handle: &str,
+        name: &str,
+        map: impl FnOnce() -> Result<RefcountedMapAllocator>,
+    ) -> Result<Self> {
         super::names::validate_shm_name(name)?;
         crate::manager::protocol::check_filename(name)?;
         let client = if manager_handle.is_empty() { default_client()? } else { client_for(manager_handle)? };
         client.register(name)?;
-        match RefcountedMapAllocator::open(name, flags, size) {
+        match map() {
             Ok(inner) => Ok(ManagedMapAllocator { inner, client, closed: false }),
             Err(e) => {
                 // We hold nothing: tell the manager so it does not watch it.

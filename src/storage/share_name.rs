@@ -39,9 +39,10 @@ impl Storage {
         if s.nbytes == 0 {
             return Err(Error::new(ErrorKind::InvalidArgument, "cannot share a storage of 0 bytes: send an empty storage instead"));
         }
-        let m = ManagedMapAllocator::open("", &new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE, s.nbytes)?;
-        // SAFETY: both hold nbytes bytes; the new segment is ours alone.
-        unsafe { std::ptr::copy_nonoverlapping(s.alloc.data(), m.data(), s.nbytes) };
+        // SAFETY: the allocation holds nbytes bytes and the write lock keeps
+        // them still while they are copied.
+        let bytes = unsafe { std::slice::from_raw_parts(s.alloc.data(), s.nbytes) };
+        let m = ManagedMapAllocator::create_with("", &new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE, bytes)?;
         let handle = handle_of(&m, s.nbytes);
         let old = Storage::swap_in(&mut s, Allocation::Managed(m));
         drop(s);

@@ -10,8 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
-	"time"
 	"testing"
+	"time"
 )
 
 func fillPattern(b []byte) {

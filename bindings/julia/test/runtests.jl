@@ -132,7 +132,8 @@ segment_exists(name) = isfile("/dev/shm" * name)
         sh = cuda_share(p, 1 << 20, 0)
         @test sent_counter(sh.sent) == 1
         close(sh.sent)   # in limbo until the slot is released
-        cuda_release_ipc_counter(unsafe_string(pointer(collect(sh.handle.ref_counter_handle))), sh.handle.ref_counter_offset)
+        counter_name = String(UInt8[b for b in Iterators.takewhile(!iszero, sh.handle.ref_counter_handle)])
+        cuda_release_ipc_counter(counter_name, sh.handle.ref_counter_offset)
         @test cuda_ipc_collect() == 1
         cuda_free(0, p)
     end

@@ -9,11 +9,14 @@
 #ifndef STORAGE_SHARING_HPP
 #define STORAGE_SHARING_HPP
 
+#include <unistd.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "storage_sharing.h"
 
@@ -207,6 +210,403 @@ private:
 /* A deleter of the shape `void(void *ctx)` (ATen's DataPtr, C callbacks)
  * for a handle given up by Map::release(). */
 inline void free_map_context(void *ctx) noexcept { ss_map_free(static_cast<ss_map *>(ctx)); }
+
+/* ---- Storages (ss_storage, ss_weak) and sharing them between processes ---- */
+
+/* What the receiver of a storage shared by fd needs besides the descriptor. */
+struct SharedFd {
+    int fd;              /* owned by the storage: send or dup it, never close it */
+    std::size_t nbytes;
+};
+
+/* The three values ss_storage_new_shared_filename takes in another process. */
+struct SharedFilename {
+    std::string manager; /* the manager's socket path */
+    std::string name;    /* the segment, "/torch_..." */
+    std::size_t nbytes;
+};
+
+class Weak;
+
+/* One strong reference to a storage (ss_storage). Move-only: a second
+ * reference to the same bytes is an explicit ref(). The bytes go with the
+ * last reference, in this process or (when shared) in all of them. */
+class Storage {
+public:
+    Storage() noexcept = default;
+    /* Takes ownership of a handle from the C API. */
+    explicit Storage(ss_storage *raw) noexcept : handle_(raw) {}
+
+    /* `nbytes` zero bytes on the heap (resizable until shared). */
+    static Storage create(std::size_t nbytes) {
+        ss_storage *raw = nullptr;
+        check(ss_storage_new(nbytes, &raw), "ss_storage_new");
+        return Storage(raw);
+    }
+    /* A new fd-backed shared storage of zero bytes (ATen flags 86). */
+    static Storage new_using_fd(std::size_t nbytes) {
+        ss_storage *raw = nullptr;
+        check(ss_storage_new_using_fd(nbytes, &raw), "ss_storage_new_using_fd");
+        return Storage(raw);
+    }
+    /* A new managed shared storage of zero bytes (ATen flags 6). */
+    static Storage new_using_filename(std::size_t nbytes) {
+        ss_storage *raw = nullptr;
+        check(ss_storage_new_using_filename(nbytes, &raw), "ss_storage_new_using_filename");
+        return Storage(raw);
+    }
+    /* Opens a storage shared by fd (a duplicate of `fd` is mapped: the
+     * caller still closes `fd`). */
+    static Storage open_shared_fd(int fd, std::size_t nbytes) {
+        ss_storage *raw = nullptr;
+        check(ss_storage_new_shared_fd(fd, nbytes, &raw), "ss_storage_new_shared_fd");
+        return Storage(raw);
+    }
+    /* Opens a storage shared by name ("" manager = this process's own). */
+    static Storage open_shared_filename(const std::string &manager, const std::string &name, std::size_t nbytes) {
+        ss_storage *raw = nullptr;
+        check(ss_storage_new_shared_filename(manager.c_str(), name.c_str(), nbytes, &raw),
+              "ss_storage_new_shared_filename");
+        return Storage(raw);
+    }
+    static Storage open_shared_filename(const SharedFilename &shared) {
+        return open_shared_filename(shared.manager, shared.name, shared.nbytes);
+    }
+
+    ss_storage *get() const noexcept { return handle_.get(); }
+    /* Gives up ownership: the caller calls ss_storage_free. */
+    ss_storage *release() noexcept { return handle_.release(); }
+    explicit operator bool() const noexcept { return static_cast<bool>(handle_); }
+
+    /* A second strong reference to the same bytes. */
+    Storage ref() const {
+        ss_storage *raw = nullptr;
+        check(ss_storage_ref(handle_.get(), &raw), "ss_storage_ref");
+        return Storage(raw);
+    }
+    inline Weak weak() const;
+
+    /* Start of the bytes (nullptr when empty). Changes when share_fd or
+     * share_filename moves a heap storage into shared memory. */
+    void *data() const noexcept { return ss_storage_data(handle_.get()); }
+    template <class U>
+    U *data_as() const noexcept { return static_cast<U *>(data()); }
+    std::size_t nbytes() const noexcept { return ss_storage_nbytes(handle_.get()); }
+    bool is_shared() const noexcept { return ss_storage_is_shared(handle_.get()); }
+    /* Heap storages only (a shared one throws SS_ERR_UNSUPPORTED). */
+    void resize(std::size_t nbytes) const { check(ss_storage_resize(handle_.get(), nbytes), "ss_storage_resize"); }
+
+    /* Moves the bytes into a nameless fd-backed segment (once). */
+    SharedFd share_fd() const {
+        SharedFd out{-1, 0};
+        check(ss_storage_share_fd(handle_.get(), &out.fd, &out.nbytes), "ss_storage_share_fd");
+        return out;
+    }
+    /* The descriptor of an fd-backed storage (SS_ERR_NOT_FOUND otherwise). */
+    int shared_fd() const {
+        int fd = -1;
+        check(ss_storage_get_shared_fd(handle_.get(), &fd), "ss_storage_get_shared_fd");
+        return fd;
+    }
+    /* Moves the bytes into a managed refcounted segment (once). Before
+     * sending the result, call shared_incref() (the reference in flight);
+     * the receiver cancels it with shared_decref() after opening. */
+    SharedFilename share_filename() const {
+        char manager[108], name[64];
+        std::size_t nbytes = 0;
+        check(ss_storage_share_filename(handle_.get(), manager, sizeof manager, name, sizeof name, &nbytes),
+              "ss_storage_share_filename");
+        return SharedFilename{manager, name, nbytes};
+    }
+    void shared_incref() const { check(ss_storage_shared_incref(handle_.get()), "ss_storage_shared_incref"); }
+    void shared_decref() const { check(ss_storage_shared_decref(handle_.get()), "ss_storage_shared_decref"); }
+    std::int32_t shared_refcount() const {
+        std::int32_t n = 0;
+        check(ss_storage_shared_refcount(handle_.get(), &n), "ss_storage_shared_refcount");
+        return n;
+    }
+
+private:
+    unique_handle<ss_storage, ss_storage_free> handle_;
+};
+
+/* A weak reference (ss_weak): does not keep the bytes alive. Move-only. */
+class Weak {
+public:
+    Weak() noexcept = default;
+    explicit Weak(ss_weak *raw) noexcept : handle_(raw) {}
+    ss_weak *get() const noexcept { return handle_.get(); }
+    explicit operator bool() const noexcept { return static_cast<bool>(handle_); }
+    /* Whether every strong reference is gone. */
+    bool expired() const noexcept { return ss_weak_expired(handle_.get()); }
+    /* A new strong reference; Error SS_ERR_NOT_FOUND once expired. */
+    Storage upgrade() const {
+        ss_storage *raw = nullptr;
+        check(ss_weak_upgrade(handle_.get(), &raw), "ss_weak_upgrade");
+        return Storage(raw);
+    }
+
+private:
+    unique_handle<ss_weak, ss_weak_free> handle_;
+};
+
+inline Weak Storage::weak() const {
+    ss_weak *raw = nullptr;
+    check(ss_storage_weak_ref(handle_.get(), &raw), "ss_storage_weak_ref");
+    return Weak(raw);
+}
+
+/* ---- Descriptor passing over Unix sockets ---- */
+
+/* An owned file descriptor, closed when destroyed. Move-only. */
+class unique_fd {
+public:
+    unique_fd() noexcept = default;
+    explicit unique_fd(int fd) noexcept : fd_(fd) {}
+    unique_fd(const unique_fd &) = delete;
+    unique_fd &operator=(const unique_fd &) = delete;
+    unique_fd(unique_fd &&other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+    unique_fd &operator=(unique_fd &&other) noexcept {
+        if (this != &other) reset(std::exchange(other.fd_, -1));
+        return *this;
+    }
+    ~unique_fd() { reset(); }
+    int get() const noexcept { return fd_; }
+    int release() noexcept { return std::exchange(fd_, -1); }
+    void reset(int fd = -1) noexcept {
+        int old = std::exchange(fd_, fd);
+        if (old >= 0) ::close(old);
+    }
+    explicit operator bool() const noexcept { return fd_ >= 0; }
+
+private:
+    int fd_ = -1;
+};
+
+/* Sends `len` payload bytes (at least 1) and the descriptors (they stay
+ * open here) over the connected Unix socket `sock`. */
+inline void send_fds(int sock, const void *payload, std::size_t len, const int *fds, std::size_t nfds) {
+    check(ss_send_fds(sock, payload, len, fds, nfds), "ss_send_fds");
+}
+inline void send_fds(int sock, const std::string &payload, const std::vector<int> &fds = {}) {
+    send_fds(sock, payload.data(), payload.size(), fds.empty() ? nullptr : fds.data(), fds.size());
+}
+
+/* One received message: its payload (empty when the peer closed) and the
+ * descriptors that came with it, owned here. */
+struct FdMessage {
+    std::string payload;
+    std::vector<unique_fd> fds;
+    bool peer_closed() const noexcept { return payload.empty(); }
+};
+
+/* Receives one message of at most `max_len` bytes and `max_fds`
+ * descriptors (more gives SS_ERR_BUFFER_TOO_SMALL, none left open). */
+inline FdMessage recv_fds(int sock, std::size_t max_len, std::size_t max_fds) {
+    std::string buf(max_len, '\0');
+    std::vector<int> fds(max_fds, -1);
+    std::size_t len = 0, nfds = 0;
+    check(ss_recv_fds(sock, buf.empty() ? nullptr : &buf[0], buf.size(), &len, fds.empty() ? nullptr : fds.data(),
+                      fds.size(), &nfds),
+          "ss_recv_fds");
+    FdMessage msg;
+    buf.resize(len);
+    msg.payload = std::move(buf);
+    for (std::size_t i = 0; i < nfds; i++) msg.fds.emplace_back(fds[i]);
+    return msg;
+}
+
+/* ---- The manager daemon ---- */
+
+/* Uses the daemon binary at `path` when a manager must be started. */
+inline void shm_manager_set_binary(const std::string &path) {
+    check(ss_shm_manager_set_binary(path.c_str()), "ss_shm_manager_set_binary");
+}
+/* Starts a manager and returns its socket path (a manager handle). */
+inline std::string shm_manager_spawn() {
+    char buf[108];
+    check(ss_shm_manager_spawn(buf, sizeof buf), "ss_shm_manager_spawn");
+    return buf;
+}
+
+/* ---- CUDA IPC ---- */
+
+/* Whether CUDA can be used here. When false, cuda_unavailable_reason()
+ * says why (read it on the same thread, right after). */
+inline bool cuda_available() noexcept { return ss_cuda_available(); }
+inline std::string cuda_unavailable_reason() { return ss_last_error_message(); }
+
+struct CudaDriverInfo {
+    std::int32_t version;      /* 1000 * major + 10 * minor */
+    std::int32_t device_count;
+};
+/* Error SS_ERR_CUDA_UNAVAILABLE (with the reason) without CUDA. */
+inline CudaDriverInfo cuda_driver_info() {
+    CudaDriverInfo info{0, 0};
+    check(ss_cuda_driver_info(&info.version, &info.device_count), "ss_cuda_driver_info");
+    return info;
+}
+
+namespace detail {
+/* The C frees return a status; destructors cannot report it. */
+inline void free_cuda_sent(ss_cuda_sent *sent) noexcept { (void)ss_cuda_sent_free(sent, nullptr); }
+inline void free_cuda_received(ss_cuda_received *received) noexcept { (void)ss_cuda_received_free(received); }
+}  // namespace detail
+
+/* The producer's record of one send (ss_cuda_sent). Destroying it is the
+ * producer's release; close() does the same and reports. Move-only. */
+class CudaSent {
+public:
+    CudaSent() noexcept = default;
+    explicit CudaSent(ss_cuda_sent *raw) noexcept : handle_(raw) {}
+    ss_cuda_sent *get() const noexcept { return handle_.get(); }
+    ss_cuda_sent *release() noexcept { return handle_.release(); }
+    explicit operator bool() const noexcept { return static_cast<bool>(handle_); }
+    /* 1 while the consumer holds the memory, 0 once it released it. */
+    std::int64_t counter() const {
+        std::int64_t n = 0;
+        check(ss_cuda_sent_counter(handle_.get(), &n), "ss_cuda_sent_counter");
+        return n;
+    }
+    /* Releases the send; returns whether the memory waits in limbo for
+     * the consumer. A second close() does nothing and returns false. */
+    bool close() {
+        bool in_limbo = false;
+        check(ss_cuda_sent_free(handle_.release(), &in_limbo), "ss_cuda_sent_free");
+        return in_limbo;
+    }
+
+private:
+    unique_handle<ss_cuda_sent, detail::free_cuda_sent> handle_;
+};
+
+/* What cuda_share gives: the tuple to send and the producer's record. */
+struct CudaShare {
+    ss_cuda_ipc_handle handle;
+    CudaSent sent;
+};
+
+/* Shares `nbytes` at `device_ptr` (cudaMalloc memory of `device`); work
+ * queued on `stream` (NULL = default) before the call is visible to the
+ * consumer. `deleter(ctx, device_ptr)` runs once nobody uses the memory. */
+inline CudaShare cuda_share(const void *device_ptr, std::size_t nbytes, std::int32_t device, void *stream = nullptr,
+                            ss_cuda_deleter deleter = nullptr, void *deleter_ctx = nullptr) {
+    CudaShare out{};
+    ss_cuda_sent *raw = nullptr;
+    check(ss_cuda_share(device_ptr, nbytes, device, stream, deleter, deleter_ctx, &out.handle, &raw), "ss_cuda_share");
+    out.sent = CudaSent(raw);
+    return out;
+}
+
+/* A storage received from another process (ss_cuda_received). Destroying
+ * it is the consumer's release; close() does the same and reports (e.g.
+ * SS_ERR_PEER_GONE). Move-only. */
+class CudaReceived {
+public:
+    CudaReceived() noexcept = default;
+    explicit CudaReceived(ss_cuda_received *raw) noexcept : handle_(raw) {}
+    /* Maps the tuple's memory; `stream` waits for the producer's event. */
+    static CudaReceived open(const ss_cuda_ipc_handle &handle, void *stream = nullptr) {
+        ss_cuda_received *raw = nullptr;
+        check(ss_cuda_open(&handle, stream, &raw), "ss_cuda_open");
+        return CudaReceived(raw);
+    }
+    ss_cuda_received *get() const noexcept { return handle_.get(); }
+    ss_cuda_received *release() noexcept { return handle_.release(); }
+    explicit operator bool() const noexcept { return static_cast<bool>(handle_); }
+    /* Device address of the first byte (nullptr for an empty storage). */
+    void *data() const noexcept { return ss_cuda_received_data(handle_.get()); }
+    std::size_t size() const noexcept { return ss_cuda_received_size(handle_.get()); }
+    void close() { check(ss_cuda_received_free(handle_.release()), "ss_cuda_received_free"); }
+
+private:
+    unique_handle<ss_cuda_received, detail::free_cuda_received> handle_;
+};
+
+/* Device memory from ss_cuda_malloc, freed when destroyed. Move-only. */
+class CudaMemory {
+public:
+    CudaMemory() noexcept = default;
+    static CudaMemory allocate(std::int32_t device, std::size_t nbytes) {
+        void *ptr = nullptr;
+        check(ss_cuda_malloc(device, nbytes, &ptr), "ss_cuda_malloc");
+        return CudaMemory(device, ptr, nbytes);
+    }
+    CudaMemory(const CudaMemory &) = delete;
+    CudaMemory &operator=(const CudaMemory &) = delete;
+    CudaMemory(CudaMemory &&other) noexcept
+        : device_(other.device_), ptr_(std::exchange(other.ptr_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+    CudaMemory &operator=(CudaMemory &&other) noexcept {
+        if (this != &other) {
+            reset();
+            device_ = other.device_;
+            ptr_ = std::exchange(other.ptr_, nullptr);
+            size_ = std::exchange(other.size_, 0);
+        }
+        return *this;
+    }
+    ~CudaMemory() { reset(); }
+    void *get() const noexcept { return ptr_; }
+    std::size_t size() const noexcept { return size_; }
+    std::int32_t device() const noexcept { return device_; }
+    /* Gives up ownership (e.g. to a deleter passed to cuda_share). */
+    void *release() noexcept {
+        size_ = 0;
+        return std::exchange(ptr_, nullptr);
+    }
+    /* Frees now and reports a failure (the destructor cannot). */
+    void free() {
+        void *p = release();
+        if (p) check(ss_cuda_free(device_, p), "ss_cuda_free");
+    }
+
+private:
+    CudaMemory(std::int32_t device, void *ptr, std::size_t size) noexcept : device_(device), ptr_(ptr), size_(size) {}
+    void reset() noexcept {
+        void *p = release();
+        if (p) (void)ss_cuda_free(device_, p);
+    }
+    std::int32_t device_ = 0;
+    void *ptr_ = nullptr;
+    std::size_t size_ = 0;
+};
+
+/* Base and size of the allocation holding `device_ptr`. */
+struct CudaAllocation {
+    void *base;
+    std::size_t size;
+};
+inline CudaAllocation cuda_pointer_base(const void *device_ptr, std::int32_t device) {
+    CudaAllocation out{nullptr, 0};
+    check(ss_cuda_pointer_base(device_ptr, device, &out.base, &out.size), "ss_cuda_pointer_base");
+    return out;
+}
+
+/* Decrements a ref-counter slot (a consumer dropping a tuple unopened);
+ * needs no GPU. */
+inline void cuda_release_ipc_counter(const std::string &counter_name, std::uint64_t slot) {
+    check(ss_cuda_release_ipc_counter(counter_name.c_str(), slot), "ss_cuda_release_ipc_counter");
+}
+/* Gives back limbo blocks no consumer uses; returns how many. */
+inline std::size_t cuda_ipc_collect() {
+    std::size_t freed = 0;
+    check(ss_cuda_ipc_collect(&freed), "ss_cuda_ipc_collect");
+    return freed;
+}
+inline std::size_t cuda_limbo_size() noexcept { return ss_cuda_limbo_size(); }
+inline void cuda_ipc_teardown() noexcept { ss_cuda_ipc_teardown(); }
+
+/* The tuple as one line of text, and back. */
+inline std::string cuda_ipc_handle_to_text(const ss_cuda_ipc_handle &handle) {
+    char buf[SS_CUDA_HANDLE_TEXT_MAX];
+    check(ss_cuda_ipc_handle_to_text(&handle, buf, sizeof buf), "ss_cuda_ipc_handle_to_text");
+    return buf;
+}
+inline ss_cuda_ipc_handle cuda_ipc_handle_from_text(const std::string &text) {
+    ss_cuda_ipc_handle out{};
+    check(ss_cuda_ipc_handle_from_text(text.c_str(), &out), "ss_cuda_ipc_handle_from_text");
+    return out;
+}
 
 }  // namespace storage_sharing
 

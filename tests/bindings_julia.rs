@@ -2,8 +2,9 @@
 //! module (bindings/julia) is checked against the C header by parsing both:
 //! every `ccall` names a function the header declares, with as many
 //! argument types as the C function has parameters, each type matching the
-//! C type, as many arguments as types, and every `const SS_*` of the
-//! module has the header's value.
+//! C type, as many arguments as types, every C function has a wrapper,
+//! every `const SS_*` of the module has the header's value, and the Julia
+//! mirror of `ss_cuda_ipc_handle` has the C struct's fields.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -72,6 +73,51 @@ fn normalize_c_type(t: &str) -> String {
     words.join(" ").replace("* *", "**")
 }
 
+/// One field of a C struct: normalized type, name, array length (a
+/// number or a macro name) if it is an array.
+#[derive(Debug, PartialEq)]
+struct Field {
+    ty: String,
+    name: String,
+    array: Option<String>,
+}
+
+/// The header's `typedef struct { ... } name;` definitions, fields in order.
+fn parse_structs(text: &str) -> BTreeMap<String, Vec<Field>> {
+    let code = strip_c_comments(text);
+    let mut out = BTreeMap::new();
+    let mut rest = code.as_str();
+    while let Some(at) = rest.find("typedef struct {") {
+        let body_start = at + "typedef struct {".len();
+        let body_end = body_start + rest[body_start..].find('}').expect("unclosed struct");
+        let after = &rest[body_end + 1..];
+        let name_end = after.find(';').expect("struct without a name");
+        let name = after[..name_end].trim().to_string();
+        let fields = rest[body_start..body_end]
+            .split(';')
+            .map(str::trim)
+            .filter(|f| !f.is_empty())
+            .map(|f| {
+                let (decl, array) = match f.split_once('[') {
+                    Some((d, a)) => (d.trim(), Some(a.trim_end_matches(']').trim().to_string())),
+                    None => (f, None),
+                };
+                let cut = decl
+                    .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
+                    .map_or(0, |i| i + 1);
+                Field {
+                    ty: normalize_c_type(&decl[..cut]),
+                    name: decl[cut..].to_string(),
+                    array,
+                }
+            })
+            .collect();
+        out.insert(name, fields);
+        rest = &after[name_end..];
+    }
+    out
+}
+
 /// The header's functions and opaque handle types.
 fn parse_header(text: &str) -> (BTreeMap<String, Prototype>, Vec<String>) {
     let code: String = strip_c_comments(text)
@@ -85,7 +131,13 @@ fn parse_header(text: &str) -> (BTreeMap<String, Prototype>, Vec<String>) {
     for stmt in code.split(';') {
         let stmt = stmt.trim().trim_start_matches('}').trim();
         if let Some(rest) = stmt.strip_prefix("typedef struct ") {
-            opaque.push(rest.split_whitespace().last().unwrap().to_string());
+            // `typedef struct ss_x ss_x`: an opaque handle (struct bodies are
+            // parse_structs' business).
+            if let [tag, alias] = rest.split_whitespace().collect::<Vec<_>>().as_slice() {
+                if tag == alias {
+                    opaque.push(alias.to_string());
+                }
+            }
             continue;
         }
         if stmt.starts_with("typedef") || !stmt.contains('(') {
@@ -208,6 +260,10 @@ fn julia_types_for(c: &str, opaque: &[String]) -> Result<Vec<String>, String> {
         "uint8_t" => vec!["UInt8".into()],
         "pid_t" => vec!["Cint".into()],
         b if opaque.iter().any(|o| o == b) => vec!["Cvoid".into()],
+        // The struct's Julia mirror; julia_structs_match_the_header checks its fields.
+        "ss_cuda_ipc_handle" => vec!["CudaIpcHandle".into()],
+        // A C function pointer (from @cfunction) or C_NULL.
+        "ss_cuda_deleter" if stars == 0 => vec!["Ptr{Cvoid}".into()],
         b => {
             return Err(format!(
                 "C type `{b}` has no Julia spelling yet: add it to julia_types_for in tests/bindings_julia.rs"
@@ -298,40 +354,117 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
 }
 
+/// Every file of the Julia module (bindings/julia/src/*.jl), by path.
+fn julia_sources() -> Vec<(String, String)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bindings/julia/src");
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".jl"))
+        .collect();
+    files.sort();
+    files
+        .into_iter()
+        .map(|n| {
+            let rel = format!("bindings/julia/src/{n}");
+            let text = read(&rel);
+            (rel, text)
+        })
+        .collect()
+}
+
 #[test]
 fn every_ccall_matches_the_header() {
     let header = read("include/storage_sharing.h");
-    let julia = read("bindings/julia/src/StorageSharing.jl");
     let (protos, opaque) = parse_header(&header);
     assert!(
         protos.contains_key("ss_map_open") && opaque.contains(&"ss_map".to_string()),
         "header parser found {protos:?}"
     );
-    let calls = parse_ccalls(&julia).unwrap();
-    let written = strip_julia_comments(&julia).matches("ccall(").count();
-    assert!(
-        !calls.is_empty() && calls.len() == written,
-        "parsed {} of {written} ccalls",
-        calls.len()
+    assert_eq!(
+        opaque,
+        ["ss_cuda_received", "ss_cuda_sent", "ss_map", "ss_storage", "ss_weak"],
+        "opaque handle types of the header"
     );
-    let problems = check_ccalls(&calls, &protos, &opaque);
+    let mut calls = Vec::new();
+    let mut problems = Vec::new();
+    for (file, julia) in julia_sources() {
+        let file_calls = parse_ccalls(&julia).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let written = strip_julia_comments(&julia).matches("ccall(").count();
+        assert_eq!(file_calls.len(), written, "{file}: parsed {} of {written} ccalls", file_calls.len());
+        problems.extend(
+            check_ccalls(&file_calls, &protos, &opaque)
+                .into_iter()
+                .map(|p| p.replacen("bindings/julia", &file, 1)),
+        );
+        calls.extend(file_calls);
+    }
+    assert!(calls.len() > 60, "found only {} ccalls", calls.len());
     assert!(
         problems.is_empty(),
         "Julia ccalls disagree with the header:\n{}",
         problems.join("\n")
     );
-
+    // The module binds the whole C API: a new C function needs a wrapper.
     let unbound: Vec<&String> = protos.keys().filter(|n| !calls.iter().any(|c| &c.name == *n)).collect();
-    println!(
-        "{} ccalls checked; C functions without a Julia wrapper yet: {unbound:?}",
-        calls.len()
+    assert!(unbound.is_empty(), "C functions without a Julia wrapper: {unbound:?}");
+    println!("{} ccalls checked, all {} C functions bound", calls.len(), protos.len());
+}
+
+/// `struct CudaIpcHandle` has the C struct's fields, in order, with Julia
+/// types of the same size: its bytes are the C struct's.
+#[test]
+fn julia_structs_match_the_header() {
+    let header = read("include/storage_sharing.h");
+    let consts = header_constants(&header);
+    let structs = parse_structs(&header);
+    let c_fields = structs
+        .get("ss_cuda_ipc_handle")
+        .unwrap_or_else(|| panic!("no ss_cuda_ipc_handle in {structs:?}"));
+    let julia = julia_sources()
+        .into_iter()
+        .map(|(_, t)| strip_julia_comments(&t))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let body = julia
+        .split("struct CudaIpcHandle\n")
+        .nth(1)
+        .and_then(|b| b.split("\nend").next())
+        .expect("no `struct CudaIpcHandle` in the Julia module");
+    let j_fields: Vec<(String, String)> = body
+        .lines()
+        .filter_map(|l| l.trim().split_once("::"))
+        .map(|(n, t)| (n.trim().to_string(), t.trim().to_string()))
+        .collect();
+    let names: Vec<&str> = c_fields.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(
+        j_fields.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+        names,
+        "field names and order"
     );
+    let opaque: Vec<String> = Vec::new();
+    for (c, (name, jt)) in c_fields.iter().zip(&j_fields) {
+        let want: Vec<String> = match &c.array {
+            Some(len) => {
+                let n = len
+                    .parse::<i64>()
+                    .ok()
+                    .or_else(|| consts.get(len).copied())
+                    .unwrap_or_else(|| panic!("array length {len} of {name}"));
+                // char arrays are bytes too (NUL-terminated names).
+                let elem = if c.ty == "char" { "UInt8".to_string() } else { julia_types_for(&c.ty, &opaque).unwrap()[0].clone() };
+                vec![format!("NTuple{{{n},{elem}}}"), format!("NTuple{{{n}, {elem}}}")]
+            }
+            None => julia_types_for(&c.ty, &opaque).unwrap(),
+        };
+        assert!(want.contains(jt), "field {name}: Julia has {jt}, C has {} (wanted one of {want:?})", c.ty);
+    }
 }
 
 #[test]
 fn julia_constants_have_the_header_values() {
     let consts = header_constants(&read("include/storage_sharing.h"));
-    let julia = julia_constants(&read("bindings/julia/src/StorageSharing.jl"));
+    let julia: Vec<(String, String)> = julia_sources().iter().flat_map(|(_, t)| julia_constants(t)).collect();
     assert!(julia.len() >= 20, "found only {julia:?}");
     for (name, value) in &julia {
         let want = consts

@@ -1,6 +1,7 @@
 package storagesharing
 
 /*
+#include <stdlib.h>
 #include <storage_sharing.h>
 */
 import "C"
@@ -9,6 +10,8 @@ import (
 	"fmt"
 	"io/fs"
 	"runtime"
+	"strings"
+	"unsafe"
 )
 
 // Status is the C API's ss_status: what kind of failure a call had. A
@@ -88,6 +91,17 @@ func call(op string, f func() C.ss_status) error {
 func goError(op string, s Status, format string, args ...any) error {
 	return &Error{Op: op, Status: s, Message: fmt.Sprintf(format, args...)}
 }
+
+// cString copies s for C (free it with C.free); a NUL byte inside would
+// silently cut the string short in C, so it is refused.
+func cString(op, what, s string) (*C.char, error) {
+	if i := strings.IndexByte(s, 0); i >= 0 {
+		return nil, goError(op, ErrInvalidArgument, "%s %q has a NUL byte at %d", what, s, i)
+	}
+	return C.CString(s), nil
+}
+
+func freeCString(p *C.char) { C.free(unsafe.Pointer(p)) }
 
 // Version is the library's version, "MAJOR.MINOR.PATCH".
 func Version() string { return C.GoString(C.ss_version()) }

@@ -59,7 +59,7 @@ func helper(mode string) error {
 		// The parent put the segment's descriptor at fd 3.
 		m, err = OpenFD(3, SharedMem|NoCreate|FromFD, sharedSize)
 	default:
-		return fmt.Errorf("unknown mode %q", mode)
+		return storageHelper(mode)
 	}
 	if err != nil {
 		return err

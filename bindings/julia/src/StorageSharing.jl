@@ -2,8 +2,9 @@
     StorageSharing
 
 Julia wrappers over libstorage_sharing's C API (`storage_sharing.h`):
-shared-memory segments with ATen's names, flags and layouts, which C, C++,
-Go and PyTorch processes open too.
+shared-memory segments with ATen's names, flags and layouts, storages
+shared by fd or by name, descriptor passing, and CUDA IPC tuples, which
+C, C++, Go and PyTorch processes open too.
 
 The library is `ENV["STORAGE_SHARING_LIB"]` (a path or a name) when set,
 else `libstorage_sharing` from the standard search path (`LD_LIBRARY_PATH`,
@@ -17,7 +18,15 @@ module StorageSharing
 
 export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, share_memory,
        new_segment_name, data, bytes, filename, flags, isrefcounted, incref!, decref!, refcount,
-       map_from_data, status_text, version
+       map_from_data, status_text, version,
+       SharedStorage, WeakStorage, new_storage, storage_using_fd, storage_using_filename, open_shared_fd,
+       open_shared_filename, storage_ref, weak_ref, upgrade, expired, isshared, share_fd, shared_fd,
+       share_filename, shared_incref!, shared_decref!, shared_refcount, send_fds, recv_fds,
+       set_manager_binary, spawn_manager,
+       CudaIpcHandle, CudaSent, CudaReceived, cuda_available, cuda_unavailable_reason, cuda_driver_info,
+       cuda_share, sent_counter, cuda_open, cuda_release_ipc_counter, cuda_ipc_collect, cuda_limbo_size,
+       cuda_ipc_teardown, cuda_pointer_base, cuda_malloc, cuda_free, cuda_ipc_handle_to_text,
+       cuda_ipc_handle_from_text
 
 """The library to load: `STORAGE_SHARING_LIB`, else the standard search path."""
 libstorage_sharing() = get(ENV, "STORAGE_SHARING_LIB", "libstorage_sharing")
@@ -31,6 +40,11 @@ const SS_MAPPED_KEEPFD = Cint(16)
 const SS_MAPPED_FROMFD = Cint(32)
 const SS_MAPPED_UNLINK = Cint(64)
 const SS_REFCOUNT_HEADER_SIZE = 64
+const SS_CUDA_MEM_HANDLE_MAX = 66
+const SS_CUDA_IPC_HANDLE_SIZE = 64
+const SS_CUDA_COUNTER_NAME_MAX = 64
+const SS_CUDA_COUNTER_SLOTS = 10000
+const SS_CUDA_HANDLE_TEXT_MAX = 512
 
 # Status codes (ss_status).
 const SS_OK = Cint(0)
@@ -273,5 +287,8 @@ function Base.close(m::SharedMap)
 end
 
 Base.isopen(m::SharedMap) = m.handle != C_NULL
+
+include("storage.jl")
+include("cuda.jl")
 
 end # module

@@ -316,7 +316,11 @@ func CudaIPCCollect() (int, error) {
 // still use.
 func CudaLimboSize() int { return int(C.ss_cuda_limbo_size()) }
 
-// CudaIPCTeardown ends this process's part in CUDA IPC (it also runs at exit).
+// CudaIPCTeardown ends this process's part in CUDA IPC: warns if consumers
+// still hold freed blocks and removes this producer's counter files from
+// /dev/shm. The C library runs it from atexit, but os.Exit (and a Go
+// program's return from main) skips C atexit handlers: a Go producer calls
+// it before exiting.
 func CudaIPCTeardown() { C.ss_cuda_ipc_teardown() }
 
 // CudaMalloc allocates nbytes on device, shareable with CudaShare.

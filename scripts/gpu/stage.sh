@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Builds everything the GPU checks run and copies it, stripped, into one
+# folder (default .gpu/, git-ignored) that can be carried to a machine with a
+# CUDA device and no Rust or Go toolchain; there: bash .gpu/run_gpu_tests.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dest="${1:-.gpu}"
+target="${CARGO_TARGET_DIR:-$PWD/target}"
+mkdir -p "$dest"
+dest=$(cd "$dest" && pwd)
+
+exe() { # the executable cargo reports for a target, e.g. "tests/cuda_gpu.rs"
+    grep -F "($target" | grep -F "$1" | sed -E 's/.*\((.*)\)$/\1/' | head -1
+}
+tests=$(cargo test --release --no-run 2>&1)
+bench=$(cargo bench --bench cuda_ipc --no-run 2>&1)
+cp "$(echo "$tests" | exe "tests/cuda_gpu.rs")" "$dest/cuda_gpu"
+cp "$(echo "$tests" | exe "unittests src/lib.rs")" "$dest/lib_tests"
+cp "$(echo "$bench" | exe "benches/cuda_ipc.rs")" "$dest/cuda_ipc"
+cargo build --release --lib --bins
+cp "$target/release/libstorage_sharing.so" "$dest/libstorage_sharing.so.0"
+cp "$target/release/ss_shm_manager" "$dest/"
+
+for variant in plain asan; do
+    build="$target/ctests-$variant"
+    cmake -S ctests -B "$build" -DSS_LIB_DIR="$target/release" \
+        -DSS_SANITIZE=$([ $variant = asan ] && echo ON || echo OFF) >/dev/null
+    cmake --build "$build" -j2 >/dev/null
+done
+cp "$target/ctests-plain/test_cuda" "$target/ctests-plain/test_storage_raii" "$target/ctests-plain/test_raii" "$dest/"
+cp "$target/ctests-asan/test_cuda" "$dest/test_cuda_asan"
+
+if command -v go >/dev/null; then
+    prefix=$(mktemp -d)
+    cmake -S . -B "$prefix/build" -DSS_PREBUILT_DIR="$target/release" >/dev/null
+    cmake --install "$prefix/build" --prefix "$prefix/p" >/dev/null
+    pc=$(dirname "$(find "$prefix/p" -name storage_sharing.pc)")
+    (cd bindings/go && PKG_CONFIG_PATH="$pc" CGO_LDFLAGS='-Wl,-rpath,$ORIGIN' go test -c -o "$dest/go_bindings.test" .)
+    rm -rf "$prefix"
+fi
+strip --strip-debug "$dest"/cuda_gpu "$dest"/lib_tests "$dest"/cuda_ipc "$dest"/libstorage_sharing.so.0 "$dest"/ss_shm_manager
+cp scripts/gpu/run_gpu_tests.sh "$dest/"
+du -sh "$dest"

@@ -10,8 +10,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "check.h"
-#include "storage_sharing.hpp"
+#include "check.hpp"
 
 namespace ss = storage_sharing;
 
@@ -20,30 +19,6 @@ static_assert(std::is_nothrow_move_constructible_v<ss::Map> && std::is_nothrow_m
               "moving a Map cannot throw");
 static_assert(std::is_copy_constructible_v<ss::MapView>, "views are cheap borrowed copies");
 static_assert(std::is_base_of_v<std::runtime_error, ss::Error>, "errors are std exceptions");
-
-static bool shm_exists(const std::string &name) {
-    int fd = shm_open(name.c_str(), O_RDONLY, 0);
-    if (fd < 0) return false;
-    close(fd);
-    return true;
-}
-
-// Runs `f`, which must throw ss::Error with `want`; returns the error.
-template <class F>
-static ss::Error expect_error(F f, ss_status want) {
-    try {
-        f();
-    } catch (const ss::Error &e) {
-        if (e.status() != want) {
-            std::fprintf(stderr, "wrong status %d (%s), wanted %d\n", static_cast<int>(e.status()), e.what(),
-                         static_cast<int>(want));
-            std::exit(1);
-        }
-        return e;
-    }
-    std::fprintf(stderr, "no exception, wanted status %d\n", static_cast<int>(want));
-    std::exit(1);
-}
 
 static void test_destructor_unmaps_and_removes_name() {
     std::string name = ss::new_process_wide_shm_handle();

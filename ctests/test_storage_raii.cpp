@@ -14,8 +14,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "check.h"
-#include "storage_sharing.hpp"
+#include "check.hpp"
 
 namespace ss = storage_sharing;
 
@@ -26,31 +25,7 @@ static_assert(move_only_v<ss::Storage> && move_only_v<ss::Weak> && move_only_v<s
 static_assert(move_only_v<ss::CudaSent> && move_only_v<ss::CudaReceived> && move_only_v<ss::CudaMemory>,
               "move-only");
 
-static bool shm_exists(const std::string &name) {
-    int fd = shm_open(name.c_str(), O_RDONLY, 0);
-    if (fd < 0) return false;
-    close(fd);
-    return true;
-}
-
 static bool fd_open(int fd) { return fcntl(fd, F_GETFD) >= 0; }
-
-// Runs `f`, which must throw ss::Error with `want`; returns the error.
-template <class F>
-static ss::Error expect_error(F f, ss_status want) {
-    try {
-        f();
-    } catch (const ss::Error &e) {
-        if (e.status() != want) {
-            std::fprintf(stderr, "wrong status %d (%s), wanted %d\n", static_cast<int>(e.status()), e.what(),
-                         static_cast<int>(want));
-            std::exit(1);
-        }
-        return e;
-    }
-    std::fprintf(stderr, "no exception, wanted status %d\n", static_cast<int>(want));
-    std::exit(1);
-}
 
 static unsigned char pattern(std::size_t i, int seed) { return static_cast<unsigned char>(i * 31 + seed); }
 static void fill(ss::Storage &s, int seed) {

@@ -383,13 +383,7 @@ func TestStorageShareFilenameToChild(t *testing.T) {
 	if err := secondHalfWritten(s.Bytes()); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := s.SharedRefcount(); err != nil || n != 1 {
-		t.Fatalf("refcount %d after the child closed: %v", n, err)
-	}
-	s.Close()
-	if segmentExists(t, shared.Name) {
-		t.Fatalf("%s left in /dev/shm", shared.Name)
-	}
+	closeLastHolder(t, s, shared.Name)
 }
 
 func TestStorageShareFilenameFromChild(t *testing.T) {
@@ -419,13 +413,7 @@ func TestStorageShareFilenameFromChild(t *testing.T) {
 		t.Fatal(err)
 	}
 	wait()
-	if n, err := s.SharedRefcount(); err != nil || n != 1 {
-		t.Fatalf("refcount %d after the child closed: %v", n, err)
-	}
-	s.Close()
-	if segmentExists(t, shared.Name) {
-		t.Fatalf("%s left in /dev/shm", shared.Name)
-	}
+	closeLastHolder(t, s, shared.Name)
 }
 
 func TestSpawnManager(t *testing.T) {
@@ -494,5 +482,18 @@ func TestFinalizerFreesForgottenStorages(t *testing.T) {
 			t.Fatalf("%d of %d forgotten storages still have segments after repeated GC", left, len(names))
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// closeLastHolder checks that s is the last holder of the segment name
+// (count 1 after the child closed), closes it, and checks the name is gone.
+func closeLastHolder(t *testing.T, s *Storage, name string) {
+	t.Helper()
+	if n, err := s.SharedRefcount(); err != nil || n != 1 {
+		t.Fatalf("refcount %d after the child closed: %v", n, err)
+	}
+	s.Close()
+	if segmentExists(t, name) {
+		t.Fatalf("%s left in /dev/shm", name)
 	}
 }

@@ -144,8 +144,14 @@ func TestFinalizerFreesForgottenMaps(t *testing.T) {
 			m.Bytes()[0] = 1
 		}
 	}()
-	// Finalizers run on their own goroutine after a collection; give them
-	// a bounded number of rounds.
+	waitFinalized(t, names, "forgotten maps still exist")
+}
+
+// waitFinalized runs GC until none of the segment names exists: finalizers
+// run on their own goroutine after a collection, so give them a bounded
+// number of rounds (20 s).
+func waitFinalized(t *testing.T, names []string, what string) {
+	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		runtime.GC()
@@ -159,7 +165,7 @@ func TestFinalizerFreesForgottenMaps(t *testing.T) {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d forgotten maps still exist after repeated GC", left, len(names))
+			t.Fatalf("%d of %d %s after repeated GC", left, len(names), what)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

@@ -6,12 +6,10 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 )
 
 func fillPattern(b []byte) {
@@ -467,22 +465,7 @@ func TestFinalizerFreesForgottenStorages(t *testing.T) {
 			names[i] = shared.Name
 		}
 	}()
-	for round := 0; ; round++ {
-		runtime.GC()
-		left := 0
-		for _, n := range names {
-			if segmentExists(t, n) {
-				left++
-			}
-		}
-		if left == 0 {
-			return
-		}
-		if round == 2000 {
-			t.Fatalf("%d of %d forgotten storages still have segments after repeated GC", left, len(names))
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitFinalized(t, names, "forgotten storages still have segments")
 }
 
 // closeLastHolder checks that s is the last holder of the segment name

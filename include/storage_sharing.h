@@ -173,6 +173,10 @@ typedef enum {
    * The object is still in use.
    */
   SS_ERR_BUSY = 21,
+  /**
+   * Stored data does not match its name or format.
+   */
+  SS_ERR_CORRUPT = 22,
 } ss_status;
 
 /**

@@ -51,6 +51,9 @@ pub enum ErrorKind {
     PeerGone,
     /// The object is still in use and cannot be released or reused yet.
     Busy,
+    /// Stored data does not match its name or format (hash mismatch,
+    /// truncated or malformed record).
+    Corrupt,
 }
 
 /// An error with its kind and a message naming the object and the cause.

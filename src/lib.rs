@@ -12,5 +12,6 @@ pub mod manager;
 pub mod shm;
 pub mod ssctl;
 pub mod storage;
+pub mod store;
 
 pub use error::{Error, ErrorKind, Result};

@@ -42,6 +42,7 @@ const (
 	ErrBufferTooSmall  Status = C.SS_ERR_BUFFER_TOO_SMALL
 	ErrPeerGone        Status = C.SS_ERR_PEER_GONE
 	ErrBusy            Status = C.SS_ERR_BUSY
+	ErrCorrupt         Status = C.SS_ERR_CORRUPT
 )
 
 // Error returns the fixed text of the status ("not found", ...).

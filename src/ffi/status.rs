@@ -52,6 +52,8 @@ pub enum ss_status {
     SS_ERR_PEER_GONE = 20,
     /// The object is still in use.
     SS_ERR_BUSY = 21,
+    /// Stored data does not match its name or format.
+    SS_ERR_CORRUPT = 22,
 }
 
 impl From<ErrorKind> for ss_status {
@@ -79,6 +81,7 @@ impl From<ErrorKind> for ss_status {
             ErrorKind::BufferTooSmall => SS_ERR_BUFFER_TOO_SMALL,
             ErrorKind::PeerGone => SS_ERR_PEER_GONE,
             ErrorKind::Busy => SS_ERR_BUSY,
+            ErrorKind::Corrupt => SS_ERR_CORRUPT,
         }
     }
 }
@@ -110,18 +113,19 @@ impl ss_status {
             SS_ERR_BUFFER_TOO_SMALL => c"buffer too small",
             SS_ERR_PEER_GONE => c"peer gone",
             SS_ERR_BUSY => c"busy",
+            SS_ERR_CORRUPT => c"corrupt data",
         }
     }
 
     /// The code for a raw integer, if it is one.
     pub fn from_raw(code: i32) -> Option<Self> {
         use ss_status::*;
-        const ALL: [ss_status; 22] = [
+        const ALL: [ss_status; 23] = [
             SS_OK, SS_ERR_INVALID_ARGUMENT, SS_ERR_NULL_POINTER, SS_ERR_NOT_FOUND, SS_ERR_ALREADY_EXISTS,
             SS_ERR_NO_SPACE, SS_ERR_PERMISSION, SS_ERR_SIZE_MISMATCH, SS_ERR_IO, SS_ERR_UNSUPPORTED,
             SS_ERR_CUDA_UNAVAILABLE, SS_ERR_CUDA, SS_ERR_TIMEOUT, SS_ERR_PROTOCOL, SS_ERR_PANIC,
             SS_ERR_NAME_TOO_LONG, SS_ERR_BAD_REFCOUNT, SS_ERR_TOO_MANY_FILES, SS_ERR_CLOSED,
-            SS_ERR_BUFFER_TOO_SMALL, SS_ERR_PEER_GONE, SS_ERR_BUSY,
+            SS_ERR_BUFFER_TOO_SMALL, SS_ERR_PEER_GONE, SS_ERR_BUSY, SS_ERR_CORRUPT,
         ];
         ALL.into_iter().find(|s| *s as i32 == code)
     }

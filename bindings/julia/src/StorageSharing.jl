@@ -69,6 +69,7 @@ const SS_ERR_CLOSED = Cint(18)
 const SS_ERR_BUFFER_TOO_SMALL = Cint(19)
 const SS_ERR_PEER_GONE = Cint(20)
 const SS_ERR_BUSY = Cint(21)
+const SS_ERR_CORRUPT = Cint(22)
 
 """
     SSError(op, status, message)

@@ -1,0 +1,39 @@
+//! Key-value stores for rendezvous (c10d's "Store"): what the ranks of a
+//! symmetric-memory group use to find each other.
+//!
+//! Every store implements [`Store`]; groups and callers share one through
+//! [`StoreRef`] (an `Arc`, so a group keeps its own reference).
+
+use crate::error::Result;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a waiting call may wait. `None` waits forever.
+pub type Timeout = Option<Duration>;
+
+/// A key-value store shared by the ranks of a job.
+///
+/// Keys are UTF-8 strings, values are bytes. Every method may be called from
+/// several threads at once.
+pub trait Store: Send + Sync {
+    /// Sets `key` to `value`, replacing an earlier value; wakes its waiters.
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+
+    /// The value of `key`, waiting until it is set. Expiry is
+    /// `ErrorKind::Timeout` with a message naming the key.
+    fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>>;
+
+    /// Adds `delta` to the integer stored under `key` (a missing key counts
+    /// as 0; stored as decimal text, as c10d does) and returns the new value.
+    fn add(&self, key: &str, delta: i64) -> Result<i64>;
+
+    /// Waits until every key in `keys` is set. Expiry is
+    /// `ErrorKind::Timeout` with a message naming the keys still missing.
+    fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()>;
+
+    /// Where the store lives, for messages (a path, or `host:port`).
+    fn describe(&self) -> String;
+}
+
+/// A shared reference to a store.
+pub type StoreRef = Arc<dyn Store>;

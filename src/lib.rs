@@ -14,5 +14,6 @@ pub mod shm;
 pub mod ssctl;
 pub mod storage;
 pub mod store;
+pub mod symm;
 
 pub use error::{Error, ErrorKind, Result};

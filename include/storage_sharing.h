@@ -213,6 +213,17 @@ typedef struct ss_map ss_map;
 typedef struct ss_storage ss_storage;
 
 /**
+ * A reference to a key-value store (c10d's "Store"), the medium of a
+ * symmetric-memory rendezvous. Each handle is one reference:
+ * `ss_store_free` drops it, and whoever else took a reference (a group,
+ * `ss_store_ref`) keeps the store alive.
+ *
+ * Thread safety: a `const ss_store*` may be used from several threads at
+ * once; every operation may run concurrently with the others.
+ */
+typedef struct ss_store ss_store;
+
+/**
  * A weak reference to a storage: does not keep its bytes alive.
  *
  * Thread safety: a `const ss_weak*` may be used from several threads.
@@ -732,6 +743,63 @@ ss_status ss_new_shm_fd_storage(size_t size, ss_map **out);
  * Fails with `SS_ERR_NO_SPACE` when /dev/shm cannot hold it.
  */
 ss_status ss_share_memory(const void *src, size_t nbytes, ss_map **out);
+
+/**
+ * Opens the store in folder `path` (created with its parents if missing),
+ * shared by the processes of one host that open the same path. Each key
+ * is a file written atomically (temporary file + rename), so a process
+ * killed mid-write never leaves half a value; `add` runs under `flock`.
+ * A path that is an existing regular file: `SS_ERR_INVALID_ARGUMENT`.
+ * Keys left by an earlier job stay: use a fresh folder per job.
+ */
+ss_status ss_store_file_open(const char *path, ss_store **out);
+
+/**
+ * A second reference to the same store (free both).
+ */
+ss_status ss_store_ref(const ss_store *s, ss_store **out);
+
+/**
+ * Sets `key` to the `len` bytes at `value` (NULL allowed when `len` is 0),
+ * replacing an earlier value and waking its waiters.
+ */
+ss_status ss_store_set(const ss_store *s, const char *key, const void *value, size_t len);
+
+/**
+ * Waits until `key` is set (`timeout_ms` 0 waits forever; expiry is
+ * `SS_ERR_TIMEOUT` naming the key) and copies its value into `buf` of
+ * `buf_len` bytes, its length to `out_len`. A value longer than `buf_len`:
+ * `SS_ERR_BUFFER_TOO_SMALL`, with the needed length written to `out_len`
+ * (call again with a larger buffer; `buf` may be NULL when `buf_len` is 0).
+ */
+ss_status ss_store_get(const ss_store *s,
+                       const char *key,
+                       int64_t timeout_ms,
+                       void *buf,
+                       size_t buf_len,
+                       size_t *out_len);
+
+/**
+ * Adds `delta` to the integer under `key` (missing counts as 0; stored as
+ * decimal text, as c10d does) and writes the new value to `out_value`.
+ * A key holding something else: `SS_ERR_INVALID_ARGUMENT`.
+ */
+ss_status ss_store_add(const ss_store *s, const char *key, int64_t delta, int64_t *out_value);
+
+/**
+ * Waits until all `nkeys` keys are set (`timeout_ms` 0 waits forever;
+ * expiry is `SS_ERR_TIMEOUT` naming the keys still missing).
+ */
+ss_status ss_store_wait(const ss_store *s,
+                        const char *const *keys,
+                        size_t nkeys,
+                        int64_t timeout_ms);
+
+/**
+ * Drops this reference; the store closes with its last one. NULL is a
+ * no-op.
+ */
+void ss_store_free(ss_store *s);
 
 #ifdef __cplusplus
 }  // extern "C"

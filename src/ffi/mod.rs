@@ -14,5 +14,6 @@ pub mod map;
 pub mod status;
 pub mod storage;
 pub mod storage_utils;
+pub mod store;
 
 pub use status::ss_status;

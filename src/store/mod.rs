@@ -4,6 +4,12 @@
 //! Every store implements [`Store`]; groups and callers share one through
 //! [`StoreRef`] (an `Arc`, so a group keeps its own reference).
 
+pub mod deadline;
+pub mod file;
+pub mod file_key;
+
+pub use file::FileStore;
+
 use crate::error::Result;
 use std::sync::Arc;
 use std::time::Duration;

@@ -80,6 +80,17 @@
 #define SS_REFCOUNT_HEADER_SIZE 64
 
 /**
+ * Device type of a CPU block (the library's own multi-process backend).
+ */
+#define SS_DEVICE_CPU 0
+
+/**
+ * Device type of a CUDA block (backend not built yet: allocations fail
+ * with `SS_ERR_UNSUPPORTED`).
+ */
+#define SS_DEVICE_CUDA 1
+
+/**
  * Result of a fallible call. `SS_OK` is 0; every other value names a kind
  * of failure, and `ss_last_error_message()` gives the detail. Values are
  * never renumbered or reused.
@@ -222,6 +233,17 @@ typedef struct ss_storage ss_storage;
  * once; every operation may run concurrently with the others.
  */
 typedef struct ss_store ss_store;
+
+/**
+ * A rendezvoused symmetric block: every rank's buffer and signal pad, and
+ * the synchronisation calls. Owned by its allocation: valid until
+ * `ss_symm_free` of the block; never freed by the caller.
+ *
+ * Thread safety: a `const ss_symm_mem*` may be used from several threads,
+ * but each (peer, channel) pair of put/wait/barrier must be used by one
+ * thread at a time, as the signal slots have one writer per side.
+ */
+typedef struct ss_symm_mem ss_symm_mem;
 
 /**
  * A weak reference to a storage: does not keep its bytes alive.
@@ -800,6 +822,159 @@ ss_status ss_store_wait(const ss_store *s,
  * no-op.
  */
 void ss_store_free(ss_store *s);
+
+/**
+ * Registers group `group`: this process is `rank` of `world_size`, and the
+ * ranks meet through `store`. The group keeps its own reference to the
+ * store (free yours whenever you like). A second call for the same name is
+ * `SS_ERR_ALREADY_EXISTS`, as in PyTorch.
+ */
+ss_status ss_symm_set_group_info(const char *group,
+                                 int rank,
+                                 int world_size,
+                                 const ss_store *store);
+
+/**
+ * This process's rank and the world size of group `group`; an unknown
+ * group is `SS_ERR_NOT_FOUND`.
+ */
+ss_status ss_symm_get_group_info(const char *group, int *out_rank, int *out_world_size);
+
+/**
+ * Chooses the allocation backend by name ("CPU" here; PyTorch's are
+ * "CUDA", "NVSHMEM", "NCCL"). After the first allocation it fails with
+ * "Backend can not be changed after use." (`SS_ERR_BUSY`); an unknown name
+ * is `SS_ERR_NOT_FOUND`. Without it, CUDA allocations use the backend named
+ * by `TORCH_SYMMMEM` (default CUDA).
+ */
+ss_status ss_symm_set_backend(const char *name);
+
+/**
+ * Allocates a symmetric block whose buffer holds `size` bytes on device
+ * `device_type` (`SS_DEVICE_CPU`, `SS_DEVICE_CUDA`) `device_idx` (0 for
+ * CPU); `group` (may be NULL) is the default group of its rendezvous.
+ * Writes the buffer's address to `*out`. Free it with `ss_symm_free`.
+ * CUDA: `SS_ERR_UNSUPPORTED` (the CUDA backend is not built yet).
+ */
+ss_status ss_symm_alloc(int device_type,
+                        int device_idx,
+                        size_t size,
+                        const char *group,
+                        void **out);
+
+/**
+ * Like `ss_symm_alloc`, for the persistent block `alloc_id`: the first
+ * call makes it; once it was freed with `ss_symm_free`, a later call gives
+ * the same block (and its rendezvous objects) back. While the previous use
+ * is not freed: `SS_ERR_BUSY`; with another size: `SS_ERR_SIZE_MISMATCH`.
+ * A persistent block stays mapped until the process ends.
+ */
+ss_status ss_symm_alloc_persistent(int device_type,
+                                   int device_idx,
+                                   size_t size,
+                                   const char *group,
+                                   uint64_t alloc_id,
+                                   void **out);
+
+/**
+ * The size asked for when `ptr` (a buffer address from `ss_symm_alloc`)
+ * was allocated.
+ */
+ss_status ss_symm_get_alloc_size(const void *ptr, size_t *out);
+
+/**
+ * Frees the block at `ptr` and its `ss_symm_mem` objects (a persistent
+ * block is kept for reuse). NULL is a no-op; an address that is not a live
+ * block is `SS_ERR_NOT_FOUND`.
+ */
+ss_status ss_symm_free(void *ptr);
+
+/**
+ * Rendezvous of the block at `ptr` with the other ranks of `group` (NULL:
+ * the group given at allocation): every rank must call it with a block of
+ * the same size. `timeout_ms` 0 waits forever; ranks that do not arrive in
+ * time give `SS_ERR_TIMEOUT` naming them. A second call for the same block
+ * and group returns the same object. `*out` is owned by the block.
+ */
+ss_status ss_symm_rendezvous(void *ptr, const char *group, int64_t timeout_ms, ss_symm_mem **out);
+
+/**
+ * This process's rank in the object's group; -1 for NULL.
+ */
+int ss_symm_mem_rank(const ss_symm_mem *h);
+
+/**
+ * The number of ranks of the object's group; -1 for NULL.
+ */
+int ss_symm_mem_world_size(const ss_symm_mem *h);
+
+/**
+ * Usable bytes of each rank's buffer; 0 for NULL.
+ */
+size_t ss_symm_mem_buffer_size(const ss_symm_mem *h);
+
+/**
+ * Bytes of each rank's signal pad; 0 for NULL.
+ */
+size_t ss_symm_mem_signal_pad_size(const ss_symm_mem *h);
+
+/**
+ * The address, in this process, of rank `rank`'s buffer.
+ */
+ss_status ss_symm_mem_buffer_ptr(const ss_symm_mem *h, int rank, void **out);
+
+/**
+ * The address, in this process, of rank `rank`'s signal pad (uint32
+ * slots; keep them zero after your own use, as barrier/put/wait do).
+ */
+ss_status ss_symm_mem_signal_pad_ptr(const ss_symm_mem *h, int rank, void **out);
+
+/**
+ * The address of `nbytes` at `offset` in rank `rank`'s buffer, after
+ * PyTorch's checks: a bad rank ("Invalid peer rank") or a range past the
+ * buffer ("the requested size (N bytes) exceeds the allocated size (M
+ * bytes)") is `SS_ERR_INVALID_ARGUMENT`.
+ */
+ss_status ss_symm_mem_get_buffer(const ss_symm_mem *h,
+                                 int rank,
+                                 size_t nbytes,
+                                 size_t offset,
+                                 void **out);
+
+/**
+ * Signals every other rank on `channel`, then waits for each of them.
+ * `timeout_ms` 0 waits forever; expiry is `SS_ERR_TIMEOUT` naming the
+ * rank, the peer and the channel. `stream` is a CUDA stream (ignored by
+ * the CPU backend; may be NULL).
+ */
+ss_status ss_symm_mem_barrier(const ss_symm_mem *h, int channel, int64_t timeout_ms, void *stream);
+
+/**
+ * Signals rank `dst_rank` on `channel` (waits while its previous signal
+ * from us is unconsumed). Timeout and stream as for the barrier.
+ */
+ss_status ss_symm_mem_put_signal(const ss_symm_mem *h,
+                                 int dst_rank,
+                                 int channel,
+                                 int64_t timeout_ms,
+                                 void *stream);
+
+/**
+ * Waits for the signal of rank `src_rank` on `channel` and consumes it.
+ * Timeout and stream as for the barrier.
+ */
+ss_status ss_symm_mem_wait_signal(const ss_symm_mem *h,
+                                  int src_rank,
+                                  int channel,
+                                  int64_t timeout_ms,
+                                  void *stream);
+
+/**
+ * Marks symmetric memory as finalizing (PyTorch's `is_finalizing`): later
+ * frees leave mappings in place for teardown code that still reads them.
+ * Runs by itself at exit once the symmetric-memory registry was used.
+ */
+void ss_symm_finalize(void);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -15,5 +15,6 @@ pub mod status;
 pub mod storage;
 pub mod storage_utils;
 pub mod store;
+pub mod symm;
 
 pub use status::ss_status;

@@ -30,6 +30,9 @@ struct Registry {
 }
 
 static REGISTRY: Lazy<Mutex<Registry>> = Lazy::new(|| {
+    // Statics are never dropped: mark finalizing at exit instead. The exit
+    // hook is an `extern "C"` function, so it lives in the C API module.
+    crate::ffi::symm::finalize_at_exit();
     Mutex::new(Registry { allocators: vec![Arc::new(CpuAllocator)], chosen: None, used: false })
 });
 

@@ -20,6 +20,17 @@ pub fn timeout_from_ms(timeout_ms: u64) -> Timeout {
     (timeout_ms != 0).then(|| Duration::from_millis(timeout_ms))
 }
 
+impl std::fmt::Debug for SymmetricMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SymmetricMemory")
+            .field("group", &self.group)
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
 impl SymmetricMemory {
     pub fn new(rank: usize, world_size: usize, layout: Layout, group: &str, peers: Box<dyn PeerAccess>) -> Self {
         SymmetricMemory { rank, world_size, layout, group: group.to_string(), peers }

@@ -471,6 +471,7 @@ fn size_mismatch_fails_on_every_rank() {
     let outs = finish(spawn_ranks("mismatch", &dir, 2, &[], &[]));
     assert_all_ok(&outs);
     assert_no_sockets_left(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -479,6 +480,7 @@ fn missing_rank_times_out_naming_it() {
     let outs = finish(spawn_ranks("missing", &dir, 3, &[0, 1], &[]));
     assert_all_ok(&outs);
     assert_no_sockets_left(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -499,6 +501,7 @@ fn registry_rules_and_messages() {
     let mut cmd = child_command("registry", &[dir.to_str().unwrap(), "0", "1", "bad-env"]);
     cmd.env("TMPDIR", &dir).env("TORCH_SYMMMEM", "bogus");
     common::run_ok(cmd);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -383,7 +383,7 @@ fn every_ccall_matches_the_header() {
     );
     assert_eq!(
         opaque,
-        ["ss_cuda_received", "ss_cuda_sent", "ss_map", "ss_storage", "ss_store", "ss_weak"],
+        ["ss_cuda_received", "ss_cuda_sent", "ss_map", "ss_storage", "ss_store", "ss_symm_mem", "ss_weak"],
         "opaque handle types of the header"
     );
     let mut calls = Vec::new();

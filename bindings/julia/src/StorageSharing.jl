@@ -27,7 +27,11 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        cuda_share, sent_counter, cuda_open, cuda_release_ipc_counter, cuda_ipc_collect, cuda_limbo_size,
        cuda_ipc_teardown, cuda_pointer_base, cuda_malloc, cuda_free, cuda_ipc_handle_to_text,
        cuda_ipc_handle_from_text,
-       KVStore, store_file_open, store_ref, store_set, store_get, store_add, store_wait
+       KVStore, store_file_open, store_ref, store_set, store_get, store_add, store_wait,
+       SymmMem, symm_set_group_info, symm_get_group_info, symm_set_backend, symm_alloc, symm_alloc_persistent,
+       symm_get_alloc_size, symm_free, symm_rendezvous, symm_rank, symm_world_size, symm_buffer_size,
+       symm_signal_pad_size, symm_buffer_ptr, symm_signal_pad_ptr, symm_get_buffer, symm_barrier, symm_put_signal,
+       symm_wait_signal, symm_finalize
 
 """The library to load: `STORAGE_SHARING_LIB`, else the standard search path."""
 libstorage_sharing() = get(ENV, "STORAGE_SHARING_LIB", "libstorage_sharing")
@@ -293,5 +297,6 @@ Base.isopen(m::SharedMap) = m.handle != C_NULL
 include("storage.jl")
 include("cuda.jl")
 include("store.jl")
+include("symm.jl")
 
 end # module

@@ -608,6 +608,135 @@ inline ss_cuda_ipc_handle cuda_ipc_handle_from_text(const std::string &text) {
     return out;
 }
 
+/* ---- symmetric memory (ss_symm_*) ----------------------------------------
+ * Every rank of a group allocates a block of the same size; after
+ * rendezvous each rank reaches every peer's buffer and signal pad. */
+
+/* Registers `group`: this process is `rank` of `world_size`, meeting the
+ * others through `store` (borrowed; the group takes its own reference). */
+inline void symm_set_group_info(const std::string &group, int rank, int world_size, const ss_store *store) {
+    check(ss_symm_set_group_info(group.c_str(), rank, world_size, store), "ss_symm_set_group_info");
+}
+/* The same with the file store in folder `store_dir` (one host). */
+inline void symm_set_group_info_file(const std::string &group, int rank, int world_size, const std::string &store_dir) {
+    ss_store *raw = nullptr;
+    check(ss_store_file_open(store_dir.c_str(), &raw), "ss_store_file_open");
+    unique_handle<ss_store, ss_store_free> store(raw);
+    symm_set_group_info(group, rank, world_size, store.get());
+}
+
+struct SymmGroupInfo {
+    int rank;
+    int world_size;
+};
+inline SymmGroupInfo symm_get_group_info(const std::string &group) {
+    SymmGroupInfo out{0, 0};
+    check(ss_symm_get_group_info(group.c_str(), &out.rank, &out.world_size), "ss_symm_get_group_info");
+    return out;
+}
+/* Chooses the backend by name, before the first allocation. */
+inline void symm_set_backend(const std::string &name) { check(ss_symm_set_backend(name.c_str()), "ss_symm_set_backend"); }
+
+/* A rendezvoused block (not owned: valid until its SymmBlock is freed).
+ * timeout_ms 0 waits forever; stream is a CUDA stream (ignored on CPU). */
+class SymmMem {
+public:
+    explicit SymmMem(const ss_symm_mem *handle) noexcept : h_(handle) {}
+    const ss_symm_mem *get() const noexcept { return h_; }
+    int rank() const noexcept { return ss_symm_mem_rank(h_); }
+    int world_size() const noexcept { return ss_symm_mem_world_size(h_); }
+    std::size_t buffer_size() const noexcept { return ss_symm_mem_buffer_size(h_); }
+    std::size_t signal_pad_size() const noexcept { return ss_symm_mem_signal_pad_size(h_); }
+    void *buffer_ptr(int rank) const {
+        void *p = nullptr;
+        check(ss_symm_mem_buffer_ptr(h_, rank, &p), "ss_symm_mem_buffer_ptr");
+        return p;
+    }
+    std::uint32_t *signal_pad_ptr(int rank) const {
+        void *p = nullptr;
+        check(ss_symm_mem_signal_pad_ptr(h_, rank, &p), "ss_symm_mem_signal_pad_ptr");
+        return static_cast<std::uint32_t *>(p);
+    }
+    void *get_buffer(int rank, std::size_t nbytes, std::size_t offset = 0) const {
+        void *p = nullptr;
+        check(ss_symm_mem_get_buffer(h_, rank, nbytes, offset, &p), "ss_symm_mem_get_buffer");
+        return p;
+    }
+    void barrier(int channel = 0, std::int64_t timeout_ms = 0, void *stream = nullptr) const {
+        check(ss_symm_mem_barrier(h_, channel, timeout_ms, stream), "ss_symm_mem_barrier");
+    }
+    void put_signal(int dst_rank, int channel = 0, std::int64_t timeout_ms = 0, void *stream = nullptr) const {
+        check(ss_symm_mem_put_signal(h_, dst_rank, channel, timeout_ms, stream), "ss_symm_mem_put_signal");
+    }
+    void wait_signal(int src_rank, int channel = 0, std::int64_t timeout_ms = 0, void *stream = nullptr) const {
+        check(ss_symm_mem_wait_signal(h_, src_rank, channel, timeout_ms, stream), "ss_symm_mem_wait_signal");
+    }
+
+private:
+    const ss_symm_mem *h_;
+};
+
+/* One rank's symmetric block; frees it (ss_symm_free) when destroyed.
+ * Move-only. group "" means none. */
+class SymmBlock {
+public:
+    static SymmBlock alloc(std::size_t size, const std::string &group = "", int device_type = SS_DEVICE_CPU,
+                           int device_idx = 0) {
+        void *p = nullptr;
+        check(ss_symm_alloc(device_type, device_idx, size, group.empty() ? nullptr : group.c_str(), &p), "ss_symm_alloc");
+        return SymmBlock(p);
+    }
+    /* The persistent block alloc_id (the same block once the previous use
+     * was freed). */
+    static SymmBlock alloc_persistent(std::size_t size, std::uint64_t alloc_id, const std::string &group = "",
+                                      int device_type = SS_DEVICE_CPU, int device_idx = 0) {
+        void *p = nullptr;
+        check(ss_symm_alloc_persistent(device_type, device_idx, size, group.empty() ? nullptr : group.c_str(), alloc_id,
+                                       &p),
+              "ss_symm_alloc_persistent");
+        return SymmBlock(p);
+    }
+    SymmBlock(const SymmBlock &) = delete;
+    SymmBlock &operator=(const SymmBlock &) = delete;
+    SymmBlock(SymmBlock &&other) noexcept : ptr_(std::exchange(other.ptr_, nullptr)) {}
+    SymmBlock &operator=(SymmBlock &&other) noexcept {
+        if (this != &other) {
+            reset();
+            ptr_ = std::exchange(other.ptr_, nullptr);
+        }
+        return *this;
+    }
+    ~SymmBlock() { reset(); }
+
+    void *data() const noexcept { return ptr_; }
+    std::size_t size() const {
+        std::size_t n = 0;
+        check(ss_symm_get_alloc_size(ptr_, &n), "ss_symm_get_alloc_size");
+        return n;
+    }
+    /* Meets the other ranks of `group` ("" for the allocation's group). */
+    SymmMem rendezvous(const std::string &group = "", std::int64_t timeout_ms = 0) const {
+        ss_symm_mem *h = nullptr;
+        check(ss_symm_rendezvous(ptr_, group.empty() ? nullptr : group.c_str(), timeout_ms, &h), "ss_symm_rendezvous");
+        return SymmMem(h);
+    }
+    /* Frees now, reporting errors (the destructor ignores them). */
+    void free() {
+        void *p = std::exchange(ptr_, nullptr);
+        if (p) check(ss_symm_free(p), "ss_symm_free");
+    }
+
+private:
+    explicit SymmBlock(void *ptr) noexcept : ptr_(ptr) {}
+    void reset() noexcept {
+        void *p = std::exchange(ptr_, nullptr);
+        if (p) (void)ss_symm_free(p);
+    }
+    void *ptr_ = nullptr;
+};
+
+/* ---- end symmetric memory ------------------------------------------------ */
+
 }  // namespace storage_sharing
 
 #endif /* STORAGE_SHARING_HPP */

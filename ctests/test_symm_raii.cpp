@@ -39,10 +39,11 @@ static int rank_main(const std::string &dir, int rank) {
     } else {
         mem.wait_signal(0, 2, 20000);
         if (own[10] != 0xC0FFEEu) return 13;
-        for (std::size_t i = 0; i < mem.signal_pad_size() / 4; i++)
-            if (mem.signal_pad_ptr(1)[i] != 0) return 14;
     }
     mem.barrier(0, 20000);
+    // After the last sync every signal sent to us was consumed: own pad is 0.
+    for (std::size_t i = 0; i < mem.signal_pad_size() / 4; i++)
+        if (mem.signal_pad_ptr(rank)[i] != 0) return 14;
     block.free();
     return 0;
 }

@@ -5,14 +5,13 @@
 
 use super::backend::{Layout, PeerAccess, SymmAllocator, SymmBlock};
 use super::mapping::Mapping;
-use super::signals::{self, Elapsed};
+use super::signals::{self, Deadline, Elapsed};
 use super::DeviceType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::store::Timeout;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
-use std::time::Instant;
 
 /// Signal pad bytes: PyTorch's newest default, 32 channels x 72 ranks x 4.
 pub const SIGNAL_PAD_SIZE: usize = 32 * 72 * 4;
@@ -161,7 +160,7 @@ impl CpuPeers {
         unsafe { &*(self.bases[owner] as *const AtomicU32).add(index) }
     }
 
-    fn put(&self, dst: usize, channel: usize, deadline: Option<Instant>, op: &str, ms: u128) -> Result<()> {
+    fn put(&self, dst: usize, channel: usize, deadline: &mut Deadline, op: &str, ms: u128) -> Result<()> {
         signals::put(self.slot(dst, channel, self.rank), deadline).map_err(|Elapsed| {
             timeout_error(format!(
                 "CPUSymmetricMemory::{op}: rank {} failed to send signal to rank {dst} on channel {channel} after {ms} ms",
@@ -170,7 +169,7 @@ impl CpuPeers {
         })
     }
 
-    fn wait(&self, src: usize, channel: usize, deadline: Option<Instant>, op: &str, ms: u128) -> Result<()> {
+    fn wait(&self, src: usize, channel: usize, deadline: &mut Deadline, op: &str, ms: u128) -> Result<()> {
         signals::wait(self.slot(self.rank, channel, src), deadline).map_err(|Elapsed| {
             timeout_error(format!(
                 "CPUSymmetricMemory::{op}: rank {} failed to receive signal from rank {src} on channel {channel} after {ms} ms",
@@ -184,8 +183,8 @@ fn timeout_error(msg: String) -> Error {
     Error::new(ErrorKind::Timeout, msg)
 }
 
-fn deadline_of(timeout: Timeout) -> (Option<Instant>, u128) {
-    (timeout.map(|t| Instant::now() + t), timeout.map_or(0, |t| t.as_millis()))
+fn deadline_of(timeout: Timeout) -> (Deadline, u128) {
+    (Deadline::after(timeout), timeout.map_or(0, |t| t.as_millis()))
 }
 
 impl PeerAccess for CpuPeers {
@@ -198,22 +197,22 @@ impl PeerAccess for CpuPeers {
     }
 
     fn put_signal(&self, dst: usize, channel: usize, timeout: Timeout, _stream: usize) -> Result<()> {
-        let (deadline, ms) = deadline_of(timeout);
-        self.put(dst, channel, deadline, "put_signal", ms)
+        let (mut deadline, ms) = deadline_of(timeout);
+        self.put(dst, channel, &mut deadline, "put_signal", ms)
     }
 
     fn wait_signal(&self, src: usize, channel: usize, timeout: Timeout, _stream: usize) -> Result<()> {
-        let (deadline, ms) = deadline_of(timeout);
-        self.wait(src, channel, deadline, "wait_signal", ms)
+        let (mut deadline, ms) = deadline_of(timeout);
+        self.wait(src, channel, &mut deadline, "wait_signal", ms)
     }
 
     fn barrier(&self, channel: usize, timeout: Timeout, _stream: usize) -> Result<()> {
-        let (deadline, ms) = deadline_of(timeout);
+        let (mut deadline, ms) = deadline_of(timeout);
         for peer in (0..self.ws).filter(|&p| p != self.rank) {
-            self.put(peer, channel, deadline, "barrier", ms)?;
+            self.put(peer, channel, &mut deadline, "barrier", ms)?;
         }
         for peer in (0..self.ws).filter(|&p| p != self.rank) {
-            self.wait(peer, channel, deadline, "barrier", ms)?;
+            self.wait(peer, channel, &mut deadline, "barrier", ms)?;
         }
         Ok(())
     }

@@ -29,9 +29,31 @@ const SPIN: Duration = Duration::from_micros(50);
 #[derive(Debug, PartialEq, Eq)]
 pub struct Elapsed;
 
+/// A timeout whose clock starts at the first look at it: a signal that is
+/// already there (the fast path) never reads the clock. One deadline may
+/// span several puts and waits (a barrier).
+#[derive(Clone, Copy, Debug)]
+pub struct Deadline {
+    timeout: Option<Duration>,
+    at: Option<Instant>,
+}
+
+impl Deadline {
+    /// `None` waits forever.
+    pub fn after(timeout: Option<Duration>) -> Self {
+        Deadline { timeout, at: None }
+    }
+
+    /// The instant it expires (starting the clock now if not yet started).
+    fn instant(&mut self) -> Option<Instant> {
+        let t = self.timeout?;
+        Some(*self.at.get_or_insert_with(|| Instant::now() + t))
+    }
+}
+
 /// Puts a signal into `slot` (0 -> 1), waiting while the previous signal is
 /// still there. `deadline` None waits forever.
-pub fn put(slot: &AtomicU32, deadline: Option<Instant>) -> Result<(), Elapsed> {
+pub fn put(slot: &AtomicU32, deadline: &mut Deadline) -> Result<(), Elapsed> {
     let mut spin = Spinner::new();
     loop {
         match slot.load(Ordering::Acquire) {
@@ -50,7 +72,7 @@ pub fn put(slot: &AtomicU32, deadline: Option<Instant>) -> Result<(), Elapsed> {
                 if spin.spinning() {
                     continue;
                 }
-                sleep_on(slot, FULL, FULL_PUTTER_ASLEEP, deadline)?;
+                sleep_on(slot, FULL, FULL_PUTTER_ASLEEP, deadline.instant())?;
             }
         }
     }
@@ -58,7 +80,7 @@ pub fn put(slot: &AtomicU32, deadline: Option<Instant>) -> Result<(), Elapsed> {
 
 /// Waits for a signal in `slot` and consumes it (1 -> 0). `deadline` None
 /// waits forever.
-pub fn wait(slot: &AtomicU32, deadline: Option<Instant>) -> Result<(), Elapsed> {
+pub fn wait(slot: &AtomicU32, deadline: &mut Deadline) -> Result<(), Elapsed> {
     let mut spin = Spinner::new();
     loop {
         match slot.load(Ordering::Acquire) {
@@ -77,7 +99,7 @@ pub fn wait(slot: &AtomicU32, deadline: Option<Instant>) -> Result<(), Elapsed> 
                 if spin.spinning() {
                     continue;
                 }
-                sleep_on(slot, EMPTY, EMPTY_WAITER_ASLEEP, deadline)?;
+                sleep_on(slot, EMPTY, EMPTY_WAITER_ASLEEP, deadline.instant())?;
             }
         }
     }
@@ -169,30 +191,34 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    fn soon(ms: u64) -> Option<Instant> {
-        Some(Instant::now() + Duration::from_millis(ms))
+    fn soon(ms: u64) -> Deadline {
+        Deadline::after(Some(Duration::from_millis(ms)))
+    }
+
+    fn never() -> Deadline {
+        Deadline::after(None)
     }
 
     #[test]
     fn put_then_wait_leaves_zero() {
         let slot = AtomicU32::new(0);
-        put(&slot, None).unwrap();
+        put(&slot, &mut never()).unwrap();
         assert_eq!(slot.load(Ordering::SeqCst), 1);
-        wait(&slot, None).unwrap();
+        wait(&slot, &mut never()).unwrap();
         assert_eq!(slot.load(Ordering::SeqCst), 0);
     }
 
     #[test]
     fn wait_times_out_and_leaves_no_mark() {
         let slot = AtomicU32::new(0);
-        assert_eq!(wait(&slot, soon(30)), Err(Elapsed));
+        assert_eq!(wait(&slot, &mut soon(30)), Err(Elapsed));
         assert_eq!(slot.load(Ordering::SeqCst), 0);
     }
 
     #[test]
     fn put_on_full_slot_times_out_and_keeps_the_signal() {
         let slot = AtomicU32::new(1);
-        assert_eq!(put(&slot, soon(30)), Err(Elapsed));
+        assert_eq!(put(&slot, &mut soon(30)), Err(Elapsed));
         assert_eq!(slot.load(Ordering::SeqCst), 1);
     }
 
@@ -200,10 +226,10 @@ mod tests {
     fn sleeping_waiter_is_woken_by_put() {
         let slot = Arc::new(AtomicU32::new(0));
         let s2 = slot.clone();
-        let t = std::thread::spawn(move || wait(&s2, soon(5000)));
+        let t = std::thread::spawn(move || wait(&s2, &mut soon(5000)));
         std::thread::sleep(Duration::from_millis(50)); // past the spin: asleep
         assert_eq!(slot.load(Ordering::SeqCst), EMPTY_WAITER_ASLEEP);
-        put(&slot, None).unwrap();
+        put(&slot, &mut never()).unwrap();
         t.join().unwrap().unwrap();
         assert_eq!(slot.load(Ordering::SeqCst), 0);
     }
@@ -212,13 +238,13 @@ mod tests {
     fn sleeping_putter_is_woken_by_wait() {
         let slot = Arc::new(AtomicU32::new(1));
         let s2 = slot.clone();
-        let t = std::thread::spawn(move || put(&s2, soon(5000)));
+        let t = std::thread::spawn(move || put(&s2, &mut soon(5000)));
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!(slot.load(Ordering::SeqCst), FULL_PUTTER_ASLEEP);
-        wait(&slot, None).unwrap();
+        wait(&slot, &mut never()).unwrap();
         t.join().unwrap().unwrap();
         assert_eq!(slot.load(Ordering::SeqCst), 1); // the second signal
-        wait(&slot, None).unwrap();
+        wait(&slot, &mut never()).unwrap();
         assert_eq!(slot.load(Ordering::SeqCst), 0);
     }
 
@@ -229,13 +255,13 @@ mod tests {
         let (a2, b2) = (a.clone(), b.clone());
         let t = std::thread::spawn(move || {
             for _ in 0..2000 {
-                wait(&a2, soon(10_000)).unwrap();
-                put(&b2, soon(10_000)).unwrap();
+                wait(&a2, &mut soon(10_000)).unwrap();
+                put(&b2, &mut soon(10_000)).unwrap();
             }
         });
         for _ in 0..2000 {
-            put(&a, soon(10_000)).unwrap();
-            wait(&b, soon(10_000)).unwrap();
+            put(&a, &mut soon(10_000)).unwrap();
+            wait(&b, &mut soon(10_000)).unwrap();
         }
         t.join().unwrap();
         assert_eq!((a.load(Ordering::SeqCst), b.load(Ordering::SeqCst)), (0, 0));

@@ -173,7 +173,7 @@ fn rendezvous_times(dir: &std::path::Path, ws: usize, rounds: usize) -> (f64, f6
 
 fn main() {
     let quick = std::env::var_os("SS_BENCH_QUICK").is_some();
-    let (n, reps, rounds) = if quick { (20_000, 3, 10) } else { (200_000, 7, 40) };
+    let (n, reps, rounds) = if quick { (20_000, 3, 10) } else { (100_000, 5, 30) };
     let tmp = std::env::temp_dir().join(format!("ss-bench-symm-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
     // SAFETY: sysconf reads a system value.

@@ -1,6 +1,7 @@
 /* Two processes share symmetric memory: each allocates a block, they meet
  * through a file store, then each reads the other's buffer and they
- * synchronise with a barrier and a signal. Built: cc app.c -lstorage_sharing */
+ * synchronise with a barrier and a signal. Build and run:
+ *   cc -std=c11 symm.c $(pkg-config --cflags --libs storage_sharing) && ./a.out */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp, fork */
 #include <stdint.h>
 #include <stdio.h>

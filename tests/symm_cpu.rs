@@ -415,6 +415,70 @@ fn role_bad_args(me: Rank) {
     println!("ok");
 }
 
+fn role_c_api(me: Rank) {
+    use std::ffi::c_void;
+    use std::ptr::{null, null_mut};
+    use storage_sharing::ffi::ss_status::*;
+    use storage_sharing::ffi::symm::*;
+    let dir = std::ffi::CString::new(me.dir.join("store").to_str().unwrap()).unwrap();
+    let mut store = null_mut();
+    // SAFETY (all calls below): valid strings, out-pointers to locals, NULLs
+    // where the test checks that NULL is refused.
+    unsafe {
+        assert_eq!(storage_sharing::ffi::store::ss_store_file_open(dir.as_ptr(), &mut store), SS_OK);
+        assert_eq!(ss_symm_set_group_info(c"capi".as_ptr(), 0, 1, null()), SS_ERR_NULL_POINTER);
+        assert_eq!(ss_symm_set_group_info(null(), 0, 1, store), SS_ERR_NULL_POINTER);
+        assert_eq!(ss_symm_set_group_info(c"capi".as_ptr(), 0, 1, store), SS_OK);
+        assert_eq!(ss_symm_set_group_info(c"capi".as_ptr(), 0, 1, store), SS_ERR_ALREADY_EXISTS);
+        storage_sharing::ffi::store::ss_store_free(store); // the group keeps its own
+        let (mut r, mut ws) = (-1, -1);
+        assert_eq!(ss_symm_get_group_info(c"capi".as_ptr(), &mut r, &mut ws), SS_OK);
+        assert_eq!((r, ws), (0, 1));
+        assert_eq!(ss_symm_get_group_info(c"other".as_ptr(), &mut r, &mut ws), SS_ERR_NOT_FOUND);
+        assert_eq!(ss_symm_get_group_info(c"capi".as_ptr(), null_mut(), &mut ws), SS_ERR_NULL_POINTER);
+
+        let mut p: *mut c_void = null_mut();
+        assert_eq!(ss_symm_alloc(7, 0, 64, null(), &mut p), SS_ERR_INVALID_ARGUMENT);
+        assert_eq!(ss_symm_alloc(SS_DEVICE_CUDA, 0, 64, null(), &mut p), SS_ERR_UNSUPPORTED);
+        assert_eq!(ss_symm_alloc(SS_DEVICE_CPU, 0, 64, null(), null_mut()), SS_ERR_NULL_POINTER);
+        assert!(p.is_null(), "out written only on success");
+        assert_eq!(ss_symm_alloc(SS_DEVICE_CPU, 0, 64, c"capi".as_ptr(), &mut p), SS_OK);
+        let mut n = 0usize;
+        assert_eq!(ss_symm_get_alloc_size(p, &mut n), SS_OK);
+        assert_eq!(n, 64);
+        let mut h = null_mut();
+        assert_eq!(ss_symm_rendezvous(p, null(), -5, &mut h), SS_ERR_INVALID_ARGUMENT);
+        assert_eq!(ss_symm_rendezvous(null_mut(), null(), 1000, &mut h), SS_ERR_NULL_POINTER);
+        assert_eq!(ss_symm_rendezvous(p, null(), 10_000, &mut h), SS_OK);
+        let mut h2 = null_mut();
+        assert_eq!(ss_symm_rendezvous(p, c"capi".as_ptr(), 10_000, &mut h2), SS_OK);
+        assert_eq!(h, h2, "same block and group: same handle");
+        assert_eq!((ss_symm_mem_rank(h), ss_symm_mem_world_size(h), ss_symm_mem_buffer_size(h)), (0, 1, 64));
+        assert_eq!(ss_symm_mem_signal_pad_size(h), 9216);
+        assert_eq!((ss_symm_mem_rank(null()), ss_symm_mem_world_size(null()), ss_symm_mem_buffer_size(null())), (-1, -1, 0));
+        let mut q: *mut c_void = null_mut();
+        assert_eq!(ss_symm_mem_buffer_ptr(h, 0, &mut q), SS_OK);
+        assert_eq!(q, p);
+        assert_eq!(ss_symm_mem_buffer_ptr(h, 1, &mut q), SS_ERR_INVALID_ARGUMENT);
+        assert_eq!(ss_symm_mem_signal_pad_ptr(h, 0, &mut q), SS_OK);
+        assert_eq!(q as usize + 12288, p as usize, "layout [pad | buffer], buffer on its own page");
+        assert_eq!(ss_symm_mem_get_buffer(h, 0, 65, 0, &mut q), SS_ERR_INVALID_ARGUMENT);
+        assert_eq!(ss_symm_mem_get_buffer(null(), 0, 1, 0, &mut q), SS_ERR_NULL_POINTER);
+        assert_eq!(ss_symm_mem_barrier(h, 0, -1, null_mut()), SS_ERR_INVALID_ARGUMENT);
+        assert_eq!(ss_symm_mem_barrier(h, 0, 0, null_mut()), SS_OK, "one rank: nothing to wait for");
+        assert_eq!(ss_symm_mem_put_signal(h, 0, 1, 100, null_mut()), SS_OK);
+        assert_eq!(ss_symm_mem_put_signal(h, 0, 1, 30, null_mut()), SS_ERR_TIMEOUT, "slot still full");
+        assert_eq!(ss_symm_mem_wait_signal(h, 0, 1, 100, null_mut()), SS_OK);
+        assert_eq!(ss_symm_mem_wait_signal(h, 0, 1, 30, null_mut()), SS_ERR_TIMEOUT);
+        assert_eq!(ss_symm_set_backend(c"CPU".as_ptr()), SS_ERR_BUSY);
+        assert_eq!(ss_symm_free(null_mut()), SS_OK);
+        assert_eq!(ss_symm_free(p), SS_OK);
+        assert_eq!(ss_symm_free(p), SS_ERR_NOT_FOUND);
+        assert_eq!(ss_symm_get_alloc_size(p, &mut n), SS_ERR_NOT_FOUND);
+    }
+    println!("ok");
+}
+
 #[test]
 #[ignore]
 fn child_role() {
@@ -432,6 +496,7 @@ fn child_role() {
         "persistent" => role_persistent(me),
         "registry" => role_registry(me),
         "bad_args" => role_bad_args(me),
+        "c_api" => role_c_api(me),
         other => panic!("unknown role {other}"),
     }
 }
@@ -507,6 +572,11 @@ fn registry_rules_and_messages() {
 #[test]
 fn bad_ranks_channels_sizes_offsets_and_groups() {
     run_ranks("bad_args", "bad", 1, &[]);
+}
+
+#[test]
+fn c_api_statuses() {
+    run_ranks("c_api", "capi", 1, &[]);
 }
 
 fn shm_entries() -> Vec<String> {

@@ -109,6 +109,14 @@ cmake -S "$readme" -B "$readme/build" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$readme/build" >/dev/null
 run_and_check_segment "README CMake example" "$readme/build/app"
 
+step "README symmetric-memory example (the same file as ctests/test_symm.c)"
+[ -s "$readme/symm.c" ] || fail "README has no checked block symm.c"
+cmp -s "$readme/symm.c" "$root/ctests/test_symm.c" || fail "README's symm.c differs from ctests/test_symm.c"
+# shellcheck disable=SC2046 # word splitting of the flags is intended
+cc -std=c11 -Wall -Wextra -Wpedantic -Werror "$readme/symm.c" $(pkg-config --cflags --libs storage_sharing) \
+    -Wl,-rpath,"$lib" -o "$readme/symm"
+"$readme/symm" || fail "README symmetric-memory example"
+
 if command -v go >/dev/null; then
     step "Go: README example and go test"
     export CGO_LDFLAGS="-Wl,-rpath,$lib"

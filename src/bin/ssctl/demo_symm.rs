@@ -15,7 +15,7 @@ pub const CHILD_COMMAND: &str = "__demo-symm-rank";
 const GROUP: &str = "demo";
 const TIMEOUT: Option<Duration> = Some(Duration::from_secs(30));
 const MESSAGE: &[u8] = b"hello from rank 0, through your own buffer";
-const BARRIERS: u32 = 20_000;
+const BARRIERS: u32 = 5_000;
 
 pub fn run(args: &[String]) -> i32 {
     let kib: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(1024);

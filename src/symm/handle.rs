@@ -57,12 +57,17 @@ impl SymmetricMemory {
         &self.group
     }
 
-    /// The highest channel barrier/put/wait accept: the pad holds
-    /// `pad / 4` slots and a channel takes `world_size` of them. (PyTorch
-    /// checks `channel < pad / 4 * ws`, which lets slots overflow the pad;
-    /// this is the strict bound.)
+    /// How many channels barrier/put/wait accept: the pad holds `pad / 4`
+    /// slots and a channel takes `world_size` of them. (PyTorch checks
+    /// `channel < pad / 4 * ws`, which lets slots overflow the pad; this is
+    /// the strict bound.)
+    pub fn channels(&self) -> usize {
+        self.layout.signal_pad_size / 4 / self.world_size
+    }
+
+    /// The highest channel accepted (0 when there is none, see `channels`).
     pub fn max_channel(&self) -> usize {
-        (self.layout.signal_pad_size / 4 / self.world_size).saturating_sub(1)
+        self.channels().saturating_sub(1)
     }
 
     fn check_rank(&self, rank: i64) -> Result<usize> {
@@ -80,6 +85,18 @@ impl SymmetricMemory {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("The channel for barrier(), put_signal() and wait_signal() must not be negative (got {channel})"),
+            ));
+        }
+        if self.channels() == 0 {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "barrier(), put_signal() and wait_signal() need one signal slot per rank, but the {}-byte signal pad \
+                     holds {} slots for {} ranks",
+                    self.layout.signal_pad_size,
+                    self.layout.signal_pad_size / 4,
+                    self.world_size
+                ),
             ));
         }
         let max = self.max_channel();
@@ -135,5 +152,38 @@ impl SymmetricMemory {
         let s = self.check_rank(src)?;
         let c = self.check_channel(channel)?;
         self.peers.wait_signal(s, c, timeout, stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::symm::backend::SymmBlock;
+    use crate::symm::cpu_backend::CpuBlock;
+
+    /// A real one-rank CPU block, presented as rank 0 of `ws` ranks.
+    fn one_rank_as(ws: usize) -> SymmetricMemory {
+        let block = CpuBlock::new(64).unwrap();
+        let peers = block.import(0, vec![None]).unwrap();
+        SymmetricMemory::new(0, ws, block.layout(), "t", peers)
+    }
+
+    #[test]
+    fn channel_bound_is_strict() {
+        let m = one_rank_as(2);
+        assert_eq!((m.channels(), m.max_channel()), (1152, 1151));
+        let t = timeout_from_ms(10);
+        assert_eq!(m.put_signal(0, 1152, t, 0).unwrap_err().kind(), ErrorKind::InvalidArgument);
+        let m = one_rank_as(72); // PyTorch's largest P2P domain: 32 channels
+        assert_eq!(m.max_channel(), 31);
+    }
+
+    #[test]
+    fn more_ranks_than_slots_has_no_channel() {
+        let m = one_rank_as(3000);
+        let e = m.put_signal(0, 0, timeout_from_ms(10), 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        assert!(e.message().contains("holds 2304 slots for 3000 ranks"), "{}", e.message());
+        assert_eq!(m.barrier(0, timeout_from_ms(10), 0).unwrap_err().kind(), ErrorKind::Unsupported);
     }
 }

@@ -777,6 +777,33 @@ ss_status ss_share_memory(const void *src, size_t nbytes, ss_map **out);
 ss_status ss_store_file_open(const char *path, ss_store **out);
 
 /**
+ * Joins (or, with `is_master`, serves) a PyTorch c10d `TCPStore` at
+ * `host:port`, speaking its wire protocol: the client sees the keys of
+ * `torch.distributed` ranks of the same job (PyTorch's `/` key prefix is
+ * added), and PyTorch clients can use our server. As
+ * `TCPStore(host, port, world_size, is_master, timeout)`: the master
+ * listens on `host:port` (port 0: a free port, see `ss_store_tcp_port`);
+ * with `world_size` > 0 every rank adds itself to the `init/` counter and
+ * the master returns once `world_size` ranks joined. `timeout_ms` (0:
+ * forever) bounds connecting (a client retries while nobody listens),
+ * the join and every reply. Errors name `host:port`: port in use
+ * `SS_ERR_BUSY`, no server in time `SS_ERR_TIMEOUT`, server gone
+ * `SS_ERR_PEER_GONE`, bad reply `SS_ERR_PROTOCOL`.
+ */
+ss_status ss_store_tcp_open(const char *host,
+                            int port,
+                            bool is_master,
+                            int world_size,
+                            int64_t timeout_ms,
+                            ss_store **out);
+
+/**
+ * The TCP port of a TCPStore (the one its server picked when opened with
+ * port 0). Another kind of store: `SS_ERR_UNSUPPORTED`.
+ */
+ss_status ss_store_tcp_port(const ss_store *s, int *out_port);
+
+/**
  * A second reference to the same store (free both).
  */
 ss_status ss_store_ref(const ss_store *s, ss_store **out);

@@ -3,7 +3,8 @@
 use super::args::{free_handle, handle, out_arg, str_arg, write_out};
 use super::status::ss_status;
 use crate::error::{Error, ErrorKind, Result};
-use crate::store::{FileStore, StoreRef, Timeout};
+use crate::store::{FileStore, StoreRef, TcpStore, Timeout};
+use std::os::raw::c_int;
 use std::ffi::c_void;
 use std::os::raw::c_char;
 use std::sync::Arc;
@@ -81,6 +82,62 @@ pub unsafe extern "C" fn ss_store_file_open(path: *const c_char, out: *mut *mut 
         let store: StoreRef = Arc::new(FileStore::open(path)?);
         // SAFETY: checked above.
         unsafe { write_store(out, store) };
+        Ok(())
+    })
+}
+
+/// Joins (or, with `is_master`, serves) a PyTorch c10d `TCPStore` at
+/// `host:port`, speaking its wire protocol: the client sees the keys of
+/// `torch.distributed` ranks of the same job (PyTorch's `/` key prefix is
+/// added), and PyTorch clients can use our server. As
+/// `TCPStore(host, port, world_size, is_master, timeout)`: the master
+/// listens on `host:port` (port 0: a free port, see `ss_store_tcp_port`);
+/// with `world_size` > 0 every rank adds itself to the `init/` counter and
+/// the master returns once `world_size` ranks joined. `timeout_ms` (0:
+/// forever) bounds connecting (a client retries while nobody listens),
+/// the join and every reply. Errors name `host:port`: port in use
+/// `SS_ERR_BUSY`, no server in time `SS_ERR_TIMEOUT`, server gone
+/// `SS_ERR_PEER_GONE`, bad reply `SS_ERR_PROTOCOL`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_tcp_open(
+    host: *const c_char,
+    port: c_int,
+    is_master: bool,
+    world_size: c_int,
+    timeout_ms: i64,
+    out: *mut *mut SsStore,
+) -> ss_status {
+    ffi_status!("ss_store_tcp_open", {
+        out_arg(out, "out")?;
+        // SAFETY: NULL or a NUL-terminated string.
+        let host = unsafe { str_arg(host, "host") }?;
+        let port = u16::try_from(port)
+            .map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("port is {port}: must be 0..65535")))?;
+        if port == 0 && !is_master {
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("port 0 needs is_master (a client must name the server's port on {host})")));
+        }
+        let world = u32::try_from(world_size)
+            .map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("world_size is {world_size}: must be >= 0 (0: do not wait for ranks)")))?;
+        let store: StoreRef = Arc::new(TcpStore::open(host, port, is_master, world, timeout_arg(timeout_ms)?)?);
+        // SAFETY: checked above.
+        unsafe { write_store(out, store) };
+        Ok(())
+    })
+}
+
+/// The TCP port of a TCPStore (the one its server picked when opened with
+/// port 0). Another kind of store: `SS_ERR_UNSUPPORTED`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_tcp_port(s: *const SsStore, out_port: *mut c_int) -> ss_status {
+    ffi_status!("ss_store_tcp_port", {
+        out_arg(out_port, "out_port")?;
+        // SAFETY: NULL or a live handle.
+        let store = unsafe { handle(s, "store") }?;
+        let port = store.store.tcp_port().ok_or_else(|| {
+            Error::new(ErrorKind::Unsupported, format!("{} is not a TCPStore: it has no port", store.store.describe()))
+        })?;
+        // SAFETY: checked above.
+        unsafe { write_out(out_port, c_int::from(port)) };
         Ok(())
     })
 }

@@ -7,8 +7,10 @@
 pub mod deadline;
 pub mod file;
 pub mod file_key;
+pub mod tcp;
 
 pub use file::FileStore;
+pub use tcp::TcpStore;
 
 use crate::error::Result;
 use std::sync::Arc;
@@ -39,6 +41,12 @@ pub trait Store: Send + Sync {
 
     /// Where the store lives, for messages (a path, or `host:port`).
     fn describe(&self) -> String;
+
+    /// The TCP port of a TCPStore (the one its server picked when asked
+    /// for port 0); `None` for other stores.
+    fn tcp_port(&self) -> Option<u16> {
+        None
+    }
 }
 
 /// A shared reference to a store.

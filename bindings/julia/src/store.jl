@@ -104,3 +104,28 @@ function store_wait(s::KVStore, keys::AbstractVector{<:AbstractString}; timeout_
     end
     check("ss_store_wait", st)
 end
+
+"""
+    store_tcp_open(host, port; is_master=false, world_size=0, timeout_ms=0) -> KVStore
+
+Joins (or with `is_master` serves) a PyTorch c10d `TCPStore` at
+`host:port`; port 0 with `is_master` picks a free port (`store_tcp_port`).
+With `world_size > 0` the master returns once that many ranks joined.
+"""
+function store_tcp_open(host::AbstractString, port::Integer; is_master::Bool=false, world_size::Integer=0,
+                        timeout_ms::Integer=0)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    st = ccall((:ss_store_tcp_open, libstorage_sharing()), Cint, (Cstring, Cint, Bool, Cint, Int64, Ptr{Ptr{Cvoid}}),
+               host, port, is_master, world_size, timeout_ms, out)
+    check("ss_store_tcp_open", st)
+    return KVStore(out[])
+end
+
+"""The port of a TCPStore (the one its server picked for port 0)."""
+function store_tcp_port(s::KVStore)
+    out = Ref{Cint}(0)
+    st = ccall((:ss_store_tcp_port, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Cint}),
+               live_handle(s, "ss_store_tcp_port"), out)
+    check("ss_store_tcp_port", st)
+    return Int(out[])
+end

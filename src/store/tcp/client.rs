@@ -1,0 +1,284 @@
+//! A client of a c10d `TCPStore` server (PyTorch's, or ours): one TCP
+//! connection, one request at a time, PyTorch's key prefix, so it sees the
+//! same keys as PyTorch ranks of the same job.
+
+use super::protocol::{self, Request, KEY_PREFIX, VALIDATION_MAGIC};
+use crate::error::{Error, ErrorKind, Result};
+use crate::store::deadline::{deadline, remaining, timeout_error, Backoff};
+use crate::store::Timeout;
+use std::io::{ErrorKind as IoKind, Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// A `get` first reads with `COMPARE_SET(key, SENTINEL, SENTINEL)`: both
+/// PyTorch servers answer it with the current value without changing it,
+/// or with `SENTINEL` itself when the key is missing (nothing is created).
+/// That is one round trip instead of `WAIT` + `GET`; only an answer equal
+/// to the sentinel falls back to waiting. Checked against torch 2.15.
+const GET_SENTINEL: &[u8] = b"\0storage-sharing:get-probe\0";
+
+struct Conn {
+    stream: TcpStream,
+    /// Set after a failure mid-exchange: the byte stream is out of step.
+    broken: Option<Error>,
+    read_timeout: Option<Duration>,
+}
+
+/// A connection to a TCPStore server at `host:port`.
+pub struct TcpClient {
+    addr: String,
+    conn: Mutex<Conn>,
+    /// How long any single reply may take (the store's timeout).
+    reply_timeout: Timeout,
+}
+
+fn io_kind(e: &std::io::Error) -> ErrorKind {
+    match e.kind() {
+        IoKind::UnexpectedEof | IoKind::ConnectionReset | IoKind::ConnectionAborted | IoKind::BrokenPipe => {
+            ErrorKind::PeerGone
+        }
+        IoKind::WouldBlock | IoKind::TimedOut => ErrorKind::Timeout,
+        _ => e.raw_os_error().map_or(ErrorKind::Io, crate::error::kind_of_errno),
+    }
+}
+
+impl TcpClient {
+    /// Connects to `host:port`, retrying while nobody listens yet (ranks
+    /// start in any order) until `timeout`, then validates the connection
+    /// as PyTorch's client does (`VALIDATE` magic, then a `PING`).
+    pub fn connect(host: &str, port: u16, timeout: Timeout) -> Result<TcpClient> {
+        let addr = format!("{host}:{port}");
+        let end = deadline(timeout);
+        let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(500));
+        let stream = loop {
+            match Self::try_connect(host, port, &addr) {
+                Ok(s) => break s,
+                Err(e) if e.kind() == ErrorKind::PeerGone && remaining(end).map_or(true, |d| !d.is_zero()) => {
+                    backoff.sleep(end)
+                }
+                Err(e) if e.kind() == ErrorKind::PeerGone => {
+                    let waited = timeout.map_or(0, |t| t.as_millis());
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!("timed out after {waited} ms connecting to TCPStore at {addr}: {}", e.message()),
+                    ));
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let client = TcpClient {
+            addr,
+            conn: Mutex::new(Conn { stream, broken: None, read_timeout: None }),
+            reply_timeout: timeout,
+        };
+        client.handshake()?;
+        Ok(client)
+    }
+
+    fn try_connect(host: &str, port: u16, addr: &str) -> Result<TcpStream> {
+        let addrs: Vec<SocketAddr> = (host, port)
+            .to_socket_addrs()
+            .map_err(|e| Error::new(ErrorKind::InvalidArgument, format!("cannot resolve TCPStore host {addr}: {e}")))?
+            .collect();
+        let mut last = None;
+        for a in &addrs {
+            match TcpStream::connect(a) {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        let e = last.map_or_else(|| "no address".to_string(), |e| e.to_string());
+        Err(Error::new(ErrorKind::PeerGone, format!("cannot connect to TCPStore at {addr}: {e}")))
+    }
+
+    fn handshake(&self) -> Result<()> {
+        // SAFETY: getpid has no preconditions; the nonce only needs to vary.
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let nonce = (unsafe { libc::getpid() } as u32).rotate_left(16) ^ nanos;
+        let mut out = Request::Validate(VALIDATION_MAGIC).to_bytes();
+        Request::Ping(nonce).encode(&mut out);
+        let echoed = self.exchange(&out, self.reply_timeout, |c| c.read_u32())?;
+        if echoed != nonce {
+            return Err(self.protocol(format!("PING answered with {echoed:#x}, expected {nonce:#x}")));
+        }
+        Ok(())
+    }
+
+    /// `host:port`.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    fn protocol(&self, what: String) -> Error {
+        Error::new(ErrorKind::Protocol, format!("TCPStore at {}: {what}", self.addr))
+    }
+
+    /// Sends `bytes`, then reads the reply with `read` (each read may take
+    /// up to `timeout`). Any failure leaves the connection unusable.
+    fn exchange<T>(&self, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
+        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = &conn.broken {
+            return Err(Error::new(e.kind(), format!("connection to TCPStore at {} is unusable after an earlier error: {}", self.addr, e.message())));
+        }
+        let result = (|| {
+            conn.stream.write_all(bytes).map_err(|e| self.io_error(e, "send to"))?;
+            let mut reader = Reader { client: self, conn: &mut conn, timeout };
+            read(&mut reader)
+        })();
+        if let Err(e) = &result {
+            conn.broken = Some(e.clone());
+        }
+        result
+    }
+
+    fn io_error(&self, e: std::io::Error, doing: &str) -> Error {
+        let kind = io_kind(&e);
+        let what = match kind {
+            ErrorKind::PeerGone => format!("TCPStore server at {} went away ({e})", self.addr),
+            ErrorKind::Timeout => format!("no reply from TCPStore at {} in time", self.addr),
+            _ => format!("cannot {doing} TCPStore at {}: {e}", self.addr),
+        };
+        Error::new(kind, what)
+    }
+
+    fn key(key: &str) -> Vec<u8> {
+        format!("{KEY_PREFIX}{key}").into_bytes()
+    }
+
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let bytes = Request::Set { key: Self::key(key), value: value.to_vec() }.to_bytes();
+        self.exchange(&bytes, self.reply_timeout, |_| Ok(()))
+    }
+
+    pub fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>> {
+        let k = Self::key(key);
+        let probe = Request::CompareSet { key: k.clone(), expected: GET_SENTINEL.to_vec(), desired: GET_SENTINEL.to_vec() };
+        let now = self.exchange(&probe.to_bytes(), self.reply_timeout, |r| r.read_bytes())?;
+        if now != GET_SENTINEL {
+            return Ok(now);
+        }
+        self.wait_raw(&[k.clone()], &[key], timeout)?;
+        self.exchange(&Request::Get(k).to_bytes(), self.reply_timeout, |r| r.read_bytes())
+    }
+
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.add_raw(Self::key(key), delta)
+    }
+
+    /// `ADD` on a key without the prefix (the `init/` join counter).
+    pub fn add_raw(&self, key: Vec<u8>, delta: i64) -> Result<i64> {
+        self.exchange(&Request::Add { key, delta }.to_bytes(), self.reply_timeout, |r| r.read_i64())
+    }
+
+    /// `GET` of a key without the prefix, which must exist.
+    pub fn get_raw_now(&self, key: Vec<u8>) -> Result<Vec<u8>> {
+        self.exchange(&Request::Get(key).to_bytes(), self.reply_timeout, |r| r.read_bytes())
+    }
+
+    /// Whether every key is set now.
+    pub fn check(&self, keys: &[&str]) -> Result<bool> {
+        let bytes = Request::Check(keys.iter().map(|k| Self::key(k)).collect()).to_bytes();
+        self.exchange(&bytes, self.reply_timeout, |r| match r.read_u8()? {
+            protocol::CHECK_READY => Ok(true),
+            protocol::CHECK_NOT_READY => Ok(false),
+            other => Err(self.protocol(format!("CHECK answered {other}, expected 0 or 1"))),
+        })
+    }
+
+    pub fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()> {
+        let raw: Vec<Vec<u8>> = keys.iter().map(|k| Self::key(k)).collect();
+        self.wait_raw(&raw, keys, timeout)
+    }
+
+    /// `WAIT`; on expiry `CANCEL_WAIT` as PyTorch's client does, then a
+    /// `CHECK` per key to name the ones still missing.
+    fn wait_raw(&self, raw: &[Vec<u8>], names: &[&str], timeout: Timeout) -> Result<()> {
+        let bytes = Request::Wait(raw.to_vec()).to_bytes();
+        let answer = self.exchange(&bytes, timeout, |r| match r.read_u8() {
+            Ok(protocol::WAIT_STOP_WAITING) => Ok(Some(())),
+            Ok(other) => Err(self.protocol(format!("WAIT answered {other}, expected 0"))),
+            Err(e) if e.kind() == ErrorKind::Timeout && timeout.is_some() => {
+                // Cancel; the server may have answered STOP_WAITING just
+                // before it saw the cancel, then WAIT_CANCELED follows.
+                r.conn.stream.write_all(&[protocol::query::CANCEL_WAIT]).map_err(|e| self.io_error(e, "send to"))?;
+                r.timeout = self.reply_timeout;
+                let mut b = r.read_u8()?;
+                if b == protocol::WAIT_STOP_WAITING {
+                    b = r.read_u8()?;
+                }
+                if b != protocol::WAIT_CANCELED {
+                    return Err(self.protocol(format!("CANCEL_WAIT answered {b}, expected 1")));
+                }
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        })?;
+        match answer {
+            Some(()) => Ok(()),
+            None => {
+                let mut missing = Vec::new();
+                for name in names {
+                    if !self.check(&[name])? {
+                        missing.push(*name);
+                    }
+                }
+                if missing.is_empty() {
+                    // Set just after we gave up: report the wait's keys.
+                    missing = names.to_vec();
+                }
+                Err(timeout_error(timeout, &missing, &format!("TCPStore at {}", self.addr)))
+            }
+        }
+    }
+}
+
+/// Reads a reply's fields under one connection lock.
+struct Reader<'a> {
+    client: &'a TcpClient,
+    conn: &'a mut Conn,
+    timeout: Timeout,
+}
+
+impl Reader<'_> {
+    fn read_exact(&mut self, buf: &mut [u8]) -> Result<()> {
+        let want = match self.timeout {
+            Some(t) if t.is_zero() => Some(Duration::from_micros(1)),
+            t => t,
+        };
+        if self.conn.read_timeout != want {
+            self.conn.stream.set_read_timeout(want).map_err(|e| self.client.io_error(e, "configure"))?;
+            self.conn.read_timeout = want;
+        }
+        self.conn.stream.read_exact(buf).map_err(|e| self.client.io_error(e, "read from"))
+    }
+
+    fn read_u8(&mut self) -> Result<u8> {
+        let mut b = [0u8; 1];
+        self.read_exact(&mut b)?;
+        Ok(b[0])
+    }
+
+    fn read_u32(&mut self) -> Result<u32> {
+        let mut b = [0u8; 4];
+        self.read_exact(&mut b)?;
+        Ok(u32::from_le_bytes(b))
+    }
+
+    fn read_i64(&mut self) -> Result<i64> {
+        let mut b = [0u8; 8];
+        self.read_exact(&mut b)?;
+        Ok(i64::from_le_bytes(b))
+    }
+
+    fn read_bytes(&mut self) -> Result<Vec<u8>> {
+        let len = self.read_i64()? as u64;
+        if len > protocol::MAX_FIELD {
+            return Err(self.client.protocol(format!("reply length {len} is over the limit of {} bytes", protocol::MAX_FIELD)));
+        }
+        let mut v = vec![0u8; len as usize];
+        self.read_exact(&mut v)?;
+        Ok(v)
+    }
+}

@@ -2,7 +2,8 @@
 //!  - put/wait round trip and barrier, beside a raw cache-line ping-pong
 //!    between two processes (one shared atomic word, spin only) measured in
 //!    the same run: the physical floor for a signal there and back;
-//!  - rendezvous time for 2 and 4 ranks through the file store.
+//!  - rendezvous time for 2 and 4 ranks through the file store and through
+//!    a TCPStore on loopback (rank 0 serves it).
 //!
 //! Every rank is a forked child; results come back through a shared page.
 //! Run: `cargo bench --bench symm` (SS_BENCH_QUICK=1 for fewer rounds).
@@ -10,6 +11,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use storage_sharing::store::tcp::TcpStore;
 use storage_sharing::store::{FileStore, StoreRef};
 use storage_sharing::symm::{self, group, DeviceType};
 
@@ -144,13 +146,39 @@ fn symm_sync(dir: &std::path::Path, n: u64, reps: usize) -> (Vec<f64>, Vec<f64>)
     ((0..reps).map(|r| sh.f64_at(16 + r)).collect(), (0..reps).map(|r| sh.f64_at(16 + reps + r)).collect())
 }
 
+/// Where the ranks of the rendezvous benchmark meet.
+#[derive(Clone, Copy)]
+enum Medium<'a> {
+    File(&'a std::path::Path),
+    /// Rank 0 serves a TCPStore on a free port and publishes it.
+    Tcp,
+}
+
+fn medium_store(medium: Medium, rank: usize, port_slot: &AtomicU64) -> StoreRef {
+    match medium {
+        Medium::File(dir) => Arc::new(FileStore::open(dir).unwrap()),
+        Medium::Tcp if rank == 0 => {
+            let s = TcpStore::open("127.0.0.1", 0, true, 0, TIMEOUT).unwrap();
+            port_slot.store(u64::from(s.port()), Ordering::SeqCst);
+            Arc::new(s)
+        }
+        Medium::Tcp => {
+            while port_slot.load(Ordering::SeqCst) == 0 {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            Arc::new(TcpStore::open("127.0.0.1", port_slot.load(Ordering::SeqCst) as u16, false, 0, TIMEOUT).unwrap())
+        }
+    }
+}
+
 /// Rendezvous of `rounds` fresh blocks among `ws` ranks: each rank's time
 /// per rendezvous (after one warm-up), as microseconds; returns the slowest
 /// rank's median and max.
-fn rendezvous_times(dir: &std::path::Path, ws: usize, rounds: usize) -> (f64, f64) {
-    let sh = Shared::new(ws * rounds);
+fn rendezvous_times(medium: Medium, ws: usize, rounds: usize) -> (f64, f64) {
+    let sh = Shared::new(ws * rounds + 1);
     fork_ranks(ws, |rank| {
-        join(dir, "rdv", rank, ws);
+        let store = medium_store(medium, rank, sh.at(ws * rounds));
+        group::set_group_info("rdv", rank as i64, ws as i64, store).unwrap();
         let warm = symm::alloc(DeviceType::Cpu, 0, 1 << 20, Some("rdv")).unwrap();
         symm::rendezvous(warm, None, TIMEOUT).unwrap();
         for i in 0..rounds {
@@ -160,6 +188,11 @@ fn rendezvous_times(dir: &std::path::Path, ws: usize, rounds: usize) -> (f64, f6
             sh.set_f64(rank * rounds + i, t.elapsed().as_secs_f64() * 1e6);
             symm::free(p).unwrap();
         }
+        // Rank 0 serves the TCPStore: it stays until everyone is done.
+        symm::free(warm).unwrap();
+        let done = symm::alloc(DeviceType::Cpu, 0, 64, Some("rdv")).unwrap();
+        symm::rendezvous(done, None, TIMEOUT).unwrap().barrier(0, TIMEOUT, 0).unwrap();
+        symm::free(done).unwrap();
     });
     let mut medians = Vec::new();
     let mut max: f64 = 0.0;
@@ -203,9 +236,11 @@ fn main() {
     println!();
     println!("{:<42} {:>14} {:>14}", "rendezvous of a 1 MiB block", "median us", "max us");
     for ws in [2usize, 4] {
-        let (med, max) = rendezvous_times(&tmp.join(format!("rdv-{ws}")), ws, rounds);
-        println!("{:<42} {med:>14.0} {max:>14.0}", format!("file store, {ws} ranks (slowest rank)"));
+        let dir = tmp.join(format!("rdv-{ws}"));
+        for (name, medium) in [("file store", Medium::File(&dir)), ("TCPStore (loopback)", Medium::Tcp)] {
+            let (med, max) = rendezvous_times(medium, ws, rounds);
+            println!("{:<42} {med:>14.0} {max:>14.0}", format!("{name}, {ws} ranks (slowest rank)"));
+        }
     }
-    println!("(TCP store: not measured here; the TCPStore client is on another branch)");
     let _ = std::fs::remove_dir_all(&tmp);
 }

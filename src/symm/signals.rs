@@ -54,6 +54,10 @@ impl Deadline {
 /// Puts a signal into `slot` (0 -> 1), waiting while the previous signal is
 /// still there. `deadline` None waits forever.
 pub fn put(slot: &AtomicU32, deadline: &mut Deadline) -> Result<(), Elapsed> {
+    // Fast path: one read-for-ownership of the line, not a read then an upgrade.
+    if slot.compare_exchange(EMPTY, FULL, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        return Ok(());
+    }
     let mut spin = Spinner::new();
     loop {
         match slot.load(Ordering::Acquire) {
@@ -81,6 +85,11 @@ pub fn put(slot: &AtomicU32, deadline: &mut Deadline) -> Result<(), Elapsed> {
 /// Waits for a signal in `slot` and consumes it (1 -> 0). `deadline` None
 /// waits forever.
 pub fn wait(slot: &AtomicU32, deadline: &mut Deadline) -> Result<(), Elapsed> {
+    // Fast path for a signal that is already there (then spin on plain
+    // reads, which leave the line shared until the putter writes it).
+    if slot.compare_exchange(FULL, EMPTY, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        return Ok(());
+    }
     let mut spin = Spinner::new();
     loop {
         match slot.load(Ordering::Acquire) {

@@ -15,5 +15,6 @@ pub mod status;
 pub mod storage;
 pub mod storage_utils;
 pub mod store;
+pub mod store_callbacks;
 
 pub use status::ss_status;

@@ -28,7 +28,7 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        cuda_ipc_teardown, cuda_pointer_base, cuda_malloc, cuda_free, cuda_ipc_handle_to_text,
        cuda_ipc_handle_from_text,
        KVStore, store_file_open, store_tcp_open, store_tcp_port, store_ref, store_set, store_get, store_add,
-       store_wait
+       store_wait, StoreCallbacks, store_from_callbacks
 
 """The library to load: `STORAGE_SHARING_LIB`, else the standard search path."""
 libstorage_sharing() = get(ENV, "STORAGE_SHARING_LIB", "libstorage_sharing")

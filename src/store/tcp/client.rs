@@ -1,6 +1,7 @@
-//! A client of a c10d `TCPStore` server (PyTorch's, or ours): one TCP
-//! connection, one request at a time, PyTorch's key prefix, so it sees the
-//! same keys as PyTorch ranks of the same job.
+//! A client of a c10d `TCPStore` server (PyTorch's, or ours), with
+//! PyTorch's key prefix, so it sees the same keys as PyTorch ranks of the
+//! same job. One request at a time per connection, a pool of connections
+//! so threads never wait on each other.
 
 use super::protocol::{self, Request, KEY_PREFIX, VALIDATION_MAGIC};
 use crate::error::{Error, ErrorKind, Result};
@@ -20,15 +21,23 @@ const GET_SENTINEL: &[u8] = b"\0storage-sharing:get-probe\0";
 
 struct Conn {
     stream: TcpStream,
-    /// Set after a failure mid-exchange: the byte stream is out of step.
-    broken: Option<Error>,
     read_timeout: Option<Duration>,
 }
 
-/// A connection to a TCPStore server at `host:port`.
+/// Most idle connections kept for reuse.
+const MAX_IDLE: usize = 8;
+
+/// A client of the TCPStore server at `host:port`.
+///
+/// Each call takes an idle connection (or opens one), so a thread blocked
+/// in `get`/`wait` never holds up another thread's `set`. A connection
+/// that failed mid-exchange (its byte stream may be out of step) is closed,
+/// never reused.
 pub struct TcpClient {
+    host: String,
+    port: u16,
     addr: String,
-    conn: Mutex<Conn>,
+    idle: Mutex<Vec<Conn>>,
     /// How long any single reply may take (the store's timeout).
     reply_timeout: Timeout,
 }
@@ -49,11 +58,12 @@ impl TcpClient {
     /// as PyTorch's client does (`VALIDATE` magic, then a `PING`).
     pub fn connect(host: &str, port: u16, timeout: Timeout) -> Result<TcpClient> {
         let addr = format!("{host}:{port}");
+        let client = TcpClient { host: host.to_string(), port, addr, idle: Mutex::new(Vec::new()), reply_timeout: timeout };
         let end = deadline(timeout);
         let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(500));
-        let stream = loop {
-            match Self::try_connect(host, port, &addr) {
-                Ok(s) => break s,
+        let conn = loop {
+            match client.open_conn() {
+                Ok(c) => break c,
                 Err(e) if e.kind() == ErrorKind::PeerGone && remaining(end).map_or(true, |d| !d.is_zero()) => {
                     backoff.sleep(end)
                 }
@@ -61,20 +71,31 @@ impl TcpClient {
                     let waited = timeout.map_or(0, |t| t.as_millis());
                     return Err(Error::new(
                         ErrorKind::Timeout,
-                        format!("timed out after {waited} ms connecting to TCPStore at {addr}: {}", e.message()),
+                        format!("timed out after {waited} ms connecting to TCPStore at {}: {}", client.addr, e.message()),
                     ));
                 }
                 Err(e) => return Err(e),
             }
         };
-        let _ = stream.set_nodelay(true);
-        let client = TcpClient {
-            addr,
-            conn: Mutex::new(Conn { stream, broken: None, read_timeout: None }),
-            reply_timeout: timeout,
-        };
-        client.handshake()?;
+        client.idle.lock().unwrap_or_else(|p| p.into_inner()).push(conn);
         Ok(client)
+    }
+
+    /// One new, validated connection (no retry).
+    fn open_conn(&self) -> Result<Conn> {
+        let stream = Self::try_connect(&self.host, self.port, &self.addr)?;
+        let _ = stream.set_nodelay(true);
+        let mut conn = Conn { stream, read_timeout: None };
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        // SAFETY: getpid has no preconditions; the nonce only needs to vary.
+        let nonce = (unsafe { libc::getpid() } as u32).rotate_left(16) ^ nanos;
+        let mut out = Request::Validate(VALIDATION_MAGIC).to_bytes();
+        Request::Ping(nonce).encode(&mut out);
+        let echoed = self.run(&mut conn, &out, self.reply_timeout, |c| c.read_u32())?;
+        if echoed != nonce {
+            return Err(self.protocol(format!("PING answered with {echoed:#x}, expected {nonce:#x}")));
+        }
+        Ok(conn)
     }
 
     fn try_connect(host: &str, port: u16, addr: &str) -> Result<TcpStream> {
@@ -93,19 +114,6 @@ impl TcpClient {
         Err(Error::new(ErrorKind::PeerGone, format!("cannot connect to TCPStore at {addr}: {e}")))
     }
 
-    fn handshake(&self) -> Result<()> {
-        // SAFETY: getpid has no preconditions; the nonce only needs to vary.
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-        let nonce = (unsafe { libc::getpid() } as u32).rotate_left(16) ^ nanos;
-        let mut out = Request::Validate(VALIDATION_MAGIC).to_bytes();
-        Request::Ping(nonce).encode(&mut out);
-        let echoed = self.exchange(&out, self.reply_timeout, |c| c.read_u32())?;
-        if echoed != nonce {
-            return Err(self.protocol(format!("PING answered with {echoed:#x}, expected {nonce:#x}")));
-        }
-        Ok(())
-    }
-
     /// `host:port`.
     pub fn addr(&self) -> &str {
         &self.addr
@@ -115,22 +123,29 @@ impl TcpClient {
         Error::new(ErrorKind::Protocol, format!("TCPStore at {}: {what}", self.addr))
     }
 
-    /// Sends `bytes`, then reads the reply with `read` (each read may take
-    /// up to `timeout`). Any failure leaves the connection unusable.
+    /// Sends `bytes` on an idle (or new) connection, then reads the reply
+    /// with `read` (each read may take up to `timeout`). The connection goes
+    /// back to the pool only if the whole exchange worked.
     fn exchange<T>(&self, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
-        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(e) = &conn.broken {
-            return Err(Error::new(e.kind(), format!("connection to TCPStore at {} is unusable after an earlier error: {}", self.addr, e.message())));
-        }
-        let result = (|| {
-            conn.stream.write_all(bytes).map_err(|e| self.io_error(e, "send to"))?;
-            let mut reader = Reader { client: self, conn: &mut conn, timeout };
-            read(&mut reader)
-        })();
-        if let Err(e) = &result {
-            conn.broken = Some(e.clone());
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut conn = match idle {
+            Some(c) => c,
+            None => self.open_conn()?,
+        };
+        let result = self.run(&mut conn, bytes, timeout, read);
+        if result.is_ok() {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            if idle.len() < MAX_IDLE {
+                idle.push(conn);
+            }
         }
         result
+    }
+
+    fn run<T>(&self, conn: &mut Conn, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
+        conn.stream.write_all(bytes).map_err(|e| self.io_error(e, "send to"))?;
+        let mut reader = Reader { client: self, conn, timeout };
+        read(&mut reader)
     }
 
     fn io_error(&self, e: std::io::Error, doing: &str) -> Error {

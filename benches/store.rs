@@ -93,9 +93,13 @@ fn torch_client(port: u16, n: usize) -> f64 {
     text.lines().find_map(|l| l.strip_prefix("US ")).expect("python client result").trim().parse().unwrap()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+fn median(v: Vec<f64>) -> f64 {
+    pct(v, 50)
+}
+
+fn pct(mut v: Vec<f64>, p: usize) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
+    v[(v.len() * p / 100).min(v.len() - 1)]
 }
 
 fn main() {
@@ -161,29 +165,33 @@ fn main() {
         }));
     }
     let echo_us = median(samples[0].clone());
-    let mut rows: Vec<(String, String, f64)> = vec![
-        (names[0].into(), "echo thread".into(), echo_us),
-        (names[1].into(), "ours (threads)".into(), median(samples[1].clone())),
+    let mut rows: Vec<(String, String, f64, f64)> = vec![
+        (names[0].into(), "echo thread".into(), echo_us, pct(samples[0].clone(), 90)),
+        (names[1].into(), "ours (threads)".into(), median(samples[1].clone()), pct(samples[1].clone(), 90)),
     ];
     for (i, (name, _, _)) in torch_servers.iter().enumerate() {
-        rows.push(("ours -> PyTorch".into(), format!("PyTorch {name}"), median(samples[2 + i].clone())));
+        let v = samples[2 + i].clone();
+        rows.push(("ours -> PyTorch".into(), format!("PyTorch {name}"), median(v.clone()), pct(v, 90)));
     }
     if torch {
         let n = if quick { 2000 } else { 10000 };
-        rows.push(("PyTorch (Python loop)".into(), "ours (threads)".into(), torch_client(ours.port(), n)));
+        let us = torch_client(ours.port(), n);
+        rows.push(("PyTorch (Python loop)".into(), "ours (threads)".into(), us, f64::NAN));
         for (name, s, _) in &torch_servers {
-            rows.push(("PyTorch (Python loop)".into(), format!("PyTorch {name}"), torch_client(s.port, n)));
+            let us = torch_client(s.port, n);
+            rows.push(("PyTorch (Python loop)".into(), format!("PyTorch {name}"), us, f64::NAN));
         }
     }
-    println!("\nstore set+get round trip, loopback, {}-byte value, median of {rounds} rounds x {per_round}", VALUE.len());
-    println!("{:<24} {:<18} {:>10} {:>10}", "client", "server", "µs/op", "x echo");
-    for (c, s, us) in &rows {
-        println!("{c:<24} {s:<18} {us:>10.1} {:>10.2}", us / echo_us);
+    println!("\nstore set+get round trip, loopback, {}-byte value, {rounds} rounds x {per_round} (Python rows: median of 5 batches)", VALUE.len());
+    println!("{:<24} {:<18} {:>10} {:>10} {:>10}", "client", "server", "median µs", "p90 µs", "x echo");
+    for (c, s, us, p90) in &rows {
+        let p90 = if p90.is_nan() { "-".to_string() } else { format!("{p90:.1}") };
+        println!("{c:<24} {s:<18} {us:>10.1} {p90:>10} {:>10.2}", us / echo_us);
     }
     if !torch {
         println!("PyTorch rows: skipped: torch not installed (set SS_TEST_PYTHON to a Python with torch)");
     }
-    let file_us = median(samples[samples.len() - 1].clone());
-    println!("{:<24} {:<18} {file_us:>10.1} {:>10}", "file store (set+get)", "folder in /tmp", "-");
+    let fs = samples[samples.len() - 1].clone();
+    println!("{:<24} {:<18} {:>10.1} {:>10.1} {:>10}", "file store (set+get)", "folder in /tmp", median(fs.clone()), pct(fs, 90), "-");
     let _ = std::fs::remove_dir_all(dir);
 }

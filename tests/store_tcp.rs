@@ -205,6 +205,10 @@ fn a_master_killed_with_9_leaves_its_clients_a_peer_gone_error() {
     assert_eq!(s.get("ready", T).unwrap(), b"1");
     master.kill().unwrap();
     master.wait().unwrap();
+    // A set has no reply, yet it still learns that the server is gone.
+    let e = s.set("k", b"v").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::PeerGone, "{e}");
+    assert!(e.message().contains(&format!("127.0.0.1:{port}")), "{e}");
     let e = s.get("never", T).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::PeerGone, "{e}");
     assert!(e.message().contains(&format!("127.0.0.1:{port}")), "{e}");

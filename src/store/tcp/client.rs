@@ -9,6 +9,7 @@ use crate::store::deadline::{deadline, remaining, timeout_error, Backoff};
 use crate::store::Timeout;
 use std::io::{ErrorKind as IoKind, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -127,7 +128,13 @@ impl TcpClient {
     /// with `read` (each read may take up to `timeout`). The connection goes
     /// back to the pool only if the whole exchange worked.
     fn exchange<T>(&self, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
-        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        // An idle connection the server closed meanwhile: a SET (which has
+        // no reply) would vanish into it, so open a new one instead, which
+        // reports a server that is gone.
+        if idle.as_ref().is_some_and(|c| !c.still_open()) {
+            idle = None;
+        }
         let mut conn = match idle {
             Some(c) => c,
             None => self.open_conn()?,
@@ -246,6 +253,20 @@ impl TcpClient {
                 Err(timeout_error(timeout, &missing, &format!("TCPStore at {}", self.addr)))
             }
         }
+    }
+}
+
+impl Conn {
+    /// Whether the peer has neither closed the connection nor sent bytes
+    /// we did not ask for (either makes the connection useless).
+    fn still_open(&self) -> bool {
+        let mut b = [0u8; 1];
+        // SAFETY: a non-blocking peek of at most 1 byte into a local buffer
+        // on a socket we own.
+        let n = unsafe {
+            libc::recv(self.stream.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+        };
+        n < 0 && matches!(crate::error::errno(), libc::EAGAIN | libc::EINTR)
     }
 }
 

@@ -2,7 +2,8 @@
 //! server and against PyTorch's (libuv and classic), PyTorch's client
 //! against both (a Python timing loop, where torch imports), beside a bare
 //! TCP echo of the same size measured in the same run (the floor for any
-//! request-and-reply); and the file store's set+get.
+//! request-and-reply); the file store's set+get, and how soon a get
+//! waiting in another thread returns after a set (set included).
 //!
 //! Run: `cargo bench --bench store`. Python with torch: $SS_TEST_PYTHON,
 //! else python3 (rows marked skipped without it). SS_BENCH_QUICK=1 runs
@@ -193,5 +194,28 @@ fn main() {
     }
     let fs = samples[samples.len() - 1].clone();
     println!("{:<24} {:<18} {:>10.1} {:>10.1} {:>10}", "file store (set+get)", "folder in /tmp", median(fs.clone()), pct(fs, 90), "-");
+    // How soon a rank waiting in get sees another's set (file store: the
+    // waiter sleeps on the folder's inotify watch).
+    let file = std::sync::Arc::new(file);
+    let n = if quick { 50 } else { 200 };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = {
+        let file = file.clone();
+        std::thread::spawn(move || {
+            for i in 0..n {
+                file.get(&format!("wake/{i}"), T).unwrap();
+                tx.send(Instant::now()).unwrap();
+            }
+        })
+    };
+    let mut wake = Vec::new();
+    for i in 0..n {
+        std::thread::sleep(Duration::from_millis(2)); // the waiter is asleep by now
+        let t0 = Instant::now();
+        file.set(&format!("wake/{i}"), VALUE).unwrap();
+        wake.push((rx.recv().unwrap() - t0).as_secs_f64() * 1e6);
+    }
+    waiter.join().unwrap();
+    println!("{:<24} {:<18} {:>10.1} {:>10.1} {:>10}", "file store set -> woken get", "another thread", median(wake.clone()), pct(wake, 90), "-");
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -23,6 +23,11 @@ const GET_SENTINEL: &[u8] = b"\0storage-sharing:get-probe\0";
 struct Conn {
     stream: TcpStream,
     read_timeout: Option<Duration>,
+    /// Reply bytes read but not yet used: one `read` usually brings a
+    /// whole reply (length and value), so it costs one system call.
+    rbuf: Box<[u8; 4096]>,
+    rpos: usize,
+    rlen: usize,
 }
 
 /// Most idle connections kept for reuse.
@@ -86,7 +91,7 @@ impl TcpClient {
     fn open_conn(&self) -> Result<Conn> {
         let stream = Self::try_connect(&self.host, self.port, &self.addr)?;
         let _ = stream.set_nodelay(true);
-        let mut conn = Conn { stream, read_timeout: None };
+        let mut conn = Conn { stream, read_timeout: None, rbuf: Box::new([0; 4096]), rpos: 0, rlen: 0 };
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
         // SAFETY: getpid has no preconditions; the nonce only needs to vary.
         let nonce = (unsafe { libc::getpid() } as u32).rotate_left(16) ^ nanos;
@@ -126,21 +131,35 @@ impl TcpClient {
 
     /// Sends `bytes` on an idle (or new) connection, then reads the reply
     /// with `read` (each read may take up to `timeout`). The connection goes
-    /// back to the pool only if the whole exchange worked.
+    /// back to the pool only if the whole exchange worked and left no
+    /// unread bytes.
     fn exchange<T>(&self, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        // An idle connection the server closed meanwhile: a SET (which has
-        // no reply) would vanish into it, so open a new one instead, which
-        // reports a server that is gone.
-        if idle.as_ref().is_some_and(|c| !c.still_open()) {
-            idle = None;
-        }
-        let mut conn = match idle {
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let conn = match idle {
             Some(c) => c,
             None => self.open_conn()?,
         };
+        self.finish(conn, bytes, timeout, read)
+    }
+
+    /// Sends a request that has no reply (`SET`). An idle connection the
+    /// server closed meanwhile would swallow it silently, so it is checked
+    /// first and replaced by a new one (which reports a server that is gone).
+    fn send_only(&self, bytes: &[u8]) -> Result<()> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        if idle.as_ref().is_some_and(|c| !c.still_open()) {
+            idle = None;
+        }
+        let conn = match idle {
+            Some(c) => c,
+            None => self.open_conn()?,
+        };
+        self.finish(conn, bytes, self.reply_timeout, |_| Ok(()))
+    }
+
+    fn finish<T>(&self, mut conn: Conn, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
         let result = self.run(&mut conn, bytes, timeout, read);
-        if result.is_ok() {
+        if result.is_ok() && conn.rpos == conn.rlen {
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
             if idle.len() < MAX_IDLE {
                 idle.push(conn);
@@ -171,7 +190,7 @@ impl TcpClient {
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let bytes = Request::Set { key: Self::key(key), value: value.to_vec() }.to_bytes();
-        self.exchange(&bytes, self.reply_timeout, |_| Ok(()))
+        self.send_only(&bytes)
     }
 
     pub fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>> {
@@ -287,7 +306,36 @@ impl Reader<'_> {
             self.conn.stream.set_read_timeout(want).map_err(|e| self.client.io_error(e, "configure"))?;
             self.conn.read_timeout = want;
         }
-        self.conn.stream.read_exact(buf).map_err(|e| self.client.io_error(e, "read from"))
+        let c = &mut *self.conn;
+        let mut at = 0;
+        while at < buf.len() {
+            if c.rpos < c.rlen {
+                let n = (c.rlen - c.rpos).min(buf.len() - at);
+                buf[at..at + n].copy_from_slice(&c.rbuf[c.rpos..c.rpos + n]);
+                c.rpos += n;
+                at += n;
+                continue;
+            }
+            let got = if buf.len() - at >= c.rbuf.len() {
+                c.stream.read(&mut buf[at..]).map(|n| (n, true))
+            } else {
+                c.stream.read(&mut c.rbuf[..]).map(|n| (n, false))
+            };
+            match got {
+                Ok((0, _)) => {
+                    let eof = std::io::Error::new(IoKind::UnexpectedEof, "connection closed");
+                    return Err(self.client.io_error(eof, "read from"));
+                }
+                Ok((n, true)) => at += n,
+                Ok((n, false)) => {
+                    c.rpos = 0;
+                    c.rlen = n;
+                }
+                Err(e) if e.kind() == IoKind::Interrupted => {}
+                Err(e) => return Err(self.client.io_error(e, "read from")),
+            }
+        }
+        Ok(())
     }
 
     fn read_u8(&mut self) -> Result<u8> {

@@ -304,6 +304,59 @@ typedef struct {
   bool event_sync_required;
 } ss_cuda_ipc_handle;
 
+/**
+ * Sets `key` to the `len` bytes at `value`. Returns an `ss_status` code
+ * (`SS_OK` = 0).
+ */
+typedef int (*ss_store_set_fn)(void *ctx, const char *key, const void *value, size_t len);
+
+/**
+ * Waits for `key` (`timeout_ms` 0: forever; expiry returns
+ * `SS_ERR_TIMEOUT`), writes the value's length to `*out_len` and, when it
+ * fits in `buf_len`, the value to `buf`. A longer value: write its length,
+ * return `SS_ERR_BUFFER_TOO_SMALL`, and the library calls again with a
+ * buffer of that size. `buf` may be NULL when `buf_len` is 0.
+ */
+typedef int (*ss_store_get_fn)(void *ctx,
+                               const char *key,
+                               int64_t timeout_ms,
+                               void *buf,
+                               size_t buf_len,
+                               size_t *out_len);
+
+/**
+ * Adds `delta` to the integer under `key` (missing = 0, stored as
+ * decimal text as c10d does) and writes the new value to `*out_value`.
+ */
+typedef int (*ss_store_add_fn)(void *ctx, const char *key, int64_t delta, int64_t *out_value);
+
+/**
+ * Waits until all `nkeys` keys are set (`timeout_ms` 0: forever; expiry
+ * returns `SS_ERR_TIMEOUT`).
+ */
+typedef int (*ss_store_wait_fn)(void *ctx, const char *const *keys, size_t nkeys, int64_t timeout_ms);
+
+/**
+ * Releases `ctx`: called once, when the store's last reference goes.
+ */
+typedef void (*ss_store_free_ctx_fn)(void *ctx);
+
+/**
+ * The functions of a host-provided store. `set`, `get`, `add` and `wait`
+ * are required, `free_ctx` may be NULL. They may be called from several
+ * threads at once (a rendezvous runs on the caller's thread, a group may
+ * live on others), must not unwind (no C++ exception may escape them),
+ * and report failures as `ss_status` codes; the library adds the keys to
+ * the message.
+ */
+typedef struct {
+  ss_store_set_fn set;
+  ss_store_get_fn get;
+  ss_store_add_fn add;
+  ss_store_wait_fn wait;
+  ss_store_free_ctx_fn free_ctx;
+} ss_store_callbacks;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -849,6 +902,14 @@ ss_status ss_store_wait(const ss_store *s,
  * no-op.
  */
 void ss_store_free(ss_store *s);
+
+/**
+ * A store whose operations call the host's functions in `cb` with `ctx`
+ * (the table is copied; `ctx` is the host's). `free_ctx(ctx)` runs once,
+ * when the last reference goes. A required function missing:
+ * `SS_ERR_NULL_POINTER`, and `ctx` stays the caller's to release.
+ */
+ss_status ss_store_from_callbacks(const ss_store_callbacks *cb, void *ctx, ss_store **out);
 
 /**
  * Registers group `group`: this process is `rank` of `world_size`, and the

@@ -13,6 +13,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -607,6 +609,168 @@ inline ss_cuda_ipc_handle cuda_ipc_handle_from_text(const std::string &text) {
     check(ss_cuda_ipc_handle_from_text(text.c_str(), &out), "ss_cuda_ipc_handle_from_text");
     return out;
 }
+
+/* ==== Key-value stores (ss_store): file store, TCPStore, host callbacks ==== */
+
+/* One reference to a key-value store (c10d's "Store"), the rendezvous medium
+ * of symmetric memory. Copying is explicit (ref()); the store closes with its
+ * last reference. Timeouts are in milliseconds, 0 waits forever. All const
+ * members may run on several threads at once. */
+class Store {
+public:
+    Store() noexcept = default;
+    /* Takes ownership of a handle from the C API. */
+    explicit Store(ss_store *raw) noexcept : handle_(raw) {}
+
+    /* The store in folder `path` (created if missing), shared by the
+     * processes of one host; use a fresh folder per job. */
+    static Store open_file(const std::string &path) {
+        ss_store *raw = nullptr;
+        check(ss_store_file_open(path.c_str(), &raw), "ss_store_file_open");
+        return Store(raw);
+    }
+    /* Joins (or with is_master serves) a PyTorch c10d TCPStore at host:port,
+     * as torch.distributed.TCPStore(host, port, world_size, is_master,
+     * timeout). Port 0 with is_master picks a free port (tcp_port()). */
+    static Store open_tcp(const std::string &host, int port, bool is_master, int world_size, int64_t timeout_ms) {
+        ss_store *raw = nullptr;
+        check(ss_store_tcp_open(host.c_str(), port, is_master, world_size, timeout_ms, &raw), "ss_store_tcp_open");
+        return Store(raw);
+    }
+    /* A store calling the host's functions with ctx (see ss_store_callbacks). */
+    static Store from_callbacks(const ss_store_callbacks &cb, void *ctx) {
+        ss_store *raw = nullptr;
+        check(ss_store_from_callbacks(&cb, ctx, &raw), "ss_store_from_callbacks");
+        return Store(raw);
+    }
+    /* A store backed by a C++ object the library then owns, e.g. an adapter
+     * over a framework's own c10d store. T provides
+     *   void set(const std::string &key, const std::vector<uint8_t> &value);
+     *   std::vector<uint8_t> get(const std::string &key, int64_t timeout_ms);
+     *   int64_t add(const std::string &key, int64_t delta);
+     *   void wait(const std::vector<std::string> &keys, int64_t timeout_ms);
+     * and may be called from several threads at once. To report a timeout,
+     * throw storage_sharing::Error with SS_ERR_TIMEOUT; an Error's status is
+     * passed on, any other exception becomes SS_ERR_IO. */
+    template <class T>
+    static Store adopt(std::unique_ptr<T> object) {
+        static const ss_store_callbacks table = {&adopted<T>::set, &adopted<T>::get, &adopted<T>::add,
+                                                 &adopted<T>::wait, &adopted<T>::free_ctx};
+        Store s = from_callbacks(table, object.get());
+        object.release();  // owned by the store now; free_ctx deletes it
+        return s;
+    }
+
+    /* A second reference to the same store. */
+    Store ref() const {
+        ss_store *raw = nullptr;
+        check(ss_store_ref(handle_.get(), &raw), "ss_store_ref");
+        return Store(raw);
+    }
+    /* The port of a TCPStore (SS_ERR_UNSUPPORTED for other stores). */
+    int tcp_port() const {
+        int port = 0;
+        check(ss_store_tcp_port(handle_.get(), &port), "ss_store_tcp_port");
+        return port;
+    }
+
+    void set(const std::string &key, const void *data, std::size_t len) const {
+        check(ss_store_set(handle_.get(), key.c_str(), data, len), "ss_store_set");
+    }
+    void set(const std::string &key, const std::string &value) const { set(key, value.data(), value.size()); }
+    void set(const std::string &key, const std::vector<uint8_t> &value) const { set(key, value.data(), value.size()); }
+
+    /* The value of key, waiting until it is set (Error with SS_ERR_TIMEOUT,
+     * naming the key, when timeout_ms passes first). */
+    std::vector<uint8_t> get(const std::string &key, int64_t timeout_ms = 0) const {
+        std::vector<uint8_t> buf(256);
+        for (;;) {
+            std::size_t len = 0;
+            ss_status st = ss_store_get(handle_.get(), key.c_str(), timeout_ms, buf.data(), buf.size(), &len);
+            if (st == SS_ERR_BUFFER_TOO_SMALL && len > buf.size()) {
+                buf.resize(len);  // longer than our buffer: ask again
+                continue;
+            }
+            check(st, "ss_store_get");
+            buf.resize(len);
+            return buf;
+        }
+    }
+    std::string get_string(const std::string &key, int64_t timeout_ms = 0) const {
+        std::vector<uint8_t> v = get(key, timeout_ms);
+        return std::string(v.begin(), v.end());
+    }
+
+    /* Adds delta to the integer under key (missing = 0); the new value. */
+    int64_t add(const std::string &key, int64_t delta) const {
+        int64_t out = 0;
+        check(ss_store_add(handle_.get(), key.c_str(), delta, &out), "ss_store_add");
+        return out;
+    }
+
+    /* Waits until every key is set (SS_ERR_TIMEOUT names the missing ones). */
+    void wait(const std::vector<std::string> &keys, int64_t timeout_ms = 0) const {
+        std::vector<const char *> ptrs;
+        ptrs.reserve(keys.size());
+        for (const std::string &k : keys) ptrs.push_back(k.c_str());
+        check(ss_store_wait(handle_.get(), ptrs.data(), ptrs.size(), timeout_ms), "ss_store_wait");
+    }
+
+    ss_store *get() const noexcept { return handle_.get(); }
+    ss_store *release() noexcept { return handle_.release(); }
+    void close() noexcept { handle_.reset(); }
+    explicit operator bool() const noexcept { return static_cast<bool>(handle_); }
+
+private:
+    template <class T>
+    struct adopted {
+        /* Runs f, turning exceptions into status codes: nothing may unwind
+         * into the library. */
+        template <class F>
+        static int guard(F &&f) noexcept {
+            try {
+                return f();
+            } catch (const Error &e) {
+                return static_cast<int>(e.status());
+            } catch (...) {
+                return static_cast<int>(SS_ERR_IO);
+            }
+        }
+        static int set(void *ctx, const char *key, const void *value, std::size_t len) {
+            return guard([&] {
+                const uint8_t *p = static_cast<const uint8_t *>(value);
+                static_cast<T *>(ctx)->set(key, std::vector<uint8_t>(p, p + len));
+                return static_cast<int>(SS_OK);
+            });
+        }
+        static int get(void *ctx, const char *key, int64_t timeout_ms, void *buf, std::size_t buf_len,
+                       std::size_t *out_len) {
+            return guard([&] {
+                std::vector<uint8_t> v = static_cast<T *>(ctx)->get(key, timeout_ms);
+                *out_len = v.size();
+                if (v.size() > buf_len) return static_cast<int>(SS_ERR_BUFFER_TOO_SMALL);
+                if (!v.empty()) std::memcpy(buf, v.data(), v.size());
+                return static_cast<int>(SS_OK);
+            });
+        }
+        static int add(void *ctx, const char *key, int64_t delta, int64_t *out_value) {
+            return guard([&] {
+                *out_value = static_cast<T *>(ctx)->add(key, delta);
+                return static_cast<int>(SS_OK);
+            });
+        }
+        static int wait(void *ctx, const char *const *keys, std::size_t nkeys, int64_t timeout_ms) {
+            return guard([&] {
+                static_cast<T *>(ctx)->wait(std::vector<std::string>(keys, keys + nkeys), timeout_ms);
+                return static_cast<int>(SS_OK);
+            });
+        }
+        static void free_ctx(void *ctx) { delete static_cast<T *>(ctx); }
+    };
+
+    unique_handle<ss_store, ss_store_free> handle_;
+};
+
 
 /* ---- symmetric memory (ss_symm_*) ----------------------------------------
  * Every rank of a group allocates a block of the same size; after

@@ -262,6 +262,8 @@ fn julia_types_for(c: &str, opaque: &[String]) -> Result<Vec<String>, String> {
         b if opaque.iter().any(|o| o == b) => vec!["Cvoid".into()],
         // The struct's Julia mirror; julia_structs_match_the_header checks its fields.
         "ss_cuda_ipc_handle" => vec!["CudaIpcHandle".into()],
+        // The callback table of ss_store_from_callbacks (its Julia mirror).
+        "ss_store_callbacks" => vec!["StoreCallbacks".into()],
         // A C function pointer (from @cfunction) or C_NULL.
         "ss_cuda_deleter" if stars == 0 => vec!["Ptr{Cvoid}".into()],
         b => {

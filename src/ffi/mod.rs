@@ -15,6 +15,7 @@ pub mod status;
 pub mod storage;
 pub mod storage_utils;
 pub mod store;
+pub mod store_callbacks;
 pub mod symm;
 
 pub use status::ss_status;

@@ -8,7 +8,9 @@
 //! never half a value. `set` and `add` serialise their final step on an
 //! `flock` of `.lock`, so an add's read-modify-write is never interleaved
 //! with another write; the kernel drops the lock of a killed process.
-//! Waiting polls with a backoff (50 µs doubling to 5 ms).
+//! A wait sleeps on an inotify watch of the folder, so it wakes as soon
+//! as a key file is renamed into place; where inotify is unavailable it
+//! polls with a backoff (50 µs doubling to 5 ms).
 //!
 //! The path must be a folder (created, with its parents, if missing). An
 //! existing regular file is refused with `InvalidArgument`: it is not a
@@ -16,7 +18,8 @@
 //! split ranks that name the same path. The folder is not cleaned up: give
 //! each job a fresh one (old keys would otherwise be seen by the new job).
 
-use super::deadline::{deadline, expired, timeout_error, Backoff};
+use super::deadline::{deadline, expired, remaining, timeout_error, Backoff};
+use super::dir_watch::DirWatch;
 use super::file_key::file_name;
 use super::{Store, Timeout};
 use crate::error::{Error, ErrorKind, Result};
@@ -25,18 +28,24 @@ use std::io::{ErrorKind as IoKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 const LOCK_FILE: &str = ".lock";
 const TMP_PREFIX: &str = ".tmp.";
 const POLL_START: Duration = Duration::from_micros(50);
 const POLL_CAP: Duration = Duration::from_millis(5);
+/// Longest sleep on the watch before looking again anyway (a safety net
+/// for file systems whose changes inotify does not see).
+const WATCH_CAP: Duration = Duration::from_millis(100);
 
 /// A store in a folder, shared by processes on one host.
 pub struct FileStore {
     dir: PathBuf,
     lock: File,
     tmp_seq: AtomicU64,
+    /// Idle inotify watches of the folder, reused by waits.
+    watches: Mutex<Vec<DirWatch>>,
 }
 
 fn io_error(e: std::io::Error, context: impl std::fmt::Display) -> Error {
@@ -73,7 +82,7 @@ impl FileStore {
             .truncate(false)
             .open(&lock_path)
             .map_err(|e| io_error(e, format_args!("unable to open <{}>", lock_path.display())))?;
-        let store = FileStore { dir, lock, tmp_seq: AtomicU64::new(0) };
+        let store = FileStore { dir, lock, tmp_seq: AtomicU64::new(0), watches: Mutex::new(Vec::new()) };
         store.sweep_dead_temps();
         Ok(store)
     }
@@ -187,16 +196,20 @@ impl Store for FileStore {
     }
 
     fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>> {
+        if let Some(v) = self.read_now(key)? {
+            return Ok(v);
+        }
         let end = deadline(timeout);
-        let mut backoff = Backoff::new(POLL_START, POLL_CAP);
+        let mut sleeper = Sleeper::new(&self.dir, &self.watches);
         loop {
+            // The watch exists before this check: a set after it wakes us.
             if let Some(v) = self.read_now(key)? {
                 return Ok(v);
             }
             if expired(end) {
                 return Err(timeout_error(timeout, &[key], &self.describe()));
             }
-            backoff.sleep(end);
+            sleeper.sleep(end);
         }
     }
 
@@ -222,8 +235,11 @@ impl Store for FileStore {
 
     fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()> {
         let end = deadline(timeout);
-        let mut backoff = Backoff::new(POLL_START, POLL_CAP);
-        let mut missing: Vec<&str> = keys.to_vec();
+        let mut missing: Vec<&str> = keys.iter().copied().filter(|k| !self.key_path(k).exists()).collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let mut sleeper = Sleeper::new(&self.dir, &self.watches);
         loop {
             let mut still = Vec::with_capacity(missing.len());
             for k in missing {
@@ -238,12 +254,50 @@ impl Store for FileStore {
             if expired(end) {
                 return Err(timeout_error(timeout, &missing, &self.describe()));
             }
-            backoff.sleep(end);
+            sleeper.sleep(end);
         }
     }
 
     fn describe(&self) -> String {
         format!("file store <{}>", self.dir.display())
+    }
+}
+
+/// How a waiting call sleeps: on an inotify watch of the folder (taken
+/// from the store's pool, returned after), else by polling with a backoff.
+enum Sleeper<'a> {
+    Watch(Option<DirWatch>, &'a Mutex<Vec<DirWatch>>),
+    Poll(Backoff),
+}
+
+impl<'a> Sleeper<'a> {
+    fn new(dir: &Path, pool: &'a Mutex<Vec<DirWatch>>) -> Sleeper<'a> {
+        let pooled = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        match pooled.or_else(|| DirWatch::new(dir)) {
+            Some(w) => {
+                w.drain();
+                Sleeper::Watch(Some(w), pool)
+            }
+            None => Sleeper::Poll(Backoff::new(POLL_START, POLL_CAP)),
+        }
+    }
+
+    fn sleep(&mut self, end: Option<std::time::Instant>) {
+        match self {
+            Sleeper::Watch(Some(w), _) => w.wait(remaining(end).map_or(WATCH_CAP, |r| r.min(WATCH_CAP))),
+            Sleeper::Watch(None, _) => {}
+            Sleeper::Poll(b) => b.sleep(end),
+        }
+    }
+}
+
+impl Drop for Sleeper<'_> {
+    fn drop(&mut self) {
+        if let Sleeper::Watch(w, pool) = self {
+            if let Some(w) = w.take() {
+                pool.lock().unwrap_or_else(|p| p.into_inner()).push(w);
+            }
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 //! [`StoreRef`] (an `Arc`, so a group keeps its own reference).
 
 pub mod deadline;
+pub mod dir_watch;
 pub mod file;
 pub mod file_key;
 pub mod tcp;

@@ -129,3 +129,34 @@ function store_tcp_port(s::KVStore)
     check("ss_store_tcp_port", st)
     return Int(out[])
 end
+
+"""
+    StoreCallbacks(set, get, add, wait, free_ctx)
+
+The table of `ss_store_callbacks`: C function pointers (from `@cfunction`,
+`free_ctx` may be `C_NULL`) with the signatures of `ss_store_set_fn` ...
+in `storage_sharing.h`. Each returns an `ss_status` code as a `Cint`.
+"""
+struct StoreCallbacks
+    set::Ptr{Cvoid}
+    get::Ptr{Cvoid}
+    add::Ptr{Cvoid}
+    wait::Ptr{Cvoid}
+    free_ctx::Ptr{Cvoid}
+end
+
+"""
+    store_from_callbacks(cb::StoreCallbacks, ctx::Ptr{Cvoid}) -> KVStore
+
+A store whose operations call the host's functions with `ctx`; `free_ctx`
+runs once when the last reference is closed. The functions may be called
+from any thread: keep them to code that is safe there.
+"""
+function store_from_callbacks(cb::StoreCallbacks, ctx::Ptr{Cvoid})
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    table = Ref(cb)
+    st = ccall((:ss_store_from_callbacks, libstorage_sharing()), Cint,
+               (Ptr{StoreCallbacks}, Ptr{Cvoid}, Ptr{Ptr{Cvoid}}), table, ctx, out)
+    check("ss_store_from_callbacks", st)
+    return KVStore(out[])
+end

@@ -1,6 +1,7 @@
-//! A client of a c10d `TCPStore` server (PyTorch's, or ours): one TCP
-//! connection, one request at a time, PyTorch's key prefix, so it sees the
-//! same keys as PyTorch ranks of the same job.
+//! A client of a c10d `TCPStore` server (PyTorch's, or ours), with
+//! PyTorch's key prefix, so it sees the same keys as PyTorch ranks of the
+//! same job. One request at a time per connection, a pool of connections
+//! so threads never wait on each other.
 
 use super::protocol::{self, Request, KEY_PREFIX, VALIDATION_MAGIC};
 use crate::error::{Error, ErrorKind, Result};
@@ -8,6 +9,7 @@ use crate::store::deadline::{deadline, remaining, timeout_error, Backoff};
 use crate::store::Timeout;
 use std::io::{ErrorKind as IoKind, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -20,15 +22,28 @@ const GET_SENTINEL: &[u8] = b"\0storage-sharing:get-probe\0";
 
 struct Conn {
     stream: TcpStream,
-    /// Set after a failure mid-exchange: the byte stream is out of step.
-    broken: Option<Error>,
     read_timeout: Option<Duration>,
+    /// Reply bytes read but not yet used: one `read` usually brings a
+    /// whole reply (length and value), so it costs one system call.
+    rbuf: Box<[u8; 4096]>,
+    rpos: usize,
+    rlen: usize,
 }
 
-/// A connection to a TCPStore server at `host:port`.
+/// Most idle connections kept for reuse.
+const MAX_IDLE: usize = 8;
+
+/// A client of the TCPStore server at `host:port`.
+///
+/// Each call takes an idle connection (or opens one), so a thread blocked
+/// in `get`/`wait` never holds up another thread's `set`. A connection
+/// that failed mid-exchange (its byte stream may be out of step) is closed,
+/// never reused.
 pub struct TcpClient {
+    host: String,
+    port: u16,
     addr: String,
-    conn: Mutex<Conn>,
+    idle: Mutex<Vec<Conn>>,
     /// How long any single reply may take (the store's timeout).
     reply_timeout: Timeout,
 }
@@ -49,11 +64,12 @@ impl TcpClient {
     /// as PyTorch's client does (`VALIDATE` magic, then a `PING`).
     pub fn connect(host: &str, port: u16, timeout: Timeout) -> Result<TcpClient> {
         let addr = format!("{host}:{port}");
+        let client = TcpClient { host: host.to_string(), port, addr, idle: Mutex::new(Vec::new()), reply_timeout: timeout };
         let end = deadline(timeout);
         let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(500));
-        let stream = loop {
-            match Self::try_connect(host, port, &addr) {
-                Ok(s) => break s,
+        let conn = loop {
+            match client.open_conn() {
+                Ok(c) => break c,
                 Err(e) if e.kind() == ErrorKind::PeerGone && remaining(end).map_or(true, |d| !d.is_zero()) => {
                     backoff.sleep(end)
                 }
@@ -61,20 +77,31 @@ impl TcpClient {
                     let waited = timeout.map_or(0, |t| t.as_millis());
                     return Err(Error::new(
                         ErrorKind::Timeout,
-                        format!("timed out after {waited} ms connecting to TCPStore at {addr}: {}", e.message()),
+                        format!("timed out after {waited} ms connecting to TCPStore at {}: {}", client.addr, e.message()),
                     ));
                 }
                 Err(e) => return Err(e),
             }
         };
-        let _ = stream.set_nodelay(true);
-        let client = TcpClient {
-            addr,
-            conn: Mutex::new(Conn { stream, broken: None, read_timeout: None }),
-            reply_timeout: timeout,
-        };
-        client.handshake()?;
+        client.idle.lock().unwrap_or_else(|p| p.into_inner()).push(conn);
         Ok(client)
+    }
+
+    /// One new, validated connection (no retry).
+    fn open_conn(&self) -> Result<Conn> {
+        let stream = Self::try_connect(&self.host, self.port, &self.addr)?;
+        let _ = stream.set_nodelay(true);
+        let mut conn = Conn { stream, read_timeout: None, rbuf: Box::new([0; 4096]), rpos: 0, rlen: 0 };
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        // SAFETY: getpid has no preconditions; the nonce only needs to vary.
+        let nonce = (unsafe { libc::getpid() } as u32).rotate_left(16) ^ nanos;
+        let mut out = Request::Validate(VALIDATION_MAGIC).to_bytes();
+        Request::Ping(nonce).encode(&mut out);
+        let echoed = self.run(&mut conn, &out, self.reply_timeout, |c| c.read_u32())?;
+        if echoed != nonce {
+            return Err(self.protocol(format!("PING answered with {echoed:#x}, expected {nonce:#x}")));
+        }
+        Ok(conn)
     }
 
     fn try_connect(host: &str, port: u16, addr: &str) -> Result<TcpStream> {
@@ -93,19 +120,6 @@ impl TcpClient {
         Err(Error::new(ErrorKind::PeerGone, format!("cannot connect to TCPStore at {addr}: {e}")))
     }
 
-    fn handshake(&self) -> Result<()> {
-        // SAFETY: getpid has no preconditions; the nonce only needs to vary.
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-        let nonce = (unsafe { libc::getpid() } as u32).rotate_left(16) ^ nanos;
-        let mut out = Request::Validate(VALIDATION_MAGIC).to_bytes();
-        Request::Ping(nonce).encode(&mut out);
-        let echoed = self.exchange(&out, self.reply_timeout, |c| c.read_u32())?;
-        if echoed != nonce {
-            return Err(self.protocol(format!("PING answered with {echoed:#x}, expected {nonce:#x}")));
-        }
-        Ok(())
-    }
-
     /// `host:port`.
     pub fn addr(&self) -> &str {
         &self.addr
@@ -115,22 +129,49 @@ impl TcpClient {
         Error::new(ErrorKind::Protocol, format!("TCPStore at {}: {what}", self.addr))
     }
 
-    /// Sends `bytes`, then reads the reply with `read` (each read may take
-    /// up to `timeout`). Any failure leaves the connection unusable.
+    /// Sends `bytes` on an idle (or new) connection, then reads the reply
+    /// with `read` (each read may take up to `timeout`). The connection goes
+    /// back to the pool only if the whole exchange worked and left no
+    /// unread bytes.
     fn exchange<T>(&self, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
-        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(e) = &conn.broken {
-            return Err(Error::new(e.kind(), format!("connection to TCPStore at {} is unusable after an earlier error: {}", self.addr, e.message())));
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let conn = match idle {
+            Some(c) => c,
+            None => self.open_conn()?,
+        };
+        self.finish(conn, bytes, timeout, read)
+    }
+
+    /// Sends a request that has no reply (`SET`). An idle connection the
+    /// server closed meanwhile would swallow it silently, so it is checked
+    /// first and replaced by a new one (which reports a server that is gone).
+    fn send_only(&self, bytes: &[u8]) -> Result<()> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        if idle.as_ref().is_some_and(|c| !c.still_open()) {
+            idle = None;
         }
-        let result = (|| {
-            conn.stream.write_all(bytes).map_err(|e| self.io_error(e, "send to"))?;
-            let mut reader = Reader { client: self, conn: &mut conn, timeout };
-            read(&mut reader)
-        })();
-        if let Err(e) = &result {
-            conn.broken = Some(e.clone());
+        let conn = match idle {
+            Some(c) => c,
+            None => self.open_conn()?,
+        };
+        self.finish(conn, bytes, self.reply_timeout, |_| Ok(()))
+    }
+
+    fn finish<T>(&self, mut conn: Conn, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
+        let result = self.run(&mut conn, bytes, timeout, read);
+        if result.is_ok() && conn.rpos == conn.rlen {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            if idle.len() < MAX_IDLE {
+                idle.push(conn);
+            }
         }
         result
+    }
+
+    fn run<T>(&self, conn: &mut Conn, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
+        conn.stream.write_all(bytes).map_err(|e| self.io_error(e, "send to"))?;
+        let mut reader = Reader { client: self, conn, timeout };
+        read(&mut reader)
     }
 
     fn io_error(&self, e: std::io::Error, doing: &str) -> Error {
@@ -149,7 +190,7 @@ impl TcpClient {
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let bytes = Request::Set { key: Self::key(key), value: value.to_vec() }.to_bytes();
-        self.exchange(&bytes, self.reply_timeout, |_| Ok(()))
+        self.send_only(&bytes)
     }
 
     pub fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>> {
@@ -234,6 +275,20 @@ impl TcpClient {
     }
 }
 
+impl Conn {
+    /// Whether the peer has neither closed the connection nor sent bytes
+    /// we did not ask for (either makes the connection useless).
+    fn still_open(&self) -> bool {
+        let mut b = [0u8; 1];
+        // SAFETY: a non-blocking peek of at most 1 byte into a local buffer
+        // on a socket we own.
+        let n = unsafe {
+            libc::recv(self.stream.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+        };
+        n < 0 && matches!(crate::error::errno(), libc::EAGAIN | libc::EINTR)
+    }
+}
+
 /// Reads a reply's fields under one connection lock.
 struct Reader<'a> {
     client: &'a TcpClient,
@@ -251,7 +306,36 @@ impl Reader<'_> {
             self.conn.stream.set_read_timeout(want).map_err(|e| self.client.io_error(e, "configure"))?;
             self.conn.read_timeout = want;
         }
-        self.conn.stream.read_exact(buf).map_err(|e| self.client.io_error(e, "read from"))
+        let c = &mut *self.conn;
+        let mut at = 0;
+        while at < buf.len() {
+            if c.rpos < c.rlen {
+                let n = (c.rlen - c.rpos).min(buf.len() - at);
+                buf[at..at + n].copy_from_slice(&c.rbuf[c.rpos..c.rpos + n]);
+                c.rpos += n;
+                at += n;
+                continue;
+            }
+            let got = if buf.len() - at >= c.rbuf.len() {
+                c.stream.read(&mut buf[at..]).map(|n| (n, true))
+            } else {
+                c.stream.read(&mut c.rbuf[..]).map(|n| (n, false))
+            };
+            match got {
+                Ok((0, _)) => {
+                    let eof = std::io::Error::new(IoKind::UnexpectedEof, "connection closed");
+                    return Err(self.client.io_error(eof, "read from"));
+                }
+                Ok((n, true)) => at += n,
+                Ok((n, false)) => {
+                    c.rpos = 0;
+                    c.rlen = n;
+                }
+                Err(e) if e.kind() == IoKind::Interrupted => {}
+                Err(e) => return Err(self.client.io_error(e, "read from")),
+            }
+        }
+        Ok(())
     }
 
     fn read_u8(&mut self) -> Result<u8> {

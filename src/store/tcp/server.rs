@@ -12,6 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
+/// How long one reply may take to write before the connection is dropped.
+const WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Where a reply goes: one connection's write side.
 type Out = Arc<Mutex<TcpStream>>;
 
@@ -124,6 +127,9 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         }
         let Ok(stream) = stream else { continue };
         let _ = stream.set_nodelay(true);
+        // A client that stops reading its replies must not stall everyone
+        // (replies are written under the state lock): give up on it.
+        let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
         let (Ok(out), Ok(keep)) = (stream.try_clone(), stream.try_clone()) else { continue };
         let id = {
             let mut st = shared.lock();

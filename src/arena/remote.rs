@@ -74,10 +74,9 @@ impl Drop for RemoteView {
 /// (nobody else would remove it).
 fn forget(map: &mut HashMap<SegmentKey, Entry>, key: SegmentKey) {
     if let Some(e) = map.remove(&key) {
-        if let Ok(mut seg) = Arc::try_unwrap(e.seg) {
-            if seg.strategy() == Strategy::Name && !counters::alive(key.producer_pid, key.producer_start) {
-                seg.unlink_when_dropped();
-            }
+        // The mapping goes with the last view holding the Arc.
+        if e.seg.strategy() == Strategy::Name && !counters::alive(key.producer_pid, key.producer_start) {
+            e.seg.unlink_when_dropped();
         }
     }
 }

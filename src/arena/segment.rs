@@ -66,7 +66,7 @@ pub struct Segment {
     strategy: Strategy,
     fd: Option<OwnedFd>,
     name: Option<String>,
-    unlink_on_drop: bool,
+    unlink_on_drop: std::sync::atomic::AtomicBool,
     creator: bool,
 }
 
@@ -131,7 +131,7 @@ impl Segment {
             // By name, the descriptor is not needed once mapped: no fd per segment.
             fd: if strategy == Strategy::Fd { Some(fd) } else { None },
             name,
-            unlink_on_drop: true,
+            unlink_on_drop: true.into(),
             creator: true,
         };
         // SAFETY: the header lies inside our fresh mapping, page aligned;
@@ -186,7 +186,7 @@ impl Segment {
             strategy,
             fd: if strategy == Strategy::Fd { Some(fd) } else { None },
             name: name.map(str::to_string),
-            unlink_on_drop: false,
+            unlink_on_drop: false.into(),
             creator: false,
         };
         // SAFETY: total >= data_size + HEADER_SIZE, so the header is mapped.
@@ -267,8 +267,8 @@ impl Segment {
 
     /// Makes a consumer remove the name when it drops the segment (the
     /// producer died without doing it).
-    pub fn unlink_when_dropped(&mut self) {
-        self.unlink_on_drop = true;
+    pub fn unlink_when_dropped(&self) {
+        self.unlink_on_drop.store(true, Ordering::Relaxed);
     }
 }
 
@@ -280,7 +280,7 @@ impl Drop for Segment {
         }
         // SAFETY: our own mapping; no block of it is used after this.
         unsafe { libc::munmap(self.base.cast(), self.total) };
-        if self.unlink_on_drop {
+        if self.unlink_on_drop.load(Ordering::Relaxed) {
             if let Some(n) = &self.name {
                 unlink(n);
             }

@@ -26,7 +26,10 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        CudaIpcHandle, CudaSent, CudaReceived, cuda_available, cuda_unavailable_reason, cuda_driver_info,
        cuda_share, sent_counter, cuda_open, cuda_release_ipc_counter, cuda_ipc_collect, cuda_limbo_size,
        cuda_ipc_teardown, cuda_pointer_base, cuda_malloc, cuda_free, cuda_ipc_handle_to_text,
-       cuda_ipc_handle_from_text
+       cuda_ipc_handle_from_text,
+       ArenaOptions, ArenaHandle, ArenaStats, SharedArena, ArenaView, arena_options_default, open_arena,
+       arena_alloc, arena_free, arena_share, arena_unshare, arena_segment_fd, arena_collect, arena_stats,
+       arena_import_segment_fd, arena_open_remote, arena_send, arena_recv, storage_in_arena
 
 """The library to load: `STORAGE_SHARING_LIB`, else the standard search path."""
 libstorage_sharing() = get(ENV, "STORAGE_SHARING_LIB", "libstorage_sharing")
@@ -291,5 +294,6 @@ Base.isopen(m::SharedMap) = m.handle != C_NULL
 
 include("storage.jl")
 include("cuda.jl")
+include("arena.jl")
 
 end # module

@@ -135,6 +135,17 @@ pub fn alive(pid: i32, start: u64) -> bool {
     }
 }
 
+/// A cheap first look (one kill(pid, 0), no /proc read): false only when
+/// `pid` surely is gone. A reused pid reads as alive here; callers that
+/// must tell use [`alive`].
+pub fn maybe_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 || crate::error::errno() == libc::EPERM }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

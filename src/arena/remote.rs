@@ -64,7 +64,10 @@ impl Drop for RemoteView {
         let Some(map) = c.as_mut() else { return };
         let Some(e) = map.get_mut(&key) else { return };
         e.views -= 1;
-        if e.views == 0 && (e.seg.retired() || !counters::alive(key.producer_pid, key.producer_start)) {
+        // kill(pid, 0) only: a /proc read per released view would cost more
+        // than the rest of the release. A dead producer whose pid was reused
+        // or that is an unreaped zombie is left to `trim_cache`.
+        if e.views == 0 && (e.seg.retired() || !counters::maybe_alive(key.producer_pid)) {
             forget(map, key);
         }
     }

@@ -434,3 +434,42 @@ mod c_api {
         }
     }
 }
+
+/// PyTorch maps the (fd, size) tuple of an arena storage that owns its
+/// segment, sees its bytes and writes back into them.
+#[test]
+fn torch_opens_the_fd_tuple_of_an_arena_storage() {
+    use std::os::unix::process::CommandExt;
+    if !common::torch_available("torch_opens_the_fd_tuple_of_an_arena_storage") {
+        return;
+    }
+    let arena = Arena::new(opts(Strategy::Fd)).unwrap();
+    let n = 2 << 20;
+    let s = Storage::new_in_arena(&arena, n).unwrap();
+    let bytes = common::pattern(n, 3);
+    s.write_at(0, &bytes).unwrap();
+    let (fd, len) = s.share_fd().unwrap();
+    let script = "import sys, torch\n\
+n = int(sys.argv[1])\n\
+s = torch.UntypedStorage._new_shared_fd_cpu(3, n)\n\
+t = torch.empty(0, dtype=torch.uint8).set_(s)\n\
+print(int(t.to(torch.int64).sum()))\n\
+t[0] = 0xEE\n";
+    let mut cmd = Command::new(common::python());
+    cmd.args(["-c", script, &len.to_string()]);
+    // SAFETY: dup2 and fcntl are async-signal-safe; fd 3 is the segment
+    // for the script (dup2 onto itself would keep close-on-exec).
+    unsafe {
+        cmd.pre_exec(move || {
+            let rc = if fd == 3 { libc::fcntl(3, libc::F_SETFD, 0) } else { libc::dup2(fd, 3) };
+            if rc < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = run_ok(cmd);
+    let sum: u64 = bytes.iter().map(|b| *b as u64).sum();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), sum.to_string());
+    assert_eq!(s.to_vec()[0], 0xEE, "PyTorch's write is in our block");
+}

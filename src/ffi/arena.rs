@@ -187,9 +187,11 @@ pub unsafe extern "C" fn ss_arena_open(options: *const ss_arena_options, out: *m
     })
 }
 
-/// Releases the handle. Live blocks and storages made in the arena stay
-/// valid; each segment goes when its last block does, or here if it has
-/// none. Views other processes hold stay readable. NULL is a no-op.
+/// Releases the handle and, once no storage made by
+/// `ss_storage_new_in_arena` keeps it alive, the arena and its segments:
+/// blocks from `ss_arena_alloc` must not be used after that. Views other
+/// processes hold stay readable (they have their own mapping); handles not
+/// opened yet fail to open (by name: `SS_ERR_NOT_FOUND`). NULL is a no-op.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_close(a: *mut SsArena) {
     ffi_value!("ss_arena_close", (), {

@@ -400,8 +400,9 @@ ss_status ss_arena_open(const ss_arena_options *options, ss_arena **out);
  * Releases the handle and, once no storage made by
  * `ss_storage_new_in_arena` keeps it alive, the arena and its segments:
  * blocks from `ss_arena_alloc` must not be used after that. Views other
- * processes hold stay readable (they have their own mapping); handles not
- * opened yet fail to open (by name: `SS_ERR_NOT_FOUND`). NULL is a no-op.
+ * processes hold stay readable (they have their own mapping); a handle
+ * not opened yet opens only in a process that has its segment mapped
+ * already (else `SS_ERR_NOT_FOUND`). NULL is a no-op.
  */
 void ss_arena_close(ss_arena *a);
 

@@ -190,8 +190,9 @@ pub unsafe extern "C" fn ss_arena_open(options: *const ss_arena_options, out: *m
 /// Releases the handle and, once no storage made by
 /// `ss_storage_new_in_arena` keeps it alive, the arena and its segments:
 /// blocks from `ss_arena_alloc` must not be used after that. Views other
-/// processes hold stay readable (they have their own mapping); handles not
-/// opened yet fail to open (by name: `SS_ERR_NOT_FOUND`). NULL is a no-op.
+/// processes hold stay readable (they have their own mapping); a handle
+/// not opened yet opens only in a process that has its segment mapped
+/// already (else `SS_ERR_NOT_FOUND`). NULL is a no-op.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_close(a: *mut SsArena) {
     ffi_value!("ss_arena_close", (), {

@@ -4,7 +4,7 @@
 //!  2. sending 100,000 tensors of 4-64 KiB to another process with
 //!     RLIMIT_NOFILE at 256 (peak fds and mappings of both processes);
 //!  3. peak RSS + shm while sharing an 8 GiB tensor with a reader.
-//! Run: cargo bench --bench arena [-- --count N --torch-count M --big-gib G --no-big]
+//! Run: cargo bench --bench arena [-- --count N --torch-count M --big-gib G --no-big --only-big]
 //! PyTorch's columns come from benches/arena_torch.py run by
 //! $SS_TEST_PYTHON (else python3) and are skipped when torch does not import.
 
@@ -394,6 +394,7 @@ fn section_big(want_gib: usize, torch: Option<&str>) {
             let peak: usize = text.trim().parse().unwrap_or(0);
             println!("| PyTorch share_memory_() + Queue to a reader | {} | {:.3} |", gb(peak), peak as f64 / n as f64);
         }
+        None if torch.is_some() => println!("| PyTorch share_memory_() | failed (see stderr) | - |"),
         None => println!("| PyTorch share_memory_() | skipped (torch not importable) | - |"),
     }
     println!("\nSampled every 5 ms: anonymous RSS of the producer and the reader plus the growth of Shmem in /proc/meminfo (shared pages counted once).");
@@ -409,8 +410,10 @@ fn main() {
         println!("PyTorch columns skipped: torch not installed (set SS_TEST_PYTHON to a Python with torch)");
     }
     let args: Vec<String> = std::env::args().collect();
-    section_share(torch.as_deref());
-    section_stream(arg("--count", 100_000), torch.as_deref(), arg("--torch-count", 10_000));
+    if !args.iter().any(|a| a == "--only-big") {
+        section_share(torch.as_deref());
+        section_stream(arg("--count", 100_000), torch.as_deref(), arg("--torch-count", 10_000));
+    }
     if !args.iter().any(|a| a == "--no-big") {
         section_big(arg("--big-gib", 8), torch.as_deref());
     }

@@ -115,7 +115,9 @@ def shmem():
 
 def reader(q, done):
     t = q.get()
-    _ = int(t.sum())
+    # int64 view: every page is read, no widened copy (a uint8 sum would
+    # allocate 8 bytes per element).
+    _ = int(t.view(torch.int64).sum())
     done.put(1)
     time.sleep(1)
 
@@ -144,7 +146,7 @@ def big(gib):
     t = torch.ones(n, dtype=torch.uint8)
     t.share_memory_()
     q.put(t)
-    done.get()
+    done.get(timeout=600)
     stop[0] = True
     th.join()
     p.join()

@@ -14,6 +14,23 @@
 #define SS_VERSION_STRING "0.1.0"
 
 /**
+ * Arena segments are anonymous memfds; their descriptors travel by
+ * SCM_RIGHTS, once per segment per peer.
+ */
+#define SS_ARENA_BY_FD 1
+
+/**
+ * Arena segments are named POSIX shm objects (`/dev/shm/ss_arena_*`),
+ * opened by name; no descriptor is kept or sent.
+ */
+#define SS_ARENA_BY_NAME 2
+
+/**
+ * Bytes of `ss_arena_handle.segment_name`, with the NUL.
+ */
+#define SS_ARENA_NAME_LEN 48
+
+/**
  * Bytes of `ss_cuda_ipc_handle.mem_handle`: version byte, 'c', and the
  * 64-byte `cudaIpcMemHandle_t` (PyTorch's format).
  */
@@ -191,6 +208,19 @@ typedef enum {
 } ss_status;
 
 /**
+ * A producer's shareable CPU arena. Thread safety: a `const ss_arena*`
+ * may be used from several threads at once (it locks internally).
+ */
+typedef struct ss_arena ss_arena;
+
+/**
+ * A consumer's view of a block shared by another process: keeps the
+ * block from being reused until `ss_arena_view_free`. Its bytes stay
+ * readable even if the producer dies.
+ */
+typedef struct ss_arena_view ss_arena_view;
+
+/**
  * A storage received from another process. Release it with
  * `ss_cuda_received_free`. Thread safety: one thread at a time.
  */
@@ -251,6 +281,85 @@ typedef struct ss_symm_mem ss_symm_mem;
  * Thread safety: a `const ss_weak*` may be used from several threads.
  */
 typedef struct ss_weak ss_weak;
+
+/**
+ * How `ss_arena_open` sets up an arena. Start from
+ * `ss_arena_options_default`.
+ */
+typedef struct {
+  /**
+   * Bytes of data in each segment of small blocks (default 64 MiB).
+   */
+  size_t segment_size;
+  /**
+   * `SS_ARENA_BY_FD` (default) or `SS_ARENA_BY_NAME`.
+   */
+  uint32_t strategy;
+  /**
+   * Hold slots per small-block segment: shares in flight or held by
+   * consumers at once (default 4096).
+   */
+  uint32_t max_holds;
+  /**
+   * Blocks above this many bytes get a segment of their own, released
+   * when they are freed (default 1 MiB; at most segment_size / 4).
+   */
+  size_t large_threshold;
+} ss_arena_options;
+
+/**
+ * A shared block: what a consumer passes to `ss_arena_open_remote`.
+ * Plain bytes: send it over any channel. Each handle carries one hold
+ * and opens once.
+ */
+typedef struct {
+  /**
+   * `SS_ARENA_BY_FD` or `SS_ARENA_BY_NAME`.
+   */
+  uint32_t strategy;
+  /**
+   * The producer's pid and start time (clock ticks since boot): with
+   * the segment id, the key of a consumer's segment cache, so a reused
+   * pid cannot alias.
+   */
+  int32_t producer_pid;
+  uint64_t producer_start;
+  uint64_t segment_id;
+  /**
+   * Bytes of data in the segment.
+   */
+  uint64_t segment_size;
+  /**
+   * Where the block is in the segment, and its size.
+   */
+  uint64_t offset;
+  uint64_t size;
+  /**
+   * The hold this share took in the segment's counter area.
+   */
+  uint32_t hold_slot;
+  uint32_t hold_generation;
+  /**
+   * The segment's name (by name), NUL-terminated; empty by fd.
+   */
+  char segment_name[SS_ARENA_NAME_LEN];
+} ss_arena_handle;
+
+/**
+ * Counts of an arena's state.
+ */
+typedef struct {
+  size_t segments;
+  size_t live_blocks;
+  /**
+   * Freed by the producer, still held by a consumer.
+   */
+  size_t deferred_blocks;
+  /**
+   * Bytes of segment data.
+   */
+  size_t segment_bytes;
+} ss_arena_stats;
 
 /**
  * Called when shared memory is no longer used by anyone: gets back the
@@ -360,6 +469,136 @@ typedef struct {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Fills `*out` with the default options: 64 MiB segments by fd, 4096
+ * holds per segment, blocks above 1 MiB in segments of their own.
+ */
+ss_status ss_arena_options_default(ss_arena_options *out);
+
+/**
+ * A new arena with `options` (NULL: the defaults). No segment is made
+ * until the first allocation. Release with `ss_arena_close`.
+ */
+ss_status ss_arena_open(const ss_arena_options *options, ss_arena **out);
+
+/**
+ * Releases the handle and, once no storage made by
+ * `ss_storage_new_in_arena` keeps it alive, the arena and its segments:
+ * blocks from `ss_arena_alloc` must not be used after that. Views other
+ * processes hold stay readable (they have their own mapping); a handle
+ * not opened yet opens only in a process that has its segment mapped
+ * already (else `SS_ERR_NOT_FOUND`). NULL is a no-op.
+ */
+void ss_arena_close(ss_arena *a);
+
+/**
+ * A block of `size` bytes (> 0) aligned to `align` (a power of two, at
+ * most 4096) in shared memory, in `*out_ptr`. A full /dev/shm or out of
+ * memory gives `SS_ERR_NO_SPACE`, never a SIGBUS later.
+ */
+ss_status ss_arena_alloc(const ss_arena *a, size_t size, size_t align, void **out_ptr);
+
+/**
+ * Frees a block of this arena. One a consumer still holds is reused only
+ * after the consumer releases it (or dies and `ss_arena_collect` runs).
+ * A pointer this arena did not allocate, or one freed already, gives
+ * `SS_ERR_INVALID_ARGUMENT` and changes nothing.
+ */
+ss_status ss_arena_free(const ss_arena *a, void *ptr);
+
+/**
+ * Shares a live block in O(1), no copy: takes one hold on it and writes
+ * the handle another process opens with `ss_arena_open_remote` (once).
+ * By fd, that process needs the segment's descriptor first
+ * (`ss_arena_segment_fd`, once per segment), or use `ss_arena_send`.
+ */
+ss_status ss_arena_share(const ss_arena *a, void *ptr, ss_arena_handle *out);
+
+/**
+ * Cancels a share whose handle will never be opened, releasing its
+ * hold. A handle opened or cancelled already: `SS_ERR_INVALID_ARGUMENT`.
+ */
+ss_status ss_arena_unshare(const ss_arena *a, const ss_arena_handle *h);
+
+/**
+ * The descriptor of segment `segment_id` (from a handle) of a by-fd
+ * arena, owned by the arena: send it once per peer, never close it.
+ */
+ss_status ss_arena_segment_fd(const ss_arena *a, uint64_t segment_id, int *out_fd);
+
+/**
+ * Releases the holds of consumers that died (their pid is gone or now
+ * belongs to a process with another start time) and reuses the freed
+ * blocks nobody holds any more. Counts go to the out-parameters, each
+ * of which may be NULL.
+ */
+ss_status ss_arena_collect(const ss_arena *a,
+                           size_t *out_reclaimed_holds,
+                           size_t *out_recycled_blocks);
+
+/**
+ * The arena's counts: segments, live blocks, deferred blocks, bytes.
+ */
+ss_status ss_arena_stats_get(const ss_arena *a, ss_arena_stats *out);
+
+/**
+ * Consumer: maps the segment a by-fd handle names from `fd`, received
+ * from the producer. The descriptor is taken over on success (closed at
+ * once if this process has the segment mapped already); on failure the
+ * caller still owns it.
+ */
+ss_status ss_arena_import_segment_fd(const ss_arena_handle *h, int fd);
+
+/**
+ * Consumer: opens a shared block. The segment is mapped once per
+ * process (by name on first use; by fd it must be imported first, else
+ * `SS_ERR_NOT_FOUND`); the handle's hold becomes this view's. A handle
+ * opened already, cancelled, stale or malformed gives
+ * `SS_ERR_INVALID_ARGUMENT` (or `SS_ERR_CORRUPT` when the segment does
+ * not match it).
+ */
+ss_status ss_arena_open_remote(const ss_arena_handle *h, ss_arena_view **out);
+
+/**
+ * Start of the viewed block; NULL for NULL.
+ */
+void *ss_arena_view_data(const ss_arena_view *v);
+
+/**
+ * Size of the viewed block in bytes (the block's carved size, at least
+ * what the producer asked for); 0 for NULL.
+ */
+size_t ss_arena_view_size(const ss_arena_view *v);
+
+/**
+ * Releases the view's hold (one atomic compare-and-swap in the segment)
+ * and the view. The segment stays mapped for later views until its
+ * producer retires it or dies. NULL is a no-op.
+ */
+void ss_arena_view_free(ss_arena_view *v);
+
+/**
+ * Shares the block at `ptr` and sends it over `sock` (a connected Unix
+ * stream socket): the handle, plus the segment's descriptor the first
+ * time that segment goes to this peer. On failure the share is cancelled.
+ */
+ss_status ss_arena_send(const ss_arena *a, int sock, void *ptr);
+
+/**
+ * Receives one block sent with `ss_arena_send` and opens it.
+ */
+ss_status ss_arena_recv(int sock, ss_arena_view **out);
+
+/**
+ * A storage of `nbytes` (> 0) bytes in a new block of the arena: shared
+ * memory from birth. Above the arena's large threshold the block fills a
+ * memfd segment of its own, and `ss_storage_share_fd` returns that
+ * segment's fd with no copy (the tuple PyTorch maps); smaller blocks are
+ * copied into their own segment when shared by fd or by name, as heap
+ * storages are. The block is freed with the storage's last reference.
+ */
+ss_status ss_storage_new_in_arena(const ss_arena *a, size_t nbytes, ss_storage **out);
 
 /**
  * Ends this process's part in CUDA IPC: warns on stderr if consumers still

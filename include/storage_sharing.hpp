@@ -901,6 +901,111 @@ private:
 
 /* ---- end symmetric memory ------------------------------------------------ */
 
+/* ---- Shareable CPU arena (ss_arena) ---- */
+
+/* Options with the library's defaults (64 MiB segments by fd, 4096 holds
+ * per segment, blocks above 1 MiB in a segment of their own). */
+inline ss_arena_options arena_options_default() {
+    ss_arena_options o{};
+    check(ss_arena_options_default(&o), "ss_arena_options_default");
+    return o;
+}
+
+/* A consumer's view of a block another process shared: holds the block
+ * until destroyed (the producer will not reuse it). Move-only. */
+class ArenaView {
+public:
+    ArenaView() noexcept = default;
+    explicit ArenaView(ss_arena_view *raw) noexcept : handle_(raw) {}
+    /* Opens a shared block (once per handle). By fd, import the segment
+     * first (import_segment_fd) unless it came with Arena::send. */
+    static ArenaView open(const ss_arena_handle &h) {
+        ss_arena_view *raw = nullptr;
+        check(ss_arena_open_remote(&h, &raw), "ss_arena_open_remote");
+        return ArenaView(raw);
+    }
+    /* Receives a block sent with Arena::send over `sock`, and opens it. */
+    static ArenaView recv(int sock) {
+        ss_arena_view *raw = nullptr;
+        check(ss_arena_recv(sock, &raw), "ss_arena_recv");
+        return ArenaView(raw);
+    }
+    /* Maps a by-fd segment from `fd` (taken over on success). */
+    static void import_segment_fd(const ss_arena_handle &h, int fd) {
+        check(ss_arena_import_segment_fd(&h, fd), "ss_arena_import_segment_fd");
+    }
+    ss_arena_view *get() const noexcept { return handle_.get(); }
+    explicit operator bool() const noexcept { return static_cast<bool>(handle_); }
+    void *data() const noexcept { return ss_arena_view_data(handle_.get()); }
+    template <class U>
+    U *data_as() const noexcept { return static_cast<U *>(data()); }
+    std::size_t size() const noexcept { return ss_arena_view_size(handle_.get()); }
+
+private:
+    unique_handle<ss_arena_view, ss_arena_view_free> handle_;
+};
+
+/* A producer's shareable arena: blocks born in shared memory, shared in
+ * O(1). Const members may run on several threads. Move-only. */
+class Arena {
+public:
+    Arena() noexcept = default;
+    explicit Arena(ss_arena *raw) noexcept : handle_(raw) {}
+    static Arena open(const ss_arena_options &options = arena_options_default()) {
+        ss_arena *raw = nullptr;
+        check(ss_arena_open(&options, &raw), "ss_arena_open");
+        return Arena(raw);
+    }
+    ss_arena *get() const noexcept { return handle_.get(); }
+    explicit operator bool() const noexcept { return static_cast<bool>(handle_); }
+    void *alloc(std::size_t size, std::size_t align = 64) const {
+        void *p = nullptr;
+        check(ss_arena_alloc(handle_.get(), size, align, &p), "ss_arena_alloc");
+        return p;
+    }
+    void free(void *p) const { check(ss_arena_free(handle_.get(), p), "ss_arena_free"); }
+    ss_arena_handle share(void *p) const {
+        ss_arena_handle h{};
+        check(ss_arena_share(handle_.get(), p, &h), "ss_arena_share");
+        return h;
+    }
+    void unshare(const ss_arena_handle &h) const { check(ss_arena_unshare(handle_.get(), &h), "ss_arena_unshare"); }
+    /* The segment's descriptor (owned by the arena; by-fd arenas). */
+    int segment_fd(std::uint64_t segment_id) const {
+        int fd = -1;
+        check(ss_arena_segment_fd(handle_.get(), segment_id, &fd), "ss_arena_segment_fd");
+        return fd;
+    }
+    /* Shares `p` and sends it over the Unix socket (fd once per segment per peer). */
+    void send(int sock, void *p) const { check(ss_arena_send(handle_.get(), sock, p), "ss_arena_send"); }
+    struct Collected {
+        std::size_t reclaimed_holds;
+        std::size_t recycled_blocks;
+    };
+    /* Reclaims dead consumers' holds; reuses blocks nobody holds. */
+    Collected collect() const {
+        Collected c{0, 0};
+        check(ss_arena_collect(handle_.get(), &c.reclaimed_holds, &c.recycled_blocks), "ss_arena_collect");
+        return c;
+    }
+    ss_arena_stats stats() const {
+        ss_arena_stats s{};
+        check(ss_arena_stats_get(handle_.get(), &s), "ss_arena_stats_get");
+        return s;
+    }
+    /* A storage of `nbytes` in a new block of this arena. */
+    Storage new_storage(std::size_t nbytes) const {
+        ss_storage *raw = nullptr;
+        check(ss_storage_new_in_arena(handle_.get(), nbytes, &raw), "ss_storage_new_in_arena");
+        return Storage(raw);
+    }
+
+private:
+    unique_handle<ss_arena, ss_arena_close> handle_;
+};
+
+/* ---- end shareable CPU arena ---- */
+
 }  // namespace storage_sharing
 
 #endif /* STORAGE_SHARING_HPP */

@@ -5,6 +5,7 @@
 //! `include/storage_sharing.h`). The safe Rust API is public too; the core
 //! modules know nothing of C.
 
+pub mod arena;
 pub mod content_store;
 pub mod cuda;
 pub mod error;

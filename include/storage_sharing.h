@@ -454,8 +454,9 @@ ss_status ss_send_fds(int sock, const void *payload, size_t len, const int *fds,
  * owned by the caller). If the kernel dropped descriptors because this
  * process is at its open-file limit, the call fails with
  * `SS_ERR_TOO_MANY_FILES` (PyTorch loses them silently); more descriptors
- * than `max_fds` give `SS_ERR_BUFFER_TOO_SMALL`. On failure no
- * descriptor is left open.
+ * than `max_fds` give `SS_ERR_BUFFER_TOO_SMALL`, and so does a datagram
+ * longer than `len` (the kernel drops its tail; stream sockets keep the
+ * rest for the next call). On failure no descriptor is left open.
  */
 ss_status ss_recv_fds(int sock,
                       void *buf,

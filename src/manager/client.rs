@@ -262,8 +262,9 @@ pub fn default_client() -> Result<Arc<Client>> {
             return Ok(client);
         }
     }
-    let path = spawn::spawn_manager()?;
-    let client = client_for(&path)?;
+    // A daemon we cannot connect to is stopped again (see spawn).
+    let binary = spawn::find_manager_binary()?;
+    let (path, client) = spawn::spawn_manager_then(&binary, client_for)?;
     connections().default = Some(path);
     Ok(client)
 }

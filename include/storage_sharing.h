@@ -467,6 +467,25 @@ ss_status ss_recv_fds(int sock,
                       size_t *out_nfds);
 
 /**
+ * Takes every process-wide lock of the library, waiting for threads that
+ * are inside the library to leave it. Installed as pthread_atfork's
+ * "prepare" handler on first use of the library; call it yourself only
+ * right before a fork done without fork(3), then call
+ * `ss_atfork_parent` in the parent and `ss_atfork_child` in the child.
+ */
+void ss_atfork_prepare(void);
+
+/**
+ * Releases what `ss_atfork_prepare` took, in the parent after the fork.
+ */
+void ss_atfork_parent(void);
+
+/**
+ * Releases what `ss_atfork_prepare` took, in the child after the fork.
+ */
+void ss_atfork_child(void);
+
+/**
  * Uses the daemon binary at `path` when a manager must be started
  * (libshm's `libshm_init`). Without this call the library looks at the
  * environment variable `SS_SHM_MANAGER`, then for `ss_shm_manager` beside

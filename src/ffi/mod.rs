@@ -9,6 +9,7 @@ pub mod args;
 pub mod cuda;
 pub mod errors;
 pub mod fd_passing;
+pub mod fork;
 pub mod manager;
 pub mod map;
 pub mod status;

@@ -23,8 +23,8 @@
 use super::protocol::{AllocInfo, ALLOC_INFO_SIZE, OK_REPLY};
 use super::spawn;
 use crate::error::{Error, ErrorKind, Result};
-use once_cell::sync::Lazy;
-use std::collections::HashMap;
+use crate::fork_safe::ForkSafeMutex;
+use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
@@ -266,16 +266,18 @@ impl Client {
 }
 
 struct Connections {
-    by_path: HashMap<String, Arc<Client>>,
+    by_path: BTreeMap<String, Arc<Client>>,
     /// The manager this process spawned (or adopted) for handle-less use.
     default: Option<String>,
 }
 
-static CONNECTIONS: Lazy<Mutex<Connections>> =
-    Lazy::new(|| Mutex::new(Connections { by_path: HashMap::new(), default: None }));
+/// Fork-safe (see `fork_safe`); each connection's own lock is never taken
+/// by a forked child (connections of the parent are left alone there).
+static CONNECTIONS: ForkSafeMutex<Connections> =
+    ForkSafeMutex::new(Connections { by_path: BTreeMap::new(), default: None });
 
 fn connections() -> std::sync::MutexGuard<'static, Connections> {
-    CONNECTIONS.lock().unwrap_or_else(|p| p.into_inner())
+    CONNECTIONS.lock_static()
 }
 
 /// If this process's connection to `path` broke inside a `free` and no

@@ -9,12 +9,11 @@
 //! code, then in `../bin` from there; `ss_shm_manager` on `PATH`.
 
 use crate::error::{Error, ErrorKind, Result};
-use once_cell::sync::Lazy;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::os::fd::AsRawFd;
-use std::sync::Mutex;
+use crate::fork_safe::ForkSafeMutex;
 use std::time::{Duration, Instant};
 
 /// File name of the daemon.
@@ -25,20 +24,20 @@ pub const MANAGER_ENV: &str = "SS_SHM_MANAGER";
 /// How long a started daemon may take to print its socket path.
 pub const START_TIMEOUT: Duration = Duration::from_secs(5);
 
-static BINARY: Lazy<Mutex<Option<PathBuf>>> = Lazy::new(|| Mutex::new(None));
+static BINARY: ForkSafeMutex<Option<PathBuf>> = ForkSafeMutex::new(None);
 
 /// Uses `path` as the daemon binary from now on (libshm's `libshm_init`).
 pub fn set_manager_binary(path: &str) -> Result<()> {
     if path.is_empty() {
         return Err(Error::new(ErrorKind::InvalidArgument, "empty shared memory manager binary path"));
     }
-    *BINARY.lock().unwrap_or_else(|p| p.into_inner()) = Some(PathBuf::from(path));
+    *BINARY.lock_static() = Some(PathBuf::from(path));
     Ok(())
 }
 
 /// Where the daemon binary is, per the lookup order above.
 pub fn find_manager_binary() -> Result<PathBuf> {
-    if let Some(p) = BINARY.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+    if let Some(p) = BINARY.lock_static().clone() {
         return Ok(p);
     }
     if let Some(p) = std::env::var_os(MANAGER_ENV).filter(|v| !v.is_empty()) {

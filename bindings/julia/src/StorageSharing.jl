@@ -291,5 +291,6 @@ Base.isopen(m::SharedMap) = m.handle != C_NULL
 
 include("storage.jl")
 include("cuda.jl")
+include("fork.jl")
 
 end # module

@@ -779,8 +779,9 @@ ss_status ss_send_fds(int sock, const void *payload, size_t len, const int *fds,
  * owned by the caller). If the kernel dropped descriptors because this
  * process is at its open-file limit, the call fails with
  * `SS_ERR_TOO_MANY_FILES` (PyTorch loses them silently); more descriptors
- * than `max_fds` give `SS_ERR_BUFFER_TOO_SMALL`. On failure no
- * descriptor is left open.
+ * than `max_fds` give `SS_ERR_BUFFER_TOO_SMALL`, and so does a datagram
+ * longer than `len` (the kernel drops its tail; stream sockets keep the
+ * rest for the next call). On failure no descriptor is left open.
  */
 ss_status ss_recv_fds(int sock,
                       void *buf,
@@ -789,6 +790,25 @@ ss_status ss_recv_fds(int sock,
                       int *fds,
                       size_t max_fds,
                       size_t *out_nfds);
+
+/**
+ * Takes every process-wide lock of the library, waiting for threads that
+ * are inside the library to leave it. Installed as pthread_atfork's
+ * "prepare" handler on first use of the library; call it yourself only
+ * right before a fork done without fork(3), then call
+ * `ss_atfork_parent` in the parent and `ss_atfork_child` in the child.
+ */
+void ss_atfork_prepare(void);
+
+/**
+ * Releases what `ss_atfork_prepare` took, in the parent after the fork.
+ */
+void ss_atfork_parent(void);
+
+/**
+ * Releases what `ss_atfork_prepare` took, in the child after the fork.
+ */
+void ss_atfork_child(void);
 
 /**
  * Uses the daemon binary at `path` when a manager must be started

@@ -49,6 +49,18 @@ inline void check(ss_status status, const char *function) {
     }
 }
 
+/* `s` as a C string for the C API. A NUL byte inside would cut it short
+ * there (so "/a\0b" would open "/a"): refused with Error
+ * SS_ERR_INVALID_ARGUMENT instead. */
+inline const char *c_string_arg(const std::string &s, const char *function, const char *what) {
+    std::size_t nul = s.find('\0');
+    if (nul != std::string::npos) {
+        throw Error(SS_ERR_INVALID_ARGUMENT, function,
+                    std::string(what) + " has a NUL byte at " + std::to_string(nul) + ": refused, it would be cut short");
+    }
+    return s.c_str();
+}
+
 /* The library's run-time version ("MAJOR.MINOR.PATCH"); SS_VERSION_STRING is
  * the version this header came with. */
 inline std::string version() { return ss_version(); }
@@ -163,20 +175,21 @@ public:
     /* MapAllocator(name, flags, size). */
     static Map open(const std::string &name, int flags, std::size_t size) {
         ss_map *raw = nullptr;
-        check(ss_map_open(name.c_str(), flags, size, &raw), "ss_map_open");
+        check(ss_map_open(c_string_arg(name, "ss_map_open", "name"), flags, size, &raw), "ss_map_open");
         return Map(raw);
     }
     /* MapAllocator(WITH_FD, name, fd, flags, size): on success the map owns
      * `fd`; on failure (an exception) the caller still does. */
     static Map open_fd(int fd, int flags, std::size_t size, const std::string &name = "") {
         ss_map *raw = nullptr;
-        check(ss_map_open_fd(name.c_str(), fd, flags, size, &raw), "ss_map_open_fd");
+        check(ss_map_open_fd(c_string_arg(name, "ss_map_open_fd", "name"), fd, flags, size, &raw), "ss_map_open_fd");
         return Map(raw);
     }
     /* RefcountedMapAllocator(name, flags, size). */
     static Map open_refcounted(const std::string &name, int flags, std::size_t size) {
         ss_map *raw = nullptr;
-        check(ss_refcounted_map_open(name.c_str(), flags, size, &raw), "ss_refcounted_map_open");
+        check(ss_refcounted_map_open(c_string_arg(name, "ss_refcounted_map_open", "name"), flags, size, &raw),
+              "ss_refcounted_map_open");
         return Map(raw);
     }
     /* An anonymous fd-backed segment of `size` zero bytes. */
@@ -267,7 +280,8 @@ public:
     /* Opens a storage shared by name ("" manager = this process's own). */
     static Storage open_shared_filename(const std::string &manager, const std::string &name, std::size_t nbytes) {
         ss_storage *raw = nullptr;
-        check(ss_storage_new_shared_filename(manager.c_str(), name.c_str(), nbytes, &raw),
+        check(ss_storage_new_shared_filename(c_string_arg(manager, "ss_storage_new_shared_filename", "manager"),
+                                             c_string_arg(name, "ss_storage_new_shared_filename", "name"), nbytes, &raw),
               "ss_storage_new_shared_filename");
         return Storage(raw);
     }
@@ -422,7 +436,7 @@ inline FdMessage recv_fds(int sock, std::size_t max_len, std::size_t max_fds) {
 
 /* Uses the daemon binary at `path` when a manager must be started. */
 inline void shm_manager_set_binary(const std::string &path) {
-    check(ss_shm_manager_set_binary(path.c_str()), "ss_shm_manager_set_binary");
+    check(ss_shm_manager_set_binary(c_string_arg(path, "ss_shm_manager_set_binary", "path")), "ss_shm_manager_set_binary");
 }
 /* Starts a manager and returns its socket path (a manager handle). */
 inline std::string shm_manager_spawn() {
@@ -587,7 +601,8 @@ inline CudaAllocation cuda_pointer_base(const void *device_ptr, std::int32_t dev
 /* Decrements a ref-counter slot (a consumer dropping a tuple unopened);
  * needs no GPU. */
 inline void cuda_release_ipc_counter(const std::string &counter_name, std::uint64_t slot) {
-    check(ss_cuda_release_ipc_counter(counter_name.c_str(), slot), "ss_cuda_release_ipc_counter");
+    check(ss_cuda_release_ipc_counter(c_string_arg(counter_name, "ss_cuda_release_ipc_counter", "counter_name"), slot),
+          "ss_cuda_release_ipc_counter");
 }
 /* Gives back limbo blocks no consumer uses; returns how many. */
 inline std::size_t cuda_ipc_collect() {
@@ -606,7 +621,8 @@ inline std::string cuda_ipc_handle_to_text(const ss_cuda_ipc_handle &handle) {
 }
 inline ss_cuda_ipc_handle cuda_ipc_handle_from_text(const std::string &text) {
     ss_cuda_ipc_handle out{};
-    check(ss_cuda_ipc_handle_from_text(text.c_str(), &out), "ss_cuda_ipc_handle_from_text");
+    check(ss_cuda_ipc_handle_from_text(c_string_arg(text, "ss_cuda_ipc_handle_from_text", "text"), &out),
+          "ss_cuda_ipc_handle_from_text");
     return out;
 }
 

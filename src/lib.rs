@@ -10,6 +10,7 @@ pub mod content_store;
 pub mod cuda;
 pub mod error;
 pub mod ffi;
+pub mod fork_safe;
 pub mod manager;
 pub mod shm;
 pub mod ssctl;

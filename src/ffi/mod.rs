@@ -10,6 +10,7 @@ pub mod arena;
 pub mod cuda;
 pub mod errors;
 pub mod fd_passing;
+pub mod fork;
 pub mod manager;
 pub mod map;
 pub mod status;

@@ -301,7 +301,8 @@ Base.isopen(m::SharedMap) = m.handle != C_NULL
 include("storage.jl")
 include("cuda.jl")
 include("store.jl")
-include("symm.jl"),
+include("symm.jl")
 include("arena.jl")
+include("fork.jl")
 
 end # module

@@ -3,7 +3,9 @@
 //! the manager) can use the library and exit; it never hangs on a lock a
 //! vanished thread held. The main thread forks many times; each child
 //! opens and closes a map and shares a storage by name, then exits, and
-//! must do so within a time-out.
+//! must do so within a time-out. The busy threads and the children also
+//! allocate symmetric-memory blocks and arena blocks, whose process-wide
+//! tables are fork-safe locks too.
 
 mod common;
 
@@ -11,9 +13,11 @@ use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use storage_sharing::ffi::arena::*;
 use storage_sharing::ffi::map::*;
 use storage_sharing::ffi::status::ss_status;
 use storage_sharing::ffi::storage::*;
+use storage_sharing::ffi::symm::*;
 use storage_sharing::shm::new_process_wide_shm_handle;
 
 const FORKS: usize = 200;
@@ -39,6 +43,37 @@ fn use_the_library() -> bool {
             return false;
         }
         ss_storage_free(s);
+
+        let mut p: *mut libc::c_void = std::ptr::null_mut();
+        if ss_symm_alloc(SS_DEVICE_CPU, 0, 4096, std::ptr::null(), &mut p) != ss_status::SS_OK {
+            return false;
+        }
+        if ss_symm_free(p) != ss_status::SS_OK {
+            return false;
+        }
+
+        // A small arena: the default reserves 64 MiB per segment.
+        let mut options = std::mem::zeroed::<ss_arena_options>();
+        if ss_arena_options_default(&mut options) != ss_status::SS_OK {
+            return false;
+        }
+        options.segment_size = 256 * 1024;
+        options.max_holds = 16;
+        options.large_threshold = 64 * 1024;
+        let mut a: *mut SsArena = std::ptr::null_mut();
+        if ss_arena_open(&options, &mut a) != ss_status::SS_OK {
+            return false;
+        }
+        let mut block: *mut libc::c_void = std::ptr::null_mut();
+        let mut handle = std::mem::zeroed::<ss_arena_handle>();
+        let ok = ss_arena_alloc(a, 4096, 64, &mut block) == ss_status::SS_OK
+            && ss_arena_share(a, block, &mut handle) == ss_status::SS_OK
+            && ss_arena_unshare(a, &handle) == ss_status::SS_OK
+            && ss_arena_free(a, block) == ss_status::SS_OK;
+        ss_arena_close(a);
+        if !ok {
+            return false;
+        }
     }
     true
 }

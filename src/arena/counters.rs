@@ -102,10 +102,10 @@ impl HoldSlot {
 /// `(pid, start time in clock ticks)` of this process, looked up once per
 /// process (a forked child looks again).
 pub fn me() -> (i32, u64) {
-    use std::sync::Mutex;
-    static CACHE: Mutex<(i32, u64)> = Mutex::new((0, 0));
+    use crate::fork_safe::ForkSafeMutex;
+    static CACHE: ForkSafeMutex<(i32, u64)> = ForkSafeMutex::new((0, 0));
     let pid = std::process::id() as i32;
-    let mut c = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    let mut c = CACHE.lock_static();
     if c.0 != pid {
         *c = (pid, start_ticks(pid).map(|(s, _)| s).unwrap_or(0));
     }

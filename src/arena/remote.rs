@@ -8,17 +8,18 @@ use super::segment::{Segment, SegmentKey};
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex, MutexGuard};
+use crate::fork_safe::ForkSafeMutex;
+use std::sync::{Arc, MutexGuard};
 
 struct Entry {
     seg: Arc<Segment>,
     views: usize,
 }
 
-static CACHE: Mutex<Option<HashMap<SegmentKey, Entry>>> = Mutex::new(None);
+static CACHE: ForkSafeMutex<Option<HashMap<SegmentKey, Entry>>> = ForkSafeMutex::new(None);
 
 fn cache() -> MutexGuard<'static, Option<HashMap<SegmentKey, Entry>>> {
-    CACHE.lock().unwrap_or_else(|p| p.into_inner())
+    CACHE.lock_static()
 }
 
 /// A consumer's view of a block shared by another process. Holds the

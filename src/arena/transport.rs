@@ -10,10 +10,10 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::storage::{recv_fds, send_fds};
 use std::collections::HashSet;
 use std::os::fd::RawFd;
-use std::sync::Mutex;
+use crate::fork_safe::ForkSafeMutex;
 
 /// (socket device, socket inode, segment id) already sent.
-static SENT: Mutex<Option<HashSet<(u64, u64, u64)>>> = Mutex::new(None);
+static SENT: ForkSafeMutex<Option<HashSet<(u64, u64, u64)>>> = ForkSafeMutex::new(None);
 
 fn socket_id(sock: RawFd) -> Result<(u64, u64)> {
     // SAFETY: plain data filled by fstat.
@@ -36,7 +36,7 @@ pub fn send_block(arena: &Arena, sock: RawFd, p: *mut u8) -> Result<()> {
     let result = (|| {
         let mut fds = Vec::new();
         let key = (peer.0, peer.1, h.key.segment_id);
-        let first = h.strategy == Strategy::Fd && !SENT.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(HashSet::new).contains(&key);
+        let first = h.strategy == Strategy::Fd && !SENT.lock_static().get_or_insert_with(HashSet::new).contains(&key);
         if first {
             fds.push(arena.segment_fd(h.key.segment_id)?);
         }
@@ -48,7 +48,7 @@ pub fn send_block(arena: &Arena, sock: RawFd, p: *mut u8) -> Result<()> {
             sent += send_fds(sock, &msg[sent..], &[])?;
         }
         if first {
-            SENT.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(HashSet::new).insert(key);
+            SENT.lock_static().get_or_insert_with(HashSet::new).insert(key);
         }
         Ok(())
     })();

@@ -13,6 +13,7 @@ use super::handle::SymmetricMemory;
 use super::registry::get_allocator;
 use super::{rendezvous as rdv, DeviceType};
 use crate::error::{Error, ErrorKind, Result};
+use crate::fork_safe::ForkSafeMutex;
 use crate::store::Timeout;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
@@ -42,7 +43,7 @@ struct Table {
     by_id: HashMap<u64, usize>,
 }
 
-static TABLE: Lazy<Mutex<Table>> = Lazy::new(Default::default);
+static TABLE: Lazy<ForkSafeMutex<Table>> = Lazy::new(|| ForkSafeMutex::new(Table::default()));
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -68,7 +69,7 @@ fn new_allocation(device_type: DeviceType, device_idx: i32, size: usize, group: 
 pub fn alloc(device_type: DeviceType, device_idx: i32, size: usize, group: Option<&str>) -> Result<*mut u8> {
     let a = new_allocation(device_type, device_idx, size, group, None)?;
     let ptr = a.block.buffer_ptr();
-    lock(&TABLE).by_ptr.insert(ptr as usize, Arc::new(a));
+    TABLE.lock_static().by_ptr.insert(ptr as usize, Arc::new(a));
     Ok(ptr)
 }
 
@@ -81,7 +82,7 @@ pub fn alloc_persistent(
     group: Option<&str>,
     alloc_id: u64,
 ) -> Result<*mut u8> {
-    let mut table = lock(&TABLE);
+    let mut table = TABLE.lock_static();
     if let Some(&ptr) = table.by_id.get(&alloc_id) {
         let a = table.by_ptr[&ptr].clone();
         let mut st = lock(&a.state);
@@ -128,7 +129,7 @@ pub fn alloc_persistent(
 
 /// The live allocation at `ptr` (exactly a buffer address alloc gave).
 fn live(ptr: *mut u8, what: &str) -> Result<Arc<Allocation>> {
-    let table = lock(&TABLE);
+    let table = TABLE.lock_static();
     match table.by_ptr.get(&(ptr as usize)) {
         Some(a) if lock(&a.state).active => Ok(a.clone()),
         _ => Err(Error::new(
@@ -142,7 +143,7 @@ fn live(ptr: *mut u8, what: &str) -> Result<Arc<Allocation>> {
 /// is only marked free: it stays for the next request of its `alloc_id`.
 pub fn free(ptr: *mut u8) -> Result<()> {
     let a = live(ptr, "ss_symm_free")?;
-    let mut table = lock(&TABLE);
+    let mut table = TABLE.lock_static();
     if a.alloc_id.is_some() {
         lock(&a.state).active = false;
         return Ok(());

@@ -4,11 +4,12 @@
 //! group never shifts the keys of another (pytorch #196082).
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::fork_safe::ForkSafeMutex;
 use crate::store::StoreRef;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// One registered group. The group holds its own reference to the store.
 pub struct GroupInfo {
@@ -27,10 +28,10 @@ impl GroupInfo {
     }
 }
 
-static GROUPS: Lazy<Mutex<HashMap<String, Arc<GroupInfo>>>> = Lazy::new(Default::default);
+static GROUPS: Lazy<ForkSafeMutex<HashMap<String, Arc<GroupInfo>>>> = Lazy::new(|| ForkSafeMutex::new(HashMap::new()));
 
 fn groups() -> std::sync::MutexGuard<'static, HashMap<String, Arc<GroupInfo>>> {
-    GROUPS.lock().unwrap_or_else(|p| p.into_inner())
+    GROUPS.lock_static()
 }
 
 /// Registers group `name`: this process is `rank` of `world_size`, and the

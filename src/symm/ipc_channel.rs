@@ -10,16 +10,41 @@
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::storage::{recv_fds, send_fds};
-use once_cell::sync::Lazy;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// The socket path holds only the pid, so one process runs one channel
-/// at a time; concurrent rendezvous of one process take turns here.
-static ONE_PER_PROCESS: Lazy<Mutex<()>> = Lazy::new(|| Mutex::new(()));
+/// at a time; concurrent rendezvous of one process take turns here. The
+/// turn holds the pid of its holder (0 when free) rather than a mutex: a
+/// child forked while a parent thread holds it finds the parent's pid, which
+/// it treats as free, since its own socket path differs.
+static TURN: AtomicU32 = AtomicU32::new(0);
+
+struct Turn;
+
+impl Turn {
+    fn take() -> Turn {
+        let me = std::process::id();
+        let mut pause = Duration::from_micros(50);
+        loop {
+            let holder = TURN.load(Ordering::Acquire);
+            if holder != me && TURN.compare_exchange(holder, me, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                return Turn;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        TURN.store(0, Ordering::Release);
+    }
+}
 
 /// The temporary folder, by the variables PyTorch reads, in its order.
 pub fn temp_dir() -> PathBuf {
@@ -41,14 +66,14 @@ pub fn socket_path(pid: i32) -> PathBuf {
 pub struct IpcChannel {
     sock: UnixDatagram,
     path: PathBuf,
-    _turn: MutexGuard<'static, ()>,
+    _turn: Turn,
 }
 
 impl IpcChannel {
     /// Binds this process's socket (replacing a stale file a dead process
     /// with the same pid left behind).
     pub fn new() -> Result<IpcChannel> {
-        let turn = ONE_PER_PROCESS.lock().unwrap_or_else(|p| p.into_inner());
+        let turn = Turn::take();
         let path = socket_path(std::process::id() as i32);
         // Only this process could be using its own pid's path, and it
         // holds the turn: any file there is stale.

@@ -14,9 +14,10 @@ use super::backend::SymmAllocator;
 use super::cpu_backend::CpuAllocator;
 use super::DeviceType;
 use crate::error::{Error, ErrorKind, Result};
+use crate::fork_safe::ForkSafeMutex;
 use once_cell::sync::Lazy;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// The backend names `TORCH_SYMMMEM` may hold, as in PyTorch.
 pub const TORCH_SYMMMEM_CHOICES: [&str; 3] = ["CUDA", "NVSHMEM", "NCCL"];
@@ -29,17 +30,17 @@ struct Registry {
     used: bool,
 }
 
-static REGISTRY: Lazy<Mutex<Registry>> = Lazy::new(|| {
+static REGISTRY: Lazy<ForkSafeMutex<Registry>> = Lazy::new(|| {
     // Statics are never dropped: mark finalizing at exit instead. The exit
     // hook is an `extern "C"` function, so it lives in the C API module.
     crate::ffi::symm::finalize_at_exit();
-    Mutex::new(Registry { allocators: vec![Arc::new(CpuAllocator)], chosen: None, used: false })
+    ForkSafeMutex::new(Registry { allocators: vec![Arc::new(CpuAllocator)], chosen: None, used: false })
 });
 
 static FINALIZING: AtomicBool = AtomicBool::new(false);
 
 fn registry() -> std::sync::MutexGuard<'static, Registry> {
-    REGISTRY.lock().unwrap_or_else(|p| p.into_inner())
+    REGISTRY.lock_static()
 }
 
 /// Registers `allocator` for its device type under its name, replacing an

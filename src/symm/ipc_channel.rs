@@ -10,16 +10,64 @@
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::storage::{recv_fds, send_fds};
-use once_cell::sync::Lazy;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// The socket path holds only the pid, so one process runs one channel
-/// at a time; concurrent rendezvous of one process take turns here.
-static ONE_PER_PROCESS: Lazy<Mutex<()>> = Lazy::new(|| Mutex::new(()));
+/// The socket path holds only the pid, so one process runs one channel at
+/// a time: concurrent rendezvous of one process take turns. The turn is
+/// the pid of its holder (0: free) rather than a mutex, so that waiting
+/// for it honours the caller's deadline, and a child forked while a parent
+/// thread holds it (a pid that is not the child's) takes it over: the
+/// child's socket has its own path.
+static TURN: AtomicI32 = AtomicI32::new(0);
+/// The group whose rendezvous holds the turn, for the message of whoever
+/// waits for it (only ever try-locked by waiters).
+static TURN_GROUP: Mutex<String> = Mutex::new(String::new());
+
+/// This process's turn at the descriptor socket; given back when dropped.
+struct Turn;
+
+impl Turn {
+    fn take(group: &str, deadline: Option<Instant>) -> Result<Turn> {
+        let me = std::process::id() as i32;
+        let mut pause = Duration::from_micros(200);
+        loop {
+            let holder = TURN.load(Ordering::Acquire);
+            // Free, or held by the process we were forked from.
+            if (holder == 0 || holder != me)
+                && TURN.compare_exchange(holder, me, Ordering::AcqRel, Ordering::Acquire).is_ok()
+            {
+                if let Ok(mut g) = TURN_GROUP.try_lock() {
+                    *g = group.to_string();
+                }
+                return Ok(Turn);
+            }
+            if deadline.is_some_and(|d| Instant::now() + pause > d) {
+                let other = TURN_GROUP.try_lock().map(|g| g.clone()).unwrap_or_default();
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "rendezvous of group {group} timed out waiting for this process's descriptor socket, \
+                         which the rendezvous of group {} still holds (one rendezvous per process at a time)",
+                        if other.is_empty() { "?" } else { &other }
+                    ),
+                ));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        let _ = TURN.compare_exchange(std::process::id() as i32, 0, Ordering::AcqRel, Ordering::Acquire);
+    }
+}
 
 /// The temporary folder, by the variables PyTorch reads, in its order.
 pub fn temp_dir() -> PathBuf {
@@ -41,14 +89,15 @@ pub fn socket_path(pid: i32) -> PathBuf {
 pub struct IpcChannel {
     sock: UnixDatagram,
     path: PathBuf,
-    _turn: MutexGuard<'static, ()>,
+    _turn: Turn,
 }
 
 impl IpcChannel {
-    /// Binds this process's socket (replacing a stale file a dead process
-    /// with the same pid left behind).
-    pub fn new() -> Result<IpcChannel> {
-        let turn = ONE_PER_PROCESS.lock().unwrap_or_else(|p| p.into_inner());
+    /// Binds this process's socket for a rendezvous of `group` (replacing
+    /// a stale file a dead process with the same pid left behind), waiting
+    /// until `deadline` for another rendezvous of this process to finish.
+    pub fn new(group: &str, deadline: Option<Instant>) -> Result<IpcChannel> {
+        let turn = Turn::take(group, deadline)?;
         let path = socket_path(std::process::id() as i32);
         // Only this process could be using its own pid's path, and it
         // holds the turn: any file there is stale.

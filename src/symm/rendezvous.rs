@@ -21,7 +21,7 @@ pub fn run(block: &dyn SymmBlock, backend: &str, group: &GroupInfo, timeout: Tim
     let prefix = exchange::prefix(group, backend);
     // Bound before our request is published, so a peer that has seen it
     // can send to us.
-    let channel = IpcChannel::new()?;
+    let channel = IpcChannel::new(&group.name, deadline)?;
     let mine = RendezvousRequest::new(block.device_idx(), &layout);
     let gathered = exchange::all_gather(group, &prefix, &mine.to_bytes(), timeout)?;
     let requests = gathered

@@ -32,7 +32,7 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        SymmMem, symm_set_group_info, symm_get_group_info, symm_set_backend, symm_alloc, symm_alloc_persistent,
        symm_get_alloc_size, symm_free, symm_rendezvous, symm_rank, symm_world_size, symm_buffer_size,
        symm_signal_pad_size, symm_buffer_ptr, symm_signal_pad_ptr, symm_get_buffer, symm_barrier, symm_put_signal,
-       symm_wait_signal, symm_finalize
+       symm_wait_signal, symm_finalize, symm_get_signal_pad_size, symm_set_signal_pad_size
 
 """The library to load: `STORAGE_SHARING_LIB`, else the standard search path."""
 libstorage_sharing() = get(ENV, "STORAGE_SHARING_LIB", "libstorage_sharing")

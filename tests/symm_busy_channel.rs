@@ -10,7 +10,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use storage_sharing::store::{FileStore, StoreRef};
-use storage_sharing::symm::{self, group, DeviceType};
+use storage_sharing::symm::cpu_backend::layout_for;
+use storage_sharing::symm::request::RendezvousRequest;
+use storage_sharing::symm::{self, group, registry, DeviceType};
 use storage_sharing::ErrorKind;
 
 /// Waits up to `limit` for child `pid`; kills it and returns None if it is
@@ -41,8 +43,13 @@ fn waiting_rendezvous_neither_blocks_a_forked_child_nor_ignores_timeouts() {
     let dir = std::env::temp_dir().join(format!("ss-symm-busy-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let store: StoreRef = Arc::new(FileStore::open(dir.join("store")).unwrap());
-    // Rank 0 of 2; rank 1 never comes, so this rendezvous holds the
-    // process's descriptor socket for its whole 4 s.
+    // Rank 0 of 2. "Rank 1" is a request published by hand for a live
+    // process that never opens its socket, so rank 0 holds the process's
+    // descriptor socket for its whole 4 s, retrying to send to it.
+    let mut sleeper = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+    let mut fake = RendezvousRequest::new(0, &layout_for(4096, registry::signal_pad_size()).unwrap());
+    fake.pid = sleeper.id() as i32;
+    store.set("symmetric_memory-waits/CPUSymmetricMemory/0/1", &fake.to_bytes()).unwrap();
     group::set_group_info("waits", 0, 2, store.clone()).unwrap();
     let p = symm::alloc(DeviceType::Cpu, 0, 4096, Some("waits")).unwrap();
     let pv = p as usize;
@@ -72,8 +79,11 @@ fn waiting_rendezvous_neither_blocks_a_forked_child_nor_ignores_timeouts() {
     let second = symm::rendezvous(q, None, Some(Duration::from_millis(200)));
     let took = start.elapsed();
 
-    let first = waiter.join().unwrap();
-    assert_eq!(first.unwrap_err().kind(), ErrorKind::Timeout);
+    let first = waiter.join().unwrap().unwrap_err();
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    assert_eq!(first.kind(), ErrorKind::Timeout, "{first}");
+    assert!(first.message().contains("rank 1"), "{first}");
     assert_eq!(child, Some(0), "the forked child's rendezvous failed (1) or hung past its timeout (None)");
     let e = second.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");

@@ -115,7 +115,7 @@ impl IpcChannel {
         let mut fds: Vec<Option<OwnedFd>> = (0..ws).map(|_| None).collect();
         let mut holding = (rank, own);
         for step in 1..ws {
-            self.send(holding.1, holding.0, next, pids[next])?;
+            self.send(holding.1, holding.0, next, pids[next], deadline)?;
             let origin = (rank + ws - step) % ws;
             let (got_origin, fd) = self.recv(prev, pids[prev], deadline)?;
             if got_origin != origin {
@@ -130,12 +130,39 @@ impl IpcChannel {
         Ok(fds)
     }
 
-    fn send(&self, fd: RawFd, origin: usize, to_rank: usize, to_pid: i32) -> Result<()> {
+    /// Sends descriptor `fd` (of rank `origin`) to rank `to_rank`. The peer
+    /// binds its socket only after the request all-gather, so a missing or
+    /// refusing socket is retried while the peer process lives, until
+    /// `deadline`.
+    fn send(&self, fd: RawFd, origin: usize, to_rank: usize, to_pid: i32, deadline: Option<Instant>) -> Result<()> {
         let path = socket_path(to_pid);
         let out = UnixDatagram::unbound().map_err(|e| io_error(e, "unable to create a datagram socket".into()))?;
-        out.connect(&path).map_err(|e| {
-            io_error(e, format!("unable to reach rank {to_rank} (pid {to_pid}) at {}", path.display()))
-        })?;
+        let mut pause = Duration::from_micros(50);
+        loop {
+            let e = match out.connect(&path) {
+                Ok(()) => break,
+                Err(e) => e,
+            };
+            let not_yet = matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ECONNREFUSED));
+            let reach = || format!("unable to reach rank {to_rank} (pid {to_pid}) at {}", path.display());
+            if !not_yet {
+                return Err(io_error(e, reach()));
+            }
+            if !process_alive(to_pid) {
+                return Err(Error::new(
+                    ErrorKind::PeerGone,
+                    format!("{}: the process exited before opening its descriptor socket", reach()),
+                ));
+            }
+            if deadline.is_some_and(|d| Instant::now() + pause > d) {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("{}: its descriptor socket did not open in time", reach()),
+                ));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
         send_fds(out.as_raw_fd(), &(origin as u32).to_ne_bytes(), &[fd])
             .map_err(|e| e.context(format!("sending a block descriptor to rank {to_rank} (pid {to_pid})")))?;
         Ok(())
@@ -155,6 +182,12 @@ impl IpcChannel {
         }
         Ok((u32::from_ne_bytes(buf) as usize, fds.remove(0)))
     }
+}
+
+/// Whether process `pid` exists (EPERM: it does, owned by someone else).
+fn process_alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 || crate::error::errno() == libc::EPERM }
 }
 
 impl Drop for IpcChannel {

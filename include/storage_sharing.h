@@ -1197,6 +1197,22 @@ ss_status ss_symm_get_group_info(const char *group, int *out_rank, int *out_worl
 ss_status ss_symm_set_backend(const char *name);
 
 /**
+ * The signal pad size, in bytes, of the blocks allocated from now on
+ * (PyTorch's `get_signal_pad_size`; default 9216 = 32 channels x 72 ranks
+ * x 4 bytes).
+ */
+ss_status ss_symm_get_signal_pad_size(size_t *out);
+
+/**
+ * Sets the signal pad size of the blocks to come (PyTorch's newest
+ * `set_signal_pad_size`): a positive multiple of 4 bytes, at most 1 GiB
+ * (else `SS_ERR_INVALID_ARGUMENT`), before the process's first allocation
+ * (after it: `SS_ERR_BUSY`). Every rank of a group must set the same size.
+ * Barrier/put/wait take channels below `size / 4 / world_size`.
+ */
+ss_status ss_symm_set_signal_pad_size(size_t size);
+
+/**
  * Allocates a symmetric block whose buffer holds `size` bytes on device
  * `device_type` (`SS_DEVICE_CPU`, `SS_DEVICE_CUDA`) `device_idx` (0 for
  * CPU); `group` (may be NULL) is the default group of its rendezvous.

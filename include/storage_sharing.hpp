@@ -816,6 +816,14 @@ inline SymmGroupInfo symm_get_group_info(const std::string &group) {
 }
 /* Chooses the backend by name, before the first allocation. */
 inline void symm_set_backend(const std::string &name) { check(ss_symm_set_backend(name.c_str()), "ss_symm_set_backend"); }
+/* The signal pad size of the blocks allocated from now on (default 9216). */
+inline size_t symm_get_signal_pad_size() {
+    size_t n = 0;
+    check(ss_symm_get_signal_pad_size(&n), "ss_symm_get_signal_pad_size");
+    return n;
+}
+/* Sets it: a positive multiple of 4, before the process's first allocation. */
+inline void symm_set_signal_pad_size(size_t size) { check(ss_symm_set_signal_pad_size(size), "ss_symm_set_signal_pad_size"); }
 
 /* A rendezvoused block (not owned: valid until its SymmBlock is freed).
  * timeout_ms 0 waits forever; stream is a CUDA stream (ignored on CPU). */

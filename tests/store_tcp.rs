@@ -340,3 +340,22 @@ proptest! {
         }
     }
 }
+
+/// ADD on a key that holds no integer: the server (ours, as PyTorch's)
+/// closes the connection. The client must say so, not that the server
+/// went away (found in review: it said SS_ERR_PEER_GONE while the server
+/// ran on).
+#[test]
+fn add_to_a_non_integer_is_invalid_argument_not_a_vanished_server() {
+    let s = TcpStore::open("127.0.0.1", 0, true, 0, T).unwrap();
+    let c = TcpStore::open("127.0.0.1", s.port(), false, 0, T).unwrap();
+    c.set("text", b"hello").unwrap();
+    let e = c.add("text", 1).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert!(e.message().contains("\"text\"") && e.message().contains("integer"), "{e}");
+    assert!(e.message().contains(&format!("127.0.0.1:{}", s.port())), "{e}");
+    // The store is still fine, on this client and the server's own.
+    assert_eq!(c.add("n", 2).unwrap(), 2);
+    assert_eq!(c.get("text", T).unwrap(), b"hello");
+    assert_eq!(s.add("n", 3).unwrap(), 5);
+}

@@ -271,6 +271,15 @@ fn role_missing(me: Rank) {
     println!("rank {} missing: {}", me.rank, e.message());
 }
 
+/// Enters a rendezvous whose rank 2 never comes, and is killed there.
+fn role_waits_to_be_killed(me: Rank) {
+    me.join("world");
+    let p = symm::alloc(DeviceType::Cpu, 0, 64, Some("world")).unwrap();
+    println!("entering");
+    let _ = symm::rendezvous(p, None, t(60_000));
+    unreachable!("the rendezvous cannot complete without rank 2");
+}
+
 fn role_two_groups(me: Rank) {
     // Group "all" has every rank; group "low" only ranks 0 and 1, which
     // rendezvous in it first, so with one sequence for all groups rank 2's
@@ -492,6 +501,7 @@ fn child_role() {
         "kill9" => role_kill9(me),
         "mismatch" => role_mismatch(me),
         "missing" => role_missing(me),
+        "waits_to_be_killed" => role_waits_to_be_killed(me),
         "two_groups" => role_two_groups(me),
         "persistent" => role_persistent(me),
         "registry" => role_registry(me),
@@ -551,6 +561,27 @@ fn missing_rank_times_out_naming_it() {
     let dir = test_dir("missing");
     let outs = finish(spawn_ranks("missing", &dir, 3, &[0, 1], &[]));
     assert_all_ok(&outs);
+    assert_no_sockets_left(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rank killed with -9 while it waits in a rendezvous leaves no
+/// `symm_mem-<pid>` socket behind (found in review: the socket was bound
+/// for the whole wait, so a kill left it in the temporary folder).
+#[test]
+fn rank_killed_while_waiting_in_rendezvous_leaves_no_socket() {
+    use std::io::BufRead;
+    let dir = test_dir("killed-waiting");
+    let mut killed = spawn_ranks("waits_to_be_killed", &dir, 3, &[1], &[]);
+    let mut line = String::new();
+    let mut out = std::io::BufReader::new(killed[0].1.stdout.take().unwrap());
+    while !line.contains("entering") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "rank 1 ended before its rendezvous");
+    }
+    std::thread::sleep(Duration::from_millis(300)); // inside the rendezvous, waiting
+    killed[0].1.kill().unwrap();
+    killed[0].1.wait().unwrap();
     assert_no_sockets_left(&dir);
     let _ = std::fs::remove_dir_all(&dir);
 }

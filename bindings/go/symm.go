@@ -63,6 +63,26 @@ func SymmSetGroupInfoFile(group string, rank, worldSize int, storeDir string) er
 	return call(op, func() C.ss_status { return C.ss_symm_set_group_info(g, C.int(rank), C.int(worldSize), store) })
 }
 
+// SymmSetGroupInfo registers group: this process is rank of worldSize, and
+// the ranks meet through store (a file store, a TCPStore, ...). The group
+// keeps its own reference to the store, so the caller may Close it at any
+// time. A second call for the same group name fails with ErrAlreadyExists,
+// as in PyTorch; a nil store with ErrNullPointer.
+func SymmSetGroupInfo(group string, rank, worldSize int, store *Store) error {
+	const op = "ss_symm_set_group_info"
+	if store == nil {
+		return goError(op, ErrNullPointer, "store is nil")
+	}
+	g, err := cString(op, "group", group)
+	if err != nil {
+		return err
+	}
+	defer freeCString(g)
+	return store.with(op, func(h *C.ss_store) C.ss_status {
+		return C.ss_symm_set_group_info(g, C.int(rank), C.int(worldSize), h)
+	})
+}
+
 // SymmGetGroupInfo is this process's rank and the world size of group.
 func SymmGetGroupInfo(group string) (rank, worldSize int, err error) {
 	const op = "ss_symm_get_group_info"
@@ -86,6 +106,25 @@ func SymmSetBackend(name string) error {
 	}
 	defer freeCString(n)
 	return call(op, func() C.ss_status { return C.ss_symm_set_backend(n) })
+}
+
+// SymmGetSignalPadSize is the signal pad size, in bytes, of the blocks
+// allocated from now on (default 9216).
+func SymmGetSignalPadSize() (int, error) {
+	var n C.size_t
+	err := call("ss_symm_get_signal_pad_size", func() C.ss_status { return C.ss_symm_get_signal_pad_size(&n) })
+	return int(n), err
+}
+
+// SymmSetSignalPadSize sets the signal pad size of the blocks to come: a
+// positive multiple of 4 (else ErrInvalidArgument), before the process's
+// first allocation (else ErrBusy). Every rank sets the same size.
+func SymmSetSignalPadSize(size int) error {
+	const op = "ss_symm_set_signal_pad_size"
+	if size < 0 {
+		return goError(op, ErrInvalidArgument, "size %d is negative", size)
+	}
+	return call(op, func() C.ss_status { return C.ss_symm_set_signal_pad_size(C.size_t(size)) })
 }
 
 // SymmBlock is one rank's symmetric block. Free it with Free; a block is

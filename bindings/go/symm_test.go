@@ -19,7 +19,13 @@ const symmSize = 4096
 // symmRank is one rank's part: rendezvous, write own buffer, barrier, read
 // the peer's, then rank 0 signals rank 1 after writing into its buffer.
 func symmRank(dir string, rank int) error {
-	if err := SymmSetGroupInfoFile("go", rank, 2, dir); err != nil {
+	store, err := OpenFileStore(dir)
+	if err != nil {
+		return err
+	}
+	err = SymmSetGroupInfo("go", rank, 2, store)
+	store.Close() // the group keeps its own reference
+	if err != nil {
 		return err
 	}
 	b, err := SymmAlloc(DeviceCPU, 0, symmSize, "go")
@@ -125,11 +131,31 @@ func TestSymmErrors(t *testing.T) {
 	if err := SymmSetGroupInfoFile("go-solo", 0, 1, dir); !errors.Is(err, ErrAlreadyExists) {
 		t.Fatalf("second set_group_info: %v", err)
 	}
+	if err := SymmSetGroupInfo("go-nil", 0, 1, nil); !errors.Is(err, ErrNullPointer) {
+		t.Fatalf("nil store: %v", err)
+	}
+	closed, err := OpenFileStore(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed.Close()
+	if err := SymmSetGroupInfo("go-closed", 0, 1, closed); !errors.Is(err, ErrClosed) {
+		t.Fatalf("closed store: %v", err)
+	}
+	if n, err := SymmGetSignalPadSize(); err != nil || n != 9216 {
+		t.Fatalf("signal pad size %d, %v", n, err)
+	}
+	if err := SymmSetSignalPadSize(6); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("pad size 6: %v", err)
+	}
 	b, err := SymmAlloc(DeviceCPU, 0, 100, "go-solo")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer b.Free()
+	if err := SymmSetSignalPadSize(64); !errors.Is(err, ErrBusy) {
+		t.Fatalf("pad size after an allocation: %v", err)
+	}
 	if n, err := b.AllocSize(); err != nil || n != 100 {
 		t.Fatalf("alloc size %d, %v", n, err)
 	}

@@ -96,6 +96,29 @@ pub unsafe extern "C" fn ss_symm_set_backend(name: *const c_char) -> ss_status {
     })
 }
 
+/// The signal pad size, in bytes, of the blocks allocated from now on
+/// (PyTorch's `get_signal_pad_size`; default 9216 = 32 channels x 72 ranks
+/// x 4 bytes).
+#[no_mangle]
+pub unsafe extern "C" fn ss_symm_get_signal_pad_size(out: *mut usize) -> ss_status {
+    ffi_status!("ss_symm_get_signal_pad_size", {
+        out_arg(out, "out")?;
+        // SAFETY: checked above.
+        unsafe { write_out(out, registry::signal_pad_size()) };
+        Ok(())
+    })
+}
+
+/// Sets the signal pad size of the blocks to come (PyTorch's newest
+/// `set_signal_pad_size`): a positive multiple of 4 bytes, at most 1 GiB
+/// (else `SS_ERR_INVALID_ARGUMENT`), before the process's first allocation
+/// (after it: `SS_ERR_BUSY`). Every rank of a group must set the same size.
+/// Barrier/put/wait take channels below `size / 4 / world_size`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_symm_set_signal_pad_size(size: usize) -> ss_status {
+    ffi_status!("ss_symm_set_signal_pad_size", { registry::set_signal_pad_size(size) })
+}
+
 /// Allocates a symmetric block whose buffer holds `size` bytes on device
 /// `device_type` (`SS_DEVICE_CPU`, `SS_DEVICE_CUDA`) `device_idx` (0 for
 /// CPU); `group` (may be NULL) is the default group of its rendezvous.

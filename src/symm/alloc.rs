@@ -17,7 +17,8 @@ use crate::fork_safe::ForkSafeMutex;
 use crate::store::Timeout;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::time::{Duration, Instant};
 
 struct Allocation {
     /// Rendezvous objects by group name (declared first: dropped first).
@@ -127,6 +128,31 @@ pub fn alloc_persistent(
     Ok(ptr)
 }
 
+/// Locks the block's rendezvous table, waiting while another thread runs a
+/// rendezvous of the block, but no longer than `timeout` (None: forever).
+fn lock_until<'a, T>(m: &'a Mutex<T>, timeout: Timeout, group: &str) -> Result<MutexGuard<'a, T>> {
+    let deadline = timeout.map(|t| Instant::now() + t);
+    let mut pause = Duration::from_micros(100);
+    loop {
+        match m.try_lock() {
+            Ok(g) => return Ok(g),
+            Err(TryLockError::Poisoned(p)) => return Ok(p.into_inner()),
+            Err(TryLockError::WouldBlock) => {}
+        }
+        if deadline.is_some_and(|d| Instant::now() + pause > d) {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "ss_symm_rendezvous of group {group} timed out: another rendezvous of the same block (another \
+                     thread) is still running"
+                ),
+            ));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(5));
+    }
+}
+
 /// The live allocation at `ptr` (exactly a buffer address alloc gave).
 fn live(ptr: *mut u8, what: &str) -> Result<Arc<Allocation>> {
     let table = TABLE.lock_static();
@@ -174,12 +200,15 @@ pub fn rendezvous(ptr: *mut u8, group: Option<&str>, timeout: Timeout) -> Result
         })?,
     };
     let info = get_group_info(&name)?;
+    let started = Instant::now();
     // Held through the rendezvous, so two threads do not run it twice.
-    let mut handles = lock(&a.handles);
+    let mut handles = lock_until(&a.handles, timeout, &name)?;
     if let Some(h) = handles.get(&name) {
         return Ok(h.clone());
     }
-    let h = Arc::new(rdv::run(a.block.as_ref(), &a.backend, &info, timeout)?);
+    // What the wait for the lock left of the timeout.
+    let left = timeout.map(|t| t.saturating_sub(started.elapsed()).max(Duration::from_millis(1)));
+    let h = Arc::new(rdv::run(a.block.as_ref(), &a.backend, &info, left)?);
     handles.insert(name, h.clone());
     Ok(h)
 }

@@ -13,8 +13,9 @@ use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
-/// Signal pad bytes: PyTorch's newest default, 32 channels x 72 ranks x 4.
-pub const SIGNAL_PAD_SIZE: usize = 32 * 72 * 4;
+/// Signal pad bytes unless `set_signal_pad_size` chose others: PyTorch's
+/// newest default, 32 channels x 72 ranks x 4.
+pub use super::registry::DEFAULT_SIGNAL_PAD_SIZE as SIGNAL_PAD_SIZE;
 /// The buffer starts on a page of its own.
 const BUFFER_ALIGN: usize = 4096;
 
@@ -37,19 +38,20 @@ impl SymmAllocator for CpuAllocator {
                 format!("the CPU backend has one device, index 0 (or -1); got {device_idx}"),
             ));
         }
-        Ok(Box::new(CpuBlock::new(size)?))
+        Ok(Box::new(CpuBlock::with_pad(size, super::registry::signal_pad_size())?))
     }
 }
 
-/// The layout of a block whose buffer holds `size` bytes.
-pub fn layout_for(size: usize) -> Result<Layout> {
-    let buffer_offset = SIGNAL_PAD_SIZE.next_multiple_of(BUFFER_ALIGN);
+/// The layout of a block whose buffer holds `size` bytes after a signal
+/// pad of `pad` bytes.
+pub fn layout_for(size: usize, pad: usize) -> Result<Layout> {
+    let buffer_offset = pad.next_multiple_of(BUFFER_ALIGN);
     let block_size = size
         .checked_next_multiple_of(16)
         .and_then(|s| s.checked_add(buffer_offset))
         .and_then(|s| s.checked_next_multiple_of(page_size()))
         .ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("symmetric block of {size} bytes is too large")))?;
-    Ok(Layout { block_size, buffer_size: size, buffer_offset, signal_pad_size: SIGNAL_PAD_SIZE })
+    Ok(Layout { block_size, buffer_size: size, buffer_offset, signal_pad_size: pad })
 }
 
 fn page_size() -> usize {
@@ -67,8 +69,14 @@ pub struct CpuBlock {
 }
 
 impl CpuBlock {
+    /// A block with the default signal pad.
     pub fn new(size: usize) -> Result<CpuBlock> {
-        let layout = layout_for(size)?;
+        Self::with_pad(size, SIGNAL_PAD_SIZE)
+    }
+
+    /// A block whose signal pad holds `pad` bytes.
+    pub fn with_pad(size: usize, pad: usize) -> Result<CpuBlock> {
+        let layout = layout_for(size, pad)?;
         // SAFETY: memfd_create takes a NUL-terminated name and flags.
         let raw = unsafe { libc::memfd_create(c"ss_symm_mem".as_ptr(), libc::MFD_CLOEXEC) };
         if raw < 0 {

@@ -13,36 +13,59 @@ use crate::storage::{recv_fds, send_fds};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// The socket path holds only the pid, so one process runs one channel
-/// at a time; concurrent rendezvous of one process take turns here. The
-/// turn holds the pid of its holder (0 when free) rather than a mutex: a
-/// child forked while a parent thread holds it finds the parent's pid, which
-/// it treats as free, since its own socket path differs.
-static TURN: AtomicU32 = AtomicU32::new(0);
+/// The socket path holds only the pid, so one process runs one channel at
+/// a time: concurrent rendezvous of one process take turns. The turn is
+/// the pid of its holder (0: free) rather than a mutex, so that waiting
+/// for it honours the caller's deadline, and a child forked while a parent
+/// thread holds it (a pid that is not the child's) takes it over: the
+/// child's socket has its own path.
+static TURN: AtomicI32 = AtomicI32::new(0);
+/// The group whose rendezvous holds the turn, for the message of whoever
+/// waits for it (only ever try-locked by waiters).
+static TURN_GROUP: Mutex<String> = Mutex::new(String::new());
 
+/// This process's turn at the descriptor socket; given back when dropped.
 struct Turn;
 
 impl Turn {
-    fn take() -> Turn {
-        let me = std::process::id();
-        let mut pause = Duration::from_micros(50);
+    fn take(group: &str, deadline: Option<Instant>) -> Result<Turn> {
+        let me = std::process::id() as i32;
+        let mut pause = Duration::from_micros(200);
         loop {
             let holder = TURN.load(Ordering::Acquire);
-            if holder != me && TURN.compare_exchange(holder, me, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                return Turn;
+            // Free, or held by the process we were forked from.
+            if (holder == 0 || holder != me)
+                && TURN.compare_exchange(holder, me, Ordering::AcqRel, Ordering::Acquire).is_ok()
+            {
+                if let Ok(mut g) = TURN_GROUP.try_lock() {
+                    *g = group.to_string();
+                }
+                return Ok(Turn);
+            }
+            if deadline.is_some_and(|d| Instant::now() + pause > d) {
+                let other = TURN_GROUP.try_lock().map(|g| g.clone()).unwrap_or_default();
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "rendezvous of group {group} timed out waiting for this process's descriptor socket, \
+                         which the rendezvous of group {} still holds (one rendezvous per process at a time)",
+                        if other.is_empty() { "?" } else { &other }
+                    ),
+                ));
             }
             std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(2));
+            pause = (pause * 2).min(Duration::from_millis(5));
         }
     }
 }
 
 impl Drop for Turn {
     fn drop(&mut self) {
-        TURN.store(0, Ordering::Release);
+        let _ = TURN.compare_exchange(std::process::id() as i32, 0, Ordering::AcqRel, Ordering::Acquire);
     }
 }
 
@@ -70,10 +93,11 @@ pub struct IpcChannel {
 }
 
 impl IpcChannel {
-    /// Binds this process's socket (replacing a stale file a dead process
-    /// with the same pid left behind).
-    pub fn new() -> Result<IpcChannel> {
-        let turn = Turn::take();
+    /// Binds this process's socket for a rendezvous of `group` (replacing
+    /// a stale file a dead process with the same pid left behind), waiting
+    /// until `deadline` for another rendezvous of this process to finish.
+    pub fn new(group: &str, deadline: Option<Instant>) -> Result<IpcChannel> {
+        let turn = Turn::take(group, deadline)?;
         let path = socket_path(std::process::id() as i32);
         // Only this process could be using its own pid's path, and it
         // holds the turn: any file there is stale.
@@ -91,7 +115,7 @@ impl IpcChannel {
         let mut fds: Vec<Option<OwnedFd>> = (0..ws).map(|_| None).collect();
         let mut holding = (rank, own);
         for step in 1..ws {
-            self.send(holding.1, holding.0, next, pids[next])?;
+            self.send(holding.1, holding.0, next, pids[next], deadline)?;
             let origin = (rank + ws - step) % ws;
             let (got_origin, fd) = self.recv(prev, pids[prev], deadline)?;
             if got_origin != origin {
@@ -106,12 +130,39 @@ impl IpcChannel {
         Ok(fds)
     }
 
-    fn send(&self, fd: RawFd, origin: usize, to_rank: usize, to_pid: i32) -> Result<()> {
+    /// Sends descriptor `fd` (of rank `origin`) to rank `to_rank`. The peer
+    /// binds its socket only after the request all-gather, so a missing or
+    /// refusing socket is retried while the peer process lives, until
+    /// `deadline`.
+    fn send(&self, fd: RawFd, origin: usize, to_rank: usize, to_pid: i32, deadline: Option<Instant>) -> Result<()> {
         let path = socket_path(to_pid);
         let out = UnixDatagram::unbound().map_err(|e| io_error(e, "unable to create a datagram socket".into()))?;
-        out.connect(&path).map_err(|e| {
-            io_error(e, format!("unable to reach rank {to_rank} (pid {to_pid}) at {}", path.display()))
-        })?;
+        let mut pause = Duration::from_micros(50);
+        loop {
+            let e = match out.connect(&path) {
+                Ok(()) => break,
+                Err(e) => e,
+            };
+            let not_yet = matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ECONNREFUSED));
+            let reach = || format!("unable to reach rank {to_rank} (pid {to_pid}) at {}", path.display());
+            if !not_yet {
+                return Err(io_error(e, reach()));
+            }
+            if !process_alive(to_pid) {
+                return Err(Error::new(
+                    ErrorKind::PeerGone,
+                    format!("{}: the process exited before opening its descriptor socket", reach()),
+                ));
+            }
+            if deadline.is_some_and(|d| Instant::now() + pause > d) {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("{}: its descriptor socket did not open in time", reach()),
+                ));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
         send_fds(out.as_raw_fd(), &(origin as u32).to_ne_bytes(), &[fd])
             .map_err(|e| e.context(format!("sending a block descriptor to rank {to_rank} (pid {to_pid})")))?;
         Ok(())
@@ -131,6 +182,12 @@ impl IpcChannel {
         }
         Ok((u32::from_ne_bytes(buf) as usize, fds.remove(0)))
     }
+}
+
+/// Whether process `pid` exists (EPERM: it does, owned by someone else).
+fn process_alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 || crate::error::errno() == libc::EPERM }
 }
 
 impl Drop for IpcChannel {

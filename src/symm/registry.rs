@@ -16,7 +16,7 @@ use super::DeviceType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fork_safe::ForkSafeMutex;
 use once_cell::sync::Lazy;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// The backend names `TORCH_SYMMMEM` may hold, as in PyTorch.
@@ -38,6 +38,15 @@ static REGISTRY: Lazy<ForkSafeMutex<Registry>> = Lazy::new(|| {
 });
 
 static FINALIZING: AtomicBool = AtomicBool::new(false);
+
+/// PyTorch's newest default signal pad: 32 channels x 72 ranks x 4 bytes.
+pub const DEFAULT_SIGNAL_PAD_SIZE: usize = 32 * 72 * 4;
+/// The largest pad `set_signal_pad_size` takes (a sanity bound, 1 GiB).
+pub const MAX_SIGNAL_PAD_SIZE: usize = 1 << 30;
+
+/// The signal pad size of the blocks allocated from now on. Written only
+/// under the registry lock, before the first allocation.
+static SIGNAL_PAD_SIZE: AtomicUsize = AtomicUsize::new(DEFAULT_SIGNAL_PAD_SIZE);
 
 fn registry() -> std::sync::MutexGuard<'static, Registry> {
     REGISTRY.lock_static()
@@ -114,6 +123,37 @@ fn no_allocator(device_type: DeviceType, wanted: &str) -> Error {
         ),
         DeviceType::Cpu => Error::new(ErrorKind::Unsupported, format!("SymmetricMemory does not support device type {device_type}")),
     }
+}
+
+/// The signal pad size of new blocks (PyTorch's `get_signal_pad_size`).
+pub fn signal_pad_size() -> usize {
+    SIGNAL_PAD_SIZE.load(Ordering::Acquire)
+}
+
+/// Sets the signal pad size of the blocks to come (PyTorch's newest
+/// `set_signal_pad_size`): a positive multiple of 4 bytes (u32 slots), at
+/// most [`MAX_SIGNAL_PAD_SIZE`], before the first allocation of the process
+/// (blocks of one rendezvous must agree, and every rank sets the same).
+pub fn set_signal_pad_size(size: usize) -> Result<()> {
+    if size == 0 || size % 4 != 0 || size > MAX_SIGNAL_PAD_SIZE {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!("set_signal_pad_size: the size must be a positive multiple of 4 bytes, at most {MAX_SIGNAL_PAD_SIZE} (got {size})"),
+        ));
+    }
+    let reg = registry();
+    if reg.used {
+        return Err(Error::new(
+            ErrorKind::Busy,
+            format!(
+                "set_signal_pad_size: the signal pad size can not be changed after the first allocation (it is {})",
+                signal_pad_size()
+            ),
+        ));
+    }
+    SIGNAL_PAD_SIZE.store(size, Ordering::Release);
+    drop(reg);
+    Ok(())
 }
 
 /// Whether the process is exiting (set by [`begin_finalizing`]).

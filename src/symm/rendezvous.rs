@@ -1,6 +1,6 @@
-//! Rendezvous of one block over one group (ATEN_COMPAT 9.4): bind the
-//! descriptor socket, all-gather the request through the store, check every
-//! rank's sizes against rank 0's, pass the block descriptors round the ring,
+//! Rendezvous of one block over one group (ATEN_COMPAT 9.4): all-gather the
+//! request through the store, check every rank's sizes against rank 0's,
+//! bind the descriptor socket, pass the block descriptors round the ring,
 //! map the peers, and meet once more through the store before the sockets go.
 
 use super::backend::SymmBlock;
@@ -19,9 +19,6 @@ pub fn run(block: &dyn SymmBlock, backend: &str, group: &GroupInfo, timeout: Tim
     let deadline = timeout.map(|t| Instant::now() + t);
     let layout = block.layout();
     let prefix = exchange::prefix(group, backend);
-    // Bound before our request is published, so a peer that has seen it
-    // can send to us.
-    let channel = IpcChannel::new()?;
     let mine = RendezvousRequest::new(block.device_idx(), &layout);
     let gathered = exchange::all_gather(group, &prefix, &mine.to_bytes(), timeout)?;
     let requests = gathered
@@ -31,6 +28,11 @@ pub fn run(block: &dyn SymmBlock, backend: &str, group: &GroupInfo, timeout: Tim
         .collect::<Result<Vec<_>>>()
         .map_err(|e| e.context(format!("rendezvous of group {}", group.name)))?;
     check_requests(&requests, group)?;
+
+    // Bound only now, after the long wait for the peers: a rank killed
+    // while it waits leaves no socket file behind. A peer that sends
+    // before we are bound retries (see `IpcChannel::send`).
+    let channel = IpcChannel::new(&group.name, deadline)?;
 
     let own = block.export()?;
     let pids: Vec<i32> = requests.iter().map(|r| r.pid).collect();

@@ -52,6 +52,30 @@ function symm_set_backend(name::AbstractString)
 end
 
 """
+    symm_get_signal_pad_size() -> Int
+
+The signal pad size, in bytes, of the blocks allocated from now on
+(default 9216).
+"""
+function symm_get_signal_pad_size()
+    out = Ref{Csize_t}(0)
+    st = ccall((:ss_symm_get_signal_pad_size, libstorage_sharing()), Cint, (Ptr{Csize_t},), out)
+    check("ss_symm_get_signal_pad_size", st)
+    return Int(out[])
+end
+
+"""
+    symm_set_signal_pad_size(size)
+
+Sets the signal pad size of the blocks to come: a positive multiple of 4,
+before the process's first allocation (every rank sets the same).
+"""
+function symm_set_signal_pad_size(size::Integer)
+    st = ccall((:ss_symm_set_signal_pad_size, libstorage_sharing()), Cint, (Csize_t,), size)
+    check("ss_symm_set_signal_pad_size", st)
+end
+
+"""
     symm_alloc(size; device_type=SS_DEVICE_CPU, device_idx=0, group=nothing) -> Ptr{Cvoid}
 
 A symmetric block whose buffer holds `size` bytes; returns the buffer's

@@ -205,7 +205,32 @@ impl TcpClient {
     }
 
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        self.add_raw(Self::key(key), delta)
+        self.add_raw(Self::key(key), delta).map_err(|e| self.add_refused(e, key))
+    }
+
+    /// A server (ours, and PyTorch's both) answers ADD on a key that holds
+    /// no integer by closing the connection. If a new connection works, that
+    /// is what happened: say so instead of "the server went away".
+    fn add_refused(&self, e: Error, key: &str) -> Error {
+        if e.kind() != ErrorKind::PeerGone {
+            return e;
+        }
+        match self.open_conn() {
+            Ok(conn) => {
+                let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+                if idle.len() < MAX_IDLE {
+                    idle.push(conn);
+                }
+                Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "TCPStore at {} closed the connection on ADD to key {key:?}: the key does not hold an integer",
+                        self.addr
+                    ),
+                )
+            }
+            Err(_) => e,
+        }
     }
 
     /// `ADD` on a key without the prefix (the `init/` join counter).

@@ -6,6 +6,7 @@
 #[macro_use]
 pub mod guard;
 pub mod args;
+pub mod content_store;
 pub mod cuda;
 pub mod errors;
 pub mod fd_passing;

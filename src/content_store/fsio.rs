@@ -131,9 +131,19 @@ fn open_raw(dir: Option<&OwnedFd>, path: &Path, extra: OFlag, nofollow: bool, wh
         Err(nix::errno::Errno::ELOOP) if nofollow => {
             Err(Error::new(ErrorKind::Permission, format!("{what} {shown} is a symbolic link; refused (the store may be hostile)")))
         }
+        // O_DIRECTORY | O_NOFOLLOW on a link says ENOTDIR: tell the two apart.
+        Err(nix::errno::Errno::ENOTDIR) if nofollow && is_link(dir, path) => {
+            Err(Error::new(ErrorKind::Permission, format!("{what} {shown} is a symbolic link; refused (the store may be hostile)")))
+        }
         Err(nix::errno::Errno::ENOTDIR) => Err(Error::new(ErrorKind::Corrupt, format!("{what} {shown}: a part of the path is not a folder"))),
         Err(e) => Err(Error::from_errno(e as i32, format!("unable to open {what} {shown}"))),
     }
+}
+
+fn is_link(dir: Option<&OwnedFd>, path: &Path) -> bool {
+    use std::os::fd::AsRawFd;
+    let st = nix::sys::stat::fstatat(dir.map(|d| d.as_raw_fd()), path, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW);
+    st.is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFLNK)
 }
 
 /// Reads a whole small file, refusing one longer than `max` bytes before

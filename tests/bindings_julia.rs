@@ -383,7 +383,18 @@ fn every_ccall_matches_the_header() {
     );
     assert_eq!(
         opaque,
-        ["ss_cuda_received", "ss_cuda_sent", "ss_map", "ss_storage", "ss_weak"],
+        [
+            "ss_content_list",
+            "ss_content_reader",
+            "ss_content_storage",
+            "ss_content_tensor",
+            "ss_content_writer",
+            "ss_cuda_received",
+            "ss_cuda_sent",
+            "ss_map",
+            "ss_storage",
+            "ss_weak"
+        ],
         "opaque handle types of the header"
     );
     let mut calls = Vec::new();

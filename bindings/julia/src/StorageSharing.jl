@@ -26,7 +26,11 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        CudaIpcHandle, CudaSent, CudaReceived, cuda_available, cuda_unavailable_reason, cuda_driver_info,
        cuda_share, sent_counter, cuda_open, cuda_release_ipc_counter, cuda_ipc_collect, cuda_limbo_size,
        cuda_ipc_teardown, cuda_pointer_base, cuda_malloc, cuda_free, cuda_ipc_handle_to_text,
-       cuda_ipc_handle_from_text
+       cuda_ipc_handle_from_text,
+       hash_bytes, ContentWriter, ContentReader, ContentTensor, ContentStorage, content_writer, write_storage,
+       write_tensor, writer_counts, content_reader, reader_format, set_verify!, read_tensor, read_storage,
+       list_tensors, list_storages, verify, tensor_dtype, tensor_offset, tensor_ndim, tensor_shape, tensor_stride,
+       tensor_storage_hash, tensor_bytes, storage_bytes
 
 """The library to load: `STORAGE_SHARING_LIB`, else the standard search path."""
 libstorage_sharing() = get(ENV, "STORAGE_SHARING_LIB", "libstorage_sharing")
@@ -291,5 +295,6 @@ Base.isopen(m::SharedMap) = m.handle != C_NULL
 
 include("storage.jl")
 include("cuda.jl")
+include("content_store.jl")
 
 end # module

@@ -269,7 +269,9 @@ func (t *ContentTensor) Stride() []int64 {
 }
 
 // StorageHash names the tensor's storage.
-func (t *ContentTensor) StorageHash() string { return C.GoString(C.ss_content_tensor_storage_hash(t.h)) }
+func (t *ContentTensor) StorageHash() string {
+	return C.GoString(C.ss_content_tensor_storage_hash(t.h))
+}
 
 // Bytes is the whole storage, read-only, valid until Close.
 func (t *ContentTensor) Bytes() []byte {

@@ -425,7 +425,16 @@ ss_status ss_content_writer_counts(const ss_content_writer *w,
                                    uint64_t *out_tensors_written);
 
 /**
- * Closes a writer (every file it wrote is already durable). NULL is a no-op.
+ * Whether each file is fsynced, with its folder, around the rename that
+ * publishes it (on by default). Off, writing is several times faster and
+ * a killed process still leaves no partial file, but a power loss may
+ * (PyTorch's writer never fsyncs).
+ */
+ss_status ss_content_writer_set_durable(const ss_content_writer *w, bool durable);
+
+/**
+ * Closes a writer (with durability on, every file it wrote is already
+ * on disk). NULL is a no-op.
  */
 void ss_content_writer_free(ss_content_writer *w);
 

@@ -647,6 +647,8 @@ public:
                                       stride.data()),
               "ss_content_write_tensor");
     }
+    /* fsync around each rename (default on; PyTorch never fsyncs). */
+    void set_durable(bool on) const { check(ss_content_writer_set_durable(h_.get(), on), "ss_content_writer_set_durable"); }
     ContentCounts counts() const {
         ContentCounts c;
         check(ss_content_writer_counts(h_.get(), &c.storages_written, &c.storages_deduplicated, &c.tensors_written),

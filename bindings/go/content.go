@@ -138,6 +138,20 @@ func (w *ContentWriter) WriteTensor(name string, data []byte, dtype int, offset 
 	return err
 }
 
+// SetDurable sets whether files are fsynced around their rename (default
+// true; off is faster, and a killed process still leaves no partial file,
+// but a power loss may).
+func (w *ContentWriter) SetDurable(on bool) error {
+	const op = "ss_content_writer_set_durable"
+	w.mu.RLock()
+	defer w.mu.RUnlock()
+	h, err := w.live(op)
+	if err != nil {
+		return err
+	}
+	return call(op, func() C.ss_status { return C.ss_content_writer_set_durable(h, C.bool(on)) })
+}
+
 // Counts gives the storages written, the storages deduplicated and the
 // tensor entries written so far.
 func (w *ContentWriter) Counts() (written, deduplicated, tensors uint64, err error) {

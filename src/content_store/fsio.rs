@@ -60,8 +60,10 @@ fn temp_name() -> String {
 /// Writes `dir/name` atomically: the bytes go to a temporary file in
 /// `dir`, which is fsynced and renamed over `name`, then `dir` is
 /// fsynced. A crash at any moment leaves either no `name` or a complete
-/// one (and maybe a temporary file, which `gc` removes).
-pub fn write_atomic(dir: &Path, name: &str, fill: impl FnOnce(&mut File) -> std::io::Result<()>) -> Result<()> {
+/// one (and maybe a temporary file, which `gc` removes). With `durable`
+/// false both fsyncs are skipped: a killed process still never leaves a
+/// partial file under `name`, but a power loss may.
+pub fn write_atomic(dir: &Path, name: &str, durable: bool, fill: impl FnOnce(&mut File) -> std::io::Result<()>) -> Result<()> {
     let tmp = dir.join(temp_name());
     let dest = dir.join(name);
     let result = (|| {
@@ -72,7 +74,9 @@ pub fn write_atomic(dir: &Path, name: &str, fill: impl FnOnce(&mut File) -> std:
             .open(&tmp)
             .map_err(|e| io_error(e, format!("unable to create {}", tmp.display())))?;
         fill(&mut f).map_err(|e| io_error(e, format!("unable to write {}", tmp.display())))?;
-        f.sync_all().map_err(|e| io_error(e, format!("unable to fsync {}", tmp.display())))?;
+        if durable {
+            f.sync_all().map_err(|e| io_error(e, format!("unable to fsync {}", tmp.display())))?;
+        }
         drop(f);
         if std::fs::symlink_metadata(&dest).is_ok_and(|m| m.is_dir()) {
             return Err(Error::new(ErrorKind::AlreadyExists, format!("{} is a folder (it holds other tensors)", dest.display())));
@@ -83,7 +87,10 @@ pub fn write_atomic(dir: &Path, name: &str, fill: impl FnOnce(&mut File) -> std:
         let _ = std::fs::remove_file(&tmp);
     }
     result?;
-    sync_dir(dir)
+    if durable {
+        sync_dir(dir)?;
+    }
+    Ok(())
 }
 
 /// Writes all of `data` to `f` (used by [`write_atomic`] callers).

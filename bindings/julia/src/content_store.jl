@@ -123,6 +123,14 @@ function write_tensor(w::ContentWriter, name::AbstractString, data::DenseArray, 
     return nothing
 end
 
+"""Whether files are fsynced around their rename (default true; PyTorch never fsyncs)."""
+function set_durable!(w::ContentWriter, on::Bool)
+    st = ccall((:ss_content_writer_set_durable, libstorage_sharing()), Cint, (Ptr{Cvoid}, Bool),
+               live_handle(w, "ss_content_writer_set_durable"), on)
+    check("ss_content_writer_set_durable", st)
+    return w
+end
+
 """`(storages_written, storages_deduplicated, tensors_written)` so far."""
 function writer_counts(w::ContentWriter)
     a, b, c = Ref{UInt64}(0), Ref{UInt64}(0), Ref{UInt64}(0)

@@ -138,6 +138,15 @@ mod tests {
         }
     }
 
+    /// Answers of an independent implementation (python-xxhash, the
+    /// README's recipe), so the definition stays pinned.
+    #[test]
+    fn fast_known_answers() {
+        assert_eq!(hash_hex(b"abc", HashMode::Fast), "06b05ab6733a618578af5f94892f3950");
+        let data: Vec<u8> = (0..3 * FAST_CHUNK + 5).map(|i| (i * 7 + i / 4093) as u8).collect();
+        assert_eq!(hash_hex(&data, HashMode::Fast), "b40c4669133888462cdb7de970050f3a");
+    }
+
     #[test]
     fn fast_tree_depends_on_every_chunk_and_length() {
         let mut data = vec![0u8; 2 * FAST_CHUNK];

@@ -117,9 +117,11 @@ fn stable_hash_equals_torch_hash_storage() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// (name, dtype, torch dtype name, offset, shape, stride) of the views
-/// both directions exchange.
-fn exchange_views() -> Vec<(&'static str, Dtype, i64, Vec<i64>, Vec<i64>)> {
+/// (name, dtype, offset, shape, stride) of a view.
+type View = (&'static str, Dtype, i64, Vec<i64>, Vec<i64>);
+
+/// The views our writer hands to PyTorch's reader.
+fn exchange_views() -> Vec<View> {
     vec![
         ("scalar", Dtype::Float32, 2, vec![], vec![]),
         ("vec", Dtype::Int64, 0, vec![5], vec![1]),

@@ -100,15 +100,15 @@ fn store_table() {
     let root = std::env::temp_dir().join(format!("ss-bench-content-{}", std::process::id()));
     println!("## Writer and reader: 64 tensors of 16 MiB, half of them duplicates (1 GiB in, 512 MiB stored)");
     println!();
-    println!("| what | time | input rate | vs PyTorch |");
-    println!("|---|---|---|---|");
+    println!("| what | time | input rate | speed vs PyTorch (its time / ours) | vs PyTorch's default-hash writer |");
+    println!("|---|---|---|---|---|");
     let torch = torch_times(&root);
     let torch_write = torch.as_ref().and_then(|t| t.get("writer_default_hash").copied());
     let torch_write_stable = torch.as_ref().and_then(|t| t.get("writer_stable_hash").copied());
     let torch_read = torch.as_ref().and_then(|t| t.get("reader_load").copied());
-    let row = |what: &str, secs: f64, vs: Option<f64>| {
-        let ratio = vs.map_or("n/a".to_string(), |v| format!("{:.1}x faster", v / secs));
-        println!("| {what} | {:.3} s | {:.2} GB/s | {ratio} |", secs, gbs(64 * N, secs));
+    let row = |what: &str, secs: f64, vs: Option<f64>, vs_default: Option<f64>| {
+        let ratio = |v: Option<f64>| v.map_or("".to_string(), |v| format!("{:.2}x", v / secs));
+        println!("| {what} | {:.3} s | {:.2} GB/s | {} | {} |", secs, gbs(64 * N, secs), ratio(vs), ratio(vs_default));
     };
     for (format, durable) in [(Format::Native, true), (Format::Native, false), (Format::Torch, true), (Format::Torch, false)] {
         let _ = std::fs::remove_dir_all(&root);
@@ -123,7 +123,7 @@ fn store_table() {
         })();
         let secs = t.elapsed().as_secs_f64();
         if let Err(e) = result {
-            println!("| writer, {} format | failed: {e} | | |", format.name());
+            println!("| writer, {} format | failed: {e} | | | |", format.name());
             continue;
         }
         // Against PyTorch's faster writer (its default hash is far slower).
@@ -132,7 +132,7 @@ fn store_table() {
             (a, b) => a.or(b),
         };
         let how = if durable { "fsync + rename per file" } else { "rename per file, no fsync, as PyTorch" };
-        row(&format!("writer, {} format ({how})", format.name()), secs, vs);
+        row(&format!("writer, {} format ({how})", format.name()), secs, vs, torch_write);
         if durable {
             continue;
         }
@@ -143,29 +143,29 @@ fn store_table() {
         let sum: u64 = tensors.iter().map(|t| read_all(t.storage.bytes())).fold(0, u64::wrapping_add);
         let touch_secs = t.elapsed().as_secs_f64();
         std::hint::black_box(sum);
-        row(&format!("reader, {} format: open + map 64 tensors", format.name()), map_secs, torch_read);
-        row(&format!("reader, {} format: map + read every byte", format.name()), touch_secs, torch_read);
+        row(&format!("reader, {} format: open + map 64 tensors", format.name()), map_secs, torch_read, None);
+        row(&format!("reader, {} format: map + read every byte", format.name()), touch_secs, torch_read, None);
         drop(tensors);
     }
     let _ = std::fs::remove_dir_all(&root);
     match torch {
         Some(t) => {
             println!(
-                "| PyTorch ContentStoreWriter, default (non-portable) hash | {:.3} s | {:.2} GB/s | |",
+                "| PyTorch ContentStoreWriter, default (non-portable) hash | {:.3} s | {:.2} GB/s | | |",
                 t["writer_default_hash"],
                 gbs(64 * N, t["writer_default_hash"])
             );
             println!(
-                "| PyTorch ContentStoreWriter, stable_hash=True (SHA-1) | {:.3} s | {:.2} GB/s | |",
+                "| PyTorch ContentStoreWriter, stable_hash=True (SHA-1) | {:.3} s | {:.2} GB/s | | |",
                 t["writer_stable_hash"],
                 gbs(64 * N, t["writer_stable_hash"])
             );
-            println!("| PyTorch ContentStoreReader (torch.load, copies) | {:.3} s | {:.2} GB/s | |", t["reader_load"], gbs(64 * N, t["reader_load"]));
+            println!("| PyTorch ContentStoreReader (torch.load, copies) | {:.3} s | {:.2} GB/s | | |", t["reader_load"], gbs(64 * N, t["reader_load"]));
         }
         None => println!("\nPyTorch rows: skipped: torch not installed (set SS_TEST_PYTHON to a Python with torch)"),
     }
     println!();
-    println!("Writer rows compare with PyTorch's faster writer (stable_hash=True here); reader rows with its reader.");
+    println!("Writer rows: the first ratio is against PyTorch's faster writer (stable_hash=True here), the second against its default; reader rows against its reader.");
 }
 
 fn torch_times(root: &std::path::Path) -> Option<std::collections::HashMap<String, f64>> {

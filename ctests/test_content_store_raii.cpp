@@ -19,6 +19,7 @@ int main() {
     std::string hash;
     {
         ss::ContentWriter w(dir);
+        w.set_durable(false);
         w.write_tensor("a/full", values.data(), nbytes, SS_DTYPE_FLOAT64, 0, {2, 3, 4}, {12, 4, 1});
         w.write_tensor("a/slice", values.data(), nbytes, SS_DTYPE_FLOAT64, 4, {2, 4}, {12, 1});
         hash = w.write_storage(values.data(), nbytes);

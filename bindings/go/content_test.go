@@ -20,6 +20,9 @@ func TestContentStoreRoundTripAndDedup(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if err := w.SetDurable(false); err != nil {
+		t.Fatal(err)
+	}
 	if err := w.WriteTensor("m/a", data, DtypeFloat32, 0, []int64{3, 4}, []int64{4, 1}); err != nil {
 		t.Fatal(err)
 	}

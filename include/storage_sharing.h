@@ -31,6 +31,68 @@
 #define SS_ARENA_NAME_LEN 48
 
 /**
+ * Fast hash: XXH3-128 tree of 1 MiB chunks, 32 hex characters (the
+ * native format's names; definition in the README).
+ */
+#define SS_HASH_FAST 0
+
+/**
+ * Stable hash: SHA-1, 40 hex characters (PyTorch's `stable_hash=True`).
+ */
+#define SS_HASH_STABLE 1
+
+/**
+ * Longest digest `ss_hash_bytes` writes, with its NUL.
+ */
+#define SS_HASH_HEX_MAX 41
+
+/**
+ * This library's format: raw storage bytes, binary tensor records.
+ */
+#define SS_CONTENT_FORMAT_NATIVE 0
+
+/**
+ * PyTorch's format (`torch.utils._content_store`), SHA-1 names.
+ */
+#define SS_CONTENT_FORMAT_TORCH 1
+
+#define SS_DTYPE_UINT8 0
+
+#define SS_DTYPE_INT8 1
+
+#define SS_DTYPE_INT16 2
+
+#define SS_DTYPE_INT32 3
+
+#define SS_DTYPE_INT64 4
+
+#define SS_DTYPE_FLOAT16 5
+
+#define SS_DTYPE_FLOAT32 6
+
+#define SS_DTYPE_FLOAT64 7
+
+#define SS_DTYPE_COMPLEX32 8
+
+#define SS_DTYPE_COMPLEX64 9
+
+#define SS_DTYPE_COMPLEX128 10
+
+#define SS_DTYPE_BOOL 11
+
+#define SS_DTYPE_BFLOAT16 15
+
+#define SS_DTYPE_FLOAT8_E5M2 23
+
+#define SS_DTYPE_FLOAT8_E4M3FN 24
+
+#define SS_DTYPE_UINT16 27
+
+#define SS_DTYPE_UINT32 28
+
+#define SS_DTYPE_UINT64 29
+
+/**
  * Bytes of `ss_cuda_ipc_handle.mem_handle`: version byte, 'c', and the
  * 64-byte `cudaIpcMemHandle_t` (PyTorch's format).
  */
@@ -219,6 +281,39 @@ typedef struct ss_arena ss_arena;
  * readable even if the producer dies.
  */
 typedef struct ss_arena_view ss_arena_view;
+
+/**
+ * A list of strings (tensor names, storage hashes, problems). Immutable.
+ */
+typedef struct ss_content_list ss_content_list;
+
+/**
+ * A reader of a content store.
+ *
+ * Thread safety: a `const ss_content_reader*` may be used from several
+ * threads at once; `ss_content_reader_free` needs exclusive access.
+ * Tensors and storages it handed out stay valid after it is freed.
+ */
+typedef struct ss_content_reader ss_content_reader;
+
+/**
+ * A storage read from a store, mapped read-only. Immutable.
+ */
+typedef struct ss_content_storage ss_content_storage;
+
+/**
+ * A tensor read from a store: its view and its storage, mapped read-only.
+ * Immutable; may be shared between threads.
+ */
+typedef struct ss_content_tensor ss_content_tensor;
+
+/**
+ * A writer of a content store.
+ *
+ * Thread safety: a `const ss_content_writer*` may be used from several
+ * threads at once; `ss_content_writer_free` needs exclusive access.
+ */
+typedef struct ss_content_writer ss_content_writer;
 
 /**
  * A storage received from another process. Release it with
@@ -599,6 +694,218 @@ ss_status ss_arena_recv(int sock, ss_arena_view **out);
  * storages are. The block is freed with the storage's last reference.
  */
 ss_status ss_storage_new_in_arena(const ss_arena *a, size_t nbytes, ss_storage **out);
+
+/**
+ * Writes the lowercase hex digest of `nbytes` bytes at `data` (NULL is
+ * allowed for 0 bytes) into `buf` of `buf_len` bytes, NUL-terminated.
+ * `mode` is `SS_HASH_FAST` (32 characters) or `SS_HASH_STABLE` (40);
+ * `SS_HASH_HEX_MAX` bytes always suffice.
+ */
+ss_status ss_hash_bytes(const void *data, size_t nbytes, int mode, char *buf, size_t buf_len);
+
+/**
+ * Opens (creating if needed) the store in folder `path` for writing, in
+ * `format` (`SS_CONTENT_FORMAT_NATIVE` or `SS_CONTENT_FORMAT_TORCH`). A
+ * store already there is added to; it must have the same format.
+ */
+ss_status ss_content_writer_open(const char *path, int format, ss_content_writer **out);
+
+/**
+ * Stores `nbytes` bytes at `data` as a storage (once per distinct
+ * content) and writes its hash, NUL-terminated, into `buf` of `buf_len`
+ * bytes (`SS_HASH_HEX_MAX` suffice; `buf` may be NULL when `buf_len` is 0).
+ */
+ss_status ss_content_write_storage(const ss_content_writer *w,
+                                   const void *data,
+                                   size_t nbytes,
+                                   char *buf,
+                                   size_t buf_len);
+
+/**
+ * Stores the storage `data` (`nbytes` bytes) and a tensor entry `name`
+ * viewing it as `dtype` (an `SS_DTYPE_*` code) with `offset`, `shape`
+ * and `stride` of `ndim` elements each (counted in elements, as in
+ * PyTorch). The view must lie inside the storage. `/` in `name` makes
+ * folders; `..`, absolute names, empty parts and NUL are refused. An
+ * entry of the same name is replaced.
+ */
+ss_status ss_content_write_tensor(const ss_content_writer *w,
+                                  const char *name,
+                                  const void *data,
+                                  size_t nbytes,
+                                  int dtype,
+                                  int64_t offset,
+                                  size_t ndim,
+                                  const int64_t *shape,
+                                  const int64_t *stride);
+
+/**
+ * What the writer did: storages written to new files, storages whose
+ * content was already stored (deduplicated), tensor entries written.
+ * Any out-parameter may be NULL.
+ */
+ss_status ss_content_writer_counts(const ss_content_writer *w,
+                                   uint64_t *out_storages_written,
+                                   uint64_t *out_storages_deduplicated,
+                                   uint64_t *out_tensors_written);
+
+/**
+ * Whether each file is fsynced, with its folder, around the rename that
+ * publishes it (on by default). Off, writing is several times faster and
+ * a killed process still leaves no partial file, but a power loss may
+ * (PyTorch's writer never fsyncs).
+ */
+ss_status ss_content_writer_set_durable(const ss_content_writer *w, bool durable);
+
+/**
+ * Closes a writer (with durability on, every file it wrote is already
+ * on disk). NULL is a no-op.
+ */
+void ss_content_writer_free(ss_content_writer *w);
+
+/**
+ * Opens the store in folder `path` for reading; the format (ours or
+ * PyTorch's) is detected. The folder may be untrusted: links below it
+ * are not followed and every record is checked.
+ */
+ss_status ss_content_reader_open(const char *path, ss_content_reader **out);
+
+/**
+ * The store's format (`SS_CONTENT_FORMAT_*`); -1 for NULL.
+ */
+int ss_content_reader_format(const ss_content_reader *r);
+
+/**
+ * Whether storages are hashed and compared with their names before they
+ * are handed out (once per mapping; off by default). A mismatch is
+ * `SS_ERR_CORRUPT`.
+ */
+ss_status ss_content_reader_set_verify(const ss_content_reader *r, bool verify);
+
+/**
+ * Reads tensor entry `name`: its view and its storage, mapped read-only
+ * (no copy; a storage already mapped for a live tensor is shared). Free
+ * the result with `ss_content_tensor_free`.
+ */
+ss_status ss_content_read_tensor(const ss_content_reader *r,
+                                 const char *name,
+                                 ss_content_tensor **out);
+
+/**
+ * Reads the storage named `hash`, mapped read-only. Free the result with
+ * `ss_content_storage_free`.
+ */
+ss_status ss_content_read_storage(const ss_content_reader *r,
+                                  const char *hash,
+                                  ss_content_storage **out);
+
+/**
+ * The names of every tensor entry, sorted. Free with `ss_content_list_free`.
+ */
+ss_status ss_content_list_tensors(const ss_content_reader *r, ss_content_list **out);
+
+/**
+ * The hashes of every storage, sorted. Free with `ss_content_list_free`.
+ */
+ss_status ss_content_list_storages(const ss_content_reader *r, ss_content_list **out);
+
+/**
+ * Checks the whole store: every storage hashed against its name, every
+ * tensor entry parsed and bounds-checked. `*out_checked` (may be NULL)
+ * gets the number of objects checked, `*out_problems` one line
+ * `"<object>: <why>"` per corrupt object (empty when all is well). SS_OK
+ * means the check ran, whatever it found.
+ */
+ss_status ss_content_verify(const ss_content_reader *r,
+                            uint64_t *out_checked,
+                            ss_content_list **out_problems);
+
+/**
+ * Closes a reader; tensors and storages read from it stay valid. NULL is
+ * a no-op.
+ */
+void ss_content_reader_free(ss_content_reader *r);
+
+/**
+ * The tensor's dtype (`SS_DTYPE_*`); -1 for NULL.
+ */
+int ss_content_tensor_dtype(const ss_content_tensor *t);
+
+/**
+ * Number of dimensions; 0 for NULL.
+ */
+size_t ss_content_tensor_ndim(const ss_content_tensor *t);
+
+/**
+ * The sizes, `ndim` elements, valid while the tensor lives (NULL for NULL
+ * or a 0-d tensor).
+ */
+const int64_t *ss_content_tensor_shape(const ss_content_tensor *t);
+
+/**
+ * The strides in elements, `ndim` elements, valid while the tensor lives
+ * (NULL for NULL or a 0-d tensor).
+ */
+const int64_t *ss_content_tensor_stride(const ss_content_tensor *t);
+
+/**
+ * The storage offset in elements; 0 for NULL.
+ */
+int64_t ss_content_tensor_offset(const ss_content_tensor *t);
+
+/**
+ * The storage's first byte, read-only (element `i` of the view is at
+ * `itemsize * (offset + sum(index_k * stride_k))`); NULL for NULL or an
+ * empty storage. Valid while the tensor lives.
+ */
+const void *ss_content_tensor_data(const ss_content_tensor *t);
+
+/**
+ * The storage's size in bytes; 0 for NULL.
+ */
+size_t ss_content_tensor_nbytes(const ss_content_tensor *t);
+
+/**
+ * The storage's hash, valid while the tensor lives; "" for NULL.
+ */
+const char *ss_content_tensor_storage_hash(const ss_content_tensor *t);
+
+/**
+ * Releases a tensor (its storage mapping goes with the last user). NULL
+ * is a no-op.
+ */
+void ss_content_tensor_free(ss_content_tensor *t);
+
+/**
+ * The storage's first byte, read-only; NULL for NULL or an empty storage.
+ */
+const void *ss_content_storage_data(const ss_content_storage *s);
+
+/**
+ * The storage's size in bytes; 0 for NULL.
+ */
+size_t ss_content_storage_nbytes(const ss_content_storage *s);
+
+/**
+ * Releases a storage. NULL is a no-op.
+ */
+void ss_content_storage_free(ss_content_storage *s);
+
+/**
+ * Number of strings in a list; 0 for NULL.
+ */
+size_t ss_content_list_len(const ss_content_list *l);
+
+/**
+ * String `i` of a list, valid while the list lives; NULL for NULL or `i`
+ * out of range.
+ */
+const char *ss_content_list_get(const ss_content_list *l, size_t i);
+
+/**
+ * Releases a list. NULL is a no-op.
+ */
+void ss_content_list_free(ss_content_list *l);
 
 /**
  * Ends this process's part in CUDA IPC: warns on stderr if consumers still

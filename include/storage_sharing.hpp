@@ -1030,6 +1030,140 @@ private:
 
 /* ---- end shareable CPU arena ---- */
 
+/* ======================= Content store (ss_content_*) ======================= */
+
+/* The hex digest of `nbytes` bytes: SS_HASH_FAST or SS_HASH_STABLE (SHA-1). */
+inline std::string hash_bytes(const void *data, std::size_t nbytes, int mode = SS_HASH_FAST) {
+    char buf[SS_HASH_HEX_MAX];
+    check(ss_hash_bytes(data, nbytes, mode, buf, sizeof buf), "ss_hash_bytes");
+    return buf;
+}
+
+/* What a content writer did so far. */
+struct ContentCounts {
+    std::uint64_t storages_written = 0;
+    std::uint64_t storages_deduplicated = 0;
+    std::uint64_t tensors_written = 0;
+};
+
+/* A writer of a content store; an existing store is added to. */
+class ContentWriter {
+public:
+    ContentWriter(const std::string &path, int format = SS_CONTENT_FORMAT_NATIVE) {
+        ss_content_writer *raw = nullptr;
+        check(ss_content_writer_open(path.c_str(), format, &raw), "ss_content_writer_open");
+        h_.reset(raw);
+    }
+    /* Stores the bytes once per distinct content; returns the hash. */
+    std::string write_storage(const void *data, std::size_t nbytes) const {
+        char buf[SS_HASH_HEX_MAX];
+        check(ss_content_write_storage(h_.get(), data, nbytes, buf, sizeof buf), "ss_content_write_storage");
+        return buf;
+    }
+    /* Stores the bytes and an entry `name` viewing them (elements, PyTorch's order). */
+    void write_tensor(const std::string &name, const void *data, std::size_t nbytes, int dtype, std::int64_t offset,
+                      const std::vector<std::int64_t> &shape, const std::vector<std::int64_t> &stride) const {
+        if (shape.size() != stride.size())
+            throw Error(SS_ERR_INVALID_ARGUMENT, "ss_content_write_tensor", "shape and stride lengths differ");
+        check(ss_content_write_tensor(h_.get(), name.c_str(), data, nbytes, dtype, offset, shape.size(), shape.data(),
+                                      stride.data()),
+              "ss_content_write_tensor");
+    }
+    /* fsync around each rename (default on; PyTorch never fsyncs). */
+    void set_durable(bool on) const { check(ss_content_writer_set_durable(h_.get(), on), "ss_content_writer_set_durable"); }
+    ContentCounts counts() const {
+        ContentCounts c;
+        check(ss_content_writer_counts(h_.get(), &c.storages_written, &c.storages_deduplicated, &c.tensors_written),
+              "ss_content_writer_counts");
+        return c;
+    }
+    ss_content_writer *get() const noexcept { return h_.get(); }
+
+private:
+    unique_handle<ss_content_writer, ss_content_writer_free> h_;
+};
+
+/* A tensor read from a store: its view, and its storage mapped read-only. */
+class ContentTensor {
+public:
+    explicit ContentTensor(ss_content_tensor *raw) noexcept : h_(raw) {}
+    int dtype() const noexcept { return ss_content_tensor_dtype(h_.get()); }
+    std::int64_t offset() const noexcept { return ss_content_tensor_offset(h_.get()); }
+    std::vector<std::int64_t> shape() const { return dims(ss_content_tensor_shape(h_.get())); }
+    std::vector<std::int64_t> stride() const { return dims(ss_content_tensor_stride(h_.get())); }
+    const void *data() const noexcept { return ss_content_tensor_data(h_.get()); }
+    std::size_t nbytes() const noexcept { return ss_content_tensor_nbytes(h_.get()); }
+    std::string storage_hash() const { return ss_content_tensor_storage_hash(h_.get()); }
+    ss_content_tensor *get() const noexcept { return h_.get(); }
+
+private:
+    std::vector<std::int64_t> dims(const std::int64_t *p) const {
+        std::size_t n = ss_content_tensor_ndim(h_.get());
+        return p ? std::vector<std::int64_t>(p, p + n) : std::vector<std::int64_t>();
+    }
+    unique_handle<ss_content_tensor, ss_content_tensor_free> h_;
+};
+
+/* A storage read from a store, mapped read-only. */
+class ContentStorage {
+public:
+    explicit ContentStorage(ss_content_storage *raw) noexcept : h_(raw) {}
+    const void *data() const noexcept { return ss_content_storage_data(h_.get()); }
+    std::size_t nbytes() const noexcept { return ss_content_storage_nbytes(h_.get()); }
+
+private:
+    unique_handle<ss_content_storage, ss_content_storage_free> h_;
+};
+
+/* A reader of a content store, ours or PyTorch's (format detected). */
+class ContentReader {
+public:
+    explicit ContentReader(const std::string &path) {
+        ss_content_reader *raw = nullptr;
+        check(ss_content_reader_open(path.c_str(), &raw), "ss_content_reader_open");
+        h_.reset(raw);
+    }
+    int format() const noexcept { return ss_content_reader_format(h_.get()); }
+    void set_verify(bool on) const { check(ss_content_reader_set_verify(h_.get(), on), "ss_content_reader_set_verify"); }
+    ContentTensor read_tensor(const std::string &name) const {
+        ss_content_tensor *raw = nullptr;
+        check(ss_content_read_tensor(h_.get(), name.c_str(), &raw), "ss_content_read_tensor");
+        return ContentTensor(raw);
+    }
+    ContentStorage read_storage(const std::string &hash) const {
+        ss_content_storage *raw = nullptr;
+        check(ss_content_read_storage(h_.get(), hash.c_str(), &raw), "ss_content_read_storage");
+        return ContentStorage(raw);
+    }
+    std::vector<std::string> list_tensors() const {
+        ss_content_list *raw = nullptr;
+        check(ss_content_list_tensors(h_.get(), &raw), "ss_content_list_tensors");
+        return take(raw);
+    }
+    std::vector<std::string> list_storages() const {
+        ss_content_list *raw = nullptr;
+        check(ss_content_list_storages(h_.get(), &raw), "ss_content_list_storages");
+        return take(raw);
+    }
+    /* One "object: why" line per corrupt object; empty when all is well. */
+    std::vector<std::string> verify(std::uint64_t *checked = nullptr) const {
+        ss_content_list *raw = nullptr;
+        check(ss_content_verify(h_.get(), checked, &raw), "ss_content_verify");
+        return take(raw);
+    }
+    ss_content_reader *get() const noexcept { return h_.get(); }
+
+private:
+    static std::vector<std::string> take(ss_content_list *raw) {
+        unique_handle<ss_content_list, ss_content_list_free> list(raw);
+        std::vector<std::string> out;
+        for (std::size_t i = 0, n = ss_content_list_len(raw); i < n; i++) out.emplace_back(ss_content_list_get(raw, i));
+        return out;
+    }
+    unique_handle<ss_content_reader, ss_content_reader_free> h_;
+};
+
+
 }  // namespace storage_sharing
 
 #endif /* STORAGE_SHARING_HPP */

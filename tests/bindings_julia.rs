@@ -388,7 +388,22 @@ fn every_ccall_matches_the_header() {
     );
     assert_eq!(
         opaque,
-        ["ss_arena", "ss_arena_view", "ss_cuda_received", "ss_cuda_sent", "ss_map", "ss_storage", "ss_store", "ss_symm_mem", "ss_weak"],
+        [
+            "ss_arena",
+            "ss_arena_view",
+            "ss_content_list",
+            "ss_content_reader",
+            "ss_content_storage",
+            "ss_content_tensor",
+            "ss_content_writer",
+            "ss_cuda_received",
+            "ss_cuda_sent",
+            "ss_map",
+            "ss_storage",
+            "ss_store",
+            "ss_symm_mem",
+            "ss_weak",
+        ],
         "opaque handle types of the header"
     );
     let mut calls = Vec::new();

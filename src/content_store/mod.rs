@@ -2,5 +2,23 @@
 //! (PyTorch's `_content_store.py` layout: `storages/<hash>`,
 //! `tensors/<name>`), in our own format or in PyTorch's.
 
+pub mod bounds;
+pub mod check;
 pub mod dtype;
+mod fsio;
+pub mod hash;
+pub mod layout;
 pub mod meta;
+pub mod names;
+pub mod reader;
+pub mod record;
+mod torch_glue;
+pub mod writer;
+
+pub use check::{gc, verify, GcReport, Problem, VerifyReport};
+pub use dtype::Dtype;
+pub use hash::{hash_hex, HashMode};
+pub use layout::Format;
+pub use meta::TensorMeta;
+pub use reader::{Reader, StorageBytes, Tensor};
+pub use writer::{WriteStats, Writer};

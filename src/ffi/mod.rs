@@ -7,6 +7,7 @@
 pub mod guard;
 pub mod args;
 pub mod arena;
+pub mod content_store;
 pub mod cuda;
 pub mod errors;
 pub mod fd_passing;

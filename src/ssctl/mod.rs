@@ -1,5 +1,6 @@
-//! The `ls` and `gc` subcommands of the `ssctl` tool.
+//! The `ls`, `gc` and `store` subcommands of the `ssctl` tool.
 
 pub mod gc;
 pub mod ls;
 pub mod segments;
+pub mod store;

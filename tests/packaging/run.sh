@@ -104,6 +104,14 @@ readme_libs="$(grep -o ' -l[a-z_0-9]*' "$readme/static-link.sh" | tr -d ' ' | so
 run_and_check_segment "README static link line" bash -c 'cd "$1" && PREFIX="$2" bash -eu static-link.sh' _ "$readme" "$prefix"
 if readelf -d "$readme/app" | grep -q "NEEDED.*libstorage_sharing"; then fail "README static app is not static"; fi
 run_and_check_segment "README pkg-config example" bash -c 'cd "$1" && rm -f app && PREFIX="$2" bash -eu pkg-config.sh' _ "$readme" "$prefix"
+# The content store's C example (the same text as ctests/test_content_store_example.c).
+[ -s "$readme/content_store.c" ] || fail "README has no checked block content_store.c"
+# shellcheck disable=SC2046 # word splitting of the flags is intended
+cc -std=c11 -Wall -Wextra -Werror "$readme/content_store.c" $(pkg-config --cflags --libs storage_sharing) \
+    -Wl,-rpath,"$lib" -o "$readme/content_store" || fail "README content store example does not build"
+"$readme/content_store" || fail "README content store example"
+cmp -s "$readme/content_store.c" "$root/ctests/test_content_store_example.c" \
+    || fail "README content store example differs from ctests/test_content_store_example.c"
 run_and_check_segment "README C++ example" bash -c 'cd "$1" && PREFIX="$2" bash -eu cpp.sh' _ "$readme" "$prefix"
 cmake -S "$readme" -B "$readme/build" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$readme/build" >/dev/null

@@ -5,7 +5,7 @@ mod demo_symm;
 
 use storage_sharing::ssctl;
 
-const USAGE: &str = "usage: ssctl <command> [args]\ncommands:\n  demo [MiB]  share a buffer with a second process and show what happened and how fast\n  demo symm [KiB]  two ranks exchange data through symmetric memory (file store rendezvous)\n  ls          list segments in /dev/shm named like ours or PyTorch's\n  gc          remove those whose creator is dead and that nobody maps (--dry-run)";
+const USAGE: &str = "usage: ssctl <command> [args]\ncommands:\n  demo [MiB]  share a buffer with a second process and show what happened and how fast\n  demo symm [KiB]  two ranks exchange data through symmetric memory (file store rendezvous)\n  ls          list segments in /dev/shm named like ours or PyTorch's\n  gc          remove those whose creator is dead and that nobody maps (--dry-run)\n  store ls|show|verify|gc PATH  look into, check or clean a content store";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -16,6 +16,7 @@ fn main() {
         Some(demo::CHILD_COMMAND) => demo::child(&args[1..]),
         Some("ls") => ssctl::ls::run(&args[1..]),
         Some("gc") => ssctl::gc::run(&args[1..]),
+        Some("store") => ssctl::store::run(&args[1..]),
         Some("-h" | "--help") => {
             println!("{USAGE}");
             0

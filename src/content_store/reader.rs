@@ -1,0 +1,264 @@
+//! Reading a store, which may come from anyone: names are checked before
+//! they touch the file system, no symbolic link below the root is
+//! followed, records are size-limited and fully checked, and a view that
+//! reaches past its storage is refused. Storages are mapped read-only,
+//! never copied, and a storage read twice while in use is one mapping.
+
+use super::bounds::check_fits;
+use super::fsio;
+use super::hash::{hash_hex, is_digest, HashMode};
+use super::layout::{self, Format};
+use super::meta::TensorMeta;
+use super::names::{tensor_name_parts, TEMP_PREFIX};
+use super::{record, torch_glue};
+use crate::error::{Error, ErrorKind, Result};
+use memmap2::{Mmap, MmapOptions};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+/// Largest tensor entry read in the PyTorch format (a torch.save zip of a
+/// small tuple; real ones are under 2 KiB).
+const TORCH_ENTRY_MAX: usize = 1 << 20;
+/// Deepest folder nesting listed under `tensors/`.
+const MAX_DEPTH: usize = 256;
+
+/// A storage's bytes, mapped read-only.
+pub struct StorageBytes {
+    hash: String,
+    map: Option<Mmap>,
+    range: Range<usize>,
+    verified: AtomicBool,
+}
+
+impl StorageBytes {
+    pub fn hash(&self) -> &str {
+        &self.hash
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        match &self.map {
+            Some(m) => &m[self.range.clone()],
+            None => &[],
+        }
+    }
+}
+
+/// A tensor entry with its storage.
+#[derive(Clone)]
+pub struct Tensor {
+    pub meta: TensorMeta,
+    pub storage: Arc<StorageBytes>,
+}
+
+/// A reader of one store. Safe to share between threads.
+pub struct Reader {
+    root: PathBuf,
+    root_fd: OwnedFd,
+    format: Format,
+    hash: HashMode,
+    verify: AtomicBool,
+    cache: Mutex<HashMap<String, Weak<StorageBytes>>>,
+}
+
+impl Reader {
+    /// Opens the store at `path`; its format is detected (see [`layout`]).
+    pub fn open(path: &Path) -> Result<Reader> {
+        let root_fd = fsio::open_root(path)?;
+        let (format, hash) = layout::detect(&root_fd, path)?
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no content store at {} (no storages/ or tensors/ folder)", path.display())))?;
+        Ok(Reader { root: path.to_path_buf(), root_fd, format, hash, verify: AtomicBool::new(false), cache: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    pub fn hash_mode(&self) -> HashMode {
+        self.hash
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Whether storages are hashed and compared with their names before
+    /// they are handed out (once per mapping; off by default).
+    pub fn set_verify(&self, on: bool) {
+        self.verify.store(on, Ordering::Relaxed);
+    }
+
+    /// The tensor entry `name` and its storage.
+    pub fn read_tensor(&self, name: &str) -> Result<Tensor> {
+        let meta = self.read_meta(name)?;
+        let storage = self.read_storage(&meta.storage_hash).map_err(|e| e.context(format!("tensor {name:?}")))?;
+        check_fits(&meta, storage.bytes().len() as u64, ErrorKind::Corrupt).map_err(|e| e.context(format!("tensor {name:?}")))?;
+        Ok(Tensor { meta, storage })
+    }
+
+    /// The entry `name` without its storage.
+    pub fn read_meta(&self, name: &str) -> Result<TensorMeta> {
+        let mut parts = vec![layout::TENSORS];
+        parts.extend(tensor_name_parts(name)?);
+        let file = fsio::open_regular(&self.root_fd, &self.root, &parts, "tensor entry").map_err(|e| {
+            if e.kind() == ErrorKind::NotFound {
+                Error::new(ErrorKind::NotFound, format!("no tensor {name:?} in {}", self.root.display()))
+            } else {
+                e
+            }
+        })?;
+        let what = format!("tensor entry {name:?}");
+        let meta = match self.format {
+            Format::Native => record::decode(&fsio::read_small(file, record::MAX_RECORD_LEN, &what)?),
+            Format::Torch => torch_glue::parse_tensor_file(&fsio::read_small(file, TORCH_ENTRY_MAX, &what)?),
+        }
+        .map_err(|e| e.context(&what))?;
+        if !self.is_storage_name(&meta.storage_hash) {
+            return Err(Error::new(ErrorKind::Corrupt, format!("{what} names storage {:?}, which is not a {} hash", meta.storage_hash, self.hash.name())));
+        }
+        Ok(meta)
+    }
+
+    fn is_storage_name(&self, hash: &str) -> bool {
+        match self.format {
+            Format::Native => is_digest(hash, self.hash),
+            // PyTorch's non-stable hash is 40 hex characters as well.
+            Format::Torch => is_digest(hash, HashMode::Stable),
+        }
+    }
+
+    /// The storage named `hash`, mapped read-only; the same mapping while
+    /// any earlier result for it is alive.
+    pub fn read_storage(&self, hash: &str) -> Result<Arc<StorageBytes>> {
+        if !self.is_storage_name(hash) {
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("{hash:?} is not a storage hash of this {} store", self.format.name())));
+        }
+        let cached = self.cache.lock().unwrap().get(hash).and_then(Weak::upgrade);
+        let storage = match cached {
+            Some(s) => s,
+            None => {
+                let fresh = Arc::new(self.map_storage(hash)?);
+                let mut cache = self.cache.lock().unwrap();
+                // Another thread may have mapped it meanwhile: keep one.
+                match cache.get(hash).and_then(Weak::upgrade) {
+                    Some(s) => s,
+                    None => {
+                        cache.retain(|_, w| w.strong_count() > 0);
+                        cache.insert(hash.to_string(), Arc::downgrade(&fresh));
+                        fresh
+                    }
+                }
+            }
+        };
+        if self.verify.load(Ordering::Relaxed) && !storage.verified.load(Ordering::Relaxed) {
+            check_hash(&storage, self.hash)?;
+            storage.verified.store(true, Ordering::Relaxed);
+        }
+        Ok(storage)
+    }
+
+    fn map_storage(&self, hash: &str) -> Result<StorageBytes> {
+        let file = fsio::open_regular(&self.root_fd, &self.root, &[layout::STORAGES, hash], "storage").map_err(|e| {
+            if e.kind() == ErrorKind::NotFound {
+                Error::new(ErrorKind::NotFound, format!("no storage {hash} in {}", self.root.display()))
+            } else {
+                e
+            }
+        })?;
+        let len = file.metadata().map_err(|e| Error::new(ErrorKind::Io, format!("unable to stat storage {hash}: {e}")))?.len();
+        let len = usize::try_from(len).map_err(|_| Error::new(ErrorKind::Corrupt, format!("storage {hash} is too big to map")))?;
+        let map = if len == 0 {
+            None
+        } else {
+            // SAFETY: a read-only private mapping of a regular file. Files in
+            // a store are never modified in place (only replaced by rename),
+            // so the bytes stay as mapped unless someone else truncates the
+            // file, which no Rust mapping can guard against.
+            Some(unsafe { MmapOptions::new().len(len).map(&file) }.map_err(|e| Error::new(ErrorKind::Io, format!("unable to map storage {hash}: {e}")))?)
+        };
+        let range = match self.format {
+            Format::Native => 0..len,
+            Format::Torch => {
+                let all: &[u8] = map.as_deref().unwrap_or(&[]);
+                let r = torch_glue::storage_data_range(all).map_err(|e| e.context(format!("storage {hash}")))?;
+                if r.start > r.end || r.end > len {
+                    return Err(Error::new(ErrorKind::Corrupt, format!("storage {hash}: data range {r:?} outside its {len}-byte file")));
+                }
+                r
+            }
+        };
+        Ok(StorageBytes { hash: hash.to_string(), map, range, verified: AtomicBool::new(false) })
+    }
+
+    /// Names of every tensor entry, sorted (links and temporary files are
+    /// skipped).
+    pub fn list_tensors(&self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        walk(&self.root.join(layout::TENSORS), "", 0, &mut out)?;
+        out.sort();
+        Ok(out)
+    }
+
+    /// Every storage: hash and file size, sorted by hash.
+    pub fn list_storages(&self) -> Result<Vec<(String, u64)>> {
+        let dir = self.root.join(layout::STORAGES);
+        let mut out = Vec::new();
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+            Err(e) => return Err(Error::new(ErrorKind::Io, format!("unable to list {}: {e}", dir.display()))),
+        };
+        for entry in entries {
+            let entry = entry.map_err(|e| Error::new(ErrorKind::Io, format!("unable to list {}: {e}", dir.display())))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let meta = entry.metadata().map_err(|e| Error::new(ErrorKind::Io, format!("unable to stat storage {name}: {e}")))?;
+            if meta.is_file() && !name.starts_with(TEMP_PREFIX) {
+                out.push((name, meta.len()));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
+/// Hashes a storage's bytes and compares with its name.
+pub fn check_hash(storage: &StorageBytes, mode: HashMode) -> Result<()> {
+    let got = hash_hex(storage.bytes(), mode);
+    if got != storage.hash {
+        return Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("storage {} has bytes whose {} hash is {got}", storage.hash, mode.name()),
+        ));
+    }
+    Ok(())
+}
+
+fn walk(dir: &Path, prefix: &str, depth: usize, out: &mut Vec<String>) -> Result<()> {
+    if depth > MAX_DEPTH {
+        return Err(Error::new(ErrorKind::Corrupt, format!("{} nests folders deeper than {MAX_DEPTH}", dir.display())));
+    }
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && depth == 0 => return Ok(()),
+        Err(e) => return Err(Error::new(ErrorKind::Io, format!("unable to list {}: {e}", dir.display()))),
+    };
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::new(ErrorKind::Io, format!("unable to list {}: {e}", dir.display())))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(TEMP_PREFIX) {
+            continue;
+        }
+        // file_type does not follow links: a link is neither.
+        let ty = entry.file_type().map_err(|e| Error::new(ErrorKind::Io, format!("unable to stat {name}: {e}")))?;
+        let full = if prefix.is_empty() { name.clone() } else { format!("{prefix}/{name}") };
+        if ty.is_dir() {
+            walk(&entry.path(), &full, depth + 1, out)?;
+        } else if ty.is_file() {
+            out.push(full);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,206 @@
+//! Writing a store: each distinct storage once under `storages/<hash>`,
+//! tensor entries under `tensors/<name>`, every file atomically. Several
+//! writers (threads or processes) may add to the same store at once, and
+//! a store can be reopened and added to later.
+
+use super::bounds::check_fits;
+use super::dtype::Dtype;
+use super::fsio;
+use super::hash::{hash_hex, HashMode};
+use super::layout::{self, Format};
+use super::meta::TensorMeta;
+use super::names::tensor_name_parts;
+use super::{record, torch_glue};
+use crate::error::{Error, ErrorKind, Result};
+use std::collections::HashSet;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// What a writer did so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WriteStats {
+    /// Storages written to a new file.
+    pub storages_written: u64,
+    /// Storages whose content the store already had (nothing written).
+    pub storages_deduplicated: u64,
+    /// Tensor entries written.
+    pub tensors_written: u64,
+    /// Storage bytes written to new files.
+    pub bytes_written: u64,
+}
+
+/// A writer of one store. Safe to share between threads.
+pub struct Writer {
+    root: PathBuf,
+    format: Format,
+    hash: HashMode,
+    /// Held (shared flock) while the writer lives, so `gc` never removes a
+    /// storage whose tensor entry is still to come.
+    _lock: File,
+    seen: Mutex<HashSet<String>>,
+    durable: AtomicBool,
+    written: AtomicU64,
+    deduplicated: AtomicU64,
+    tensors: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl Writer {
+    /// Opens (creating if needed) the store at `path` in `format`. A store
+    /// already there must have the same format.
+    pub fn open(path: &Path, format: Format) -> Result<Writer> {
+        std::fs::create_dir_all(path).map_err(|e| Error::new(ErrorKind::Io, format!("unable to create store folder {}: {e}", path.display())))?;
+        let root_fd = fsio::open_root(path)?;
+        let hash = match layout::detect(&root_fd, path)? {
+            Some((found, hash)) if found == format => hash,
+            Some((found, _)) => {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("{} holds a {} store; cannot add to it in {} format", path.display(), found.name(), format.name()),
+                ))
+            }
+            None => {
+                if format == Format::Native {
+                    let text = layout::marker_text(format.hash_mode());
+                    fsio::write_atomic(path, layout::MARKER, true, |f| fsio::write_all(f, text.as_bytes()))?;
+                }
+                format.hash_mode()
+            }
+        };
+        if format == Format::Torch {
+            torch_glue::check_available()?;
+        }
+        fsio::make_dirs(path, &[layout::STORAGES])?;
+        fsio::make_dirs(path, &[layout::TENSORS])?;
+        let lock = shared_lock(path)?;
+        Ok(Writer {
+            root: path.to_path_buf(),
+            format,
+            hash,
+            _lock: lock,
+            seen: Mutex::new(HashSet::new()),
+            durable: AtomicBool::new(true),
+            written: AtomicU64::new(0),
+            deduplicated: AtomicU64::new(0),
+            tensors: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+        })
+    }
+
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Whether each file is fsynced (with its folder) before and after
+    /// the rename that publishes it (the default). Off, writing is several
+    /// times faster and a killed process still leaves no partial file, but
+    /// a power loss or kernel crash may: PyTorch's writer never fsyncs.
+    pub fn set_durable(&self, on: bool) {
+        self.durable.store(on, Ordering::Relaxed);
+    }
+
+    pub fn stats(&self) -> WriteStats {
+        WriteStats {
+            storages_written: self.written.load(Ordering::Relaxed),
+            storages_deduplicated: self.deduplicated.load(Ordering::Relaxed),
+            tensors_written: self.tensors.load(Ordering::Relaxed),
+            bytes_written: self.bytes.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Stores `data` under its hash unless the store has that content
+    /// already; returns the hash.
+    pub fn write_storage(&self, data: &[u8]) -> Result<String> {
+        let hash = hash_hex(data, self.hash);
+        self.store_hashed(&hash, data)?;
+        Ok(hash)
+    }
+
+    fn store_hashed(&self, hash: &str, data: &[u8]) -> Result<()> {
+        if self.seen.lock().unwrap().contains(hash) {
+            self.deduplicated.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        let dir = self.root.join(layout::STORAGES);
+        let expected = match self.format {
+            Format::Native => Some(data.len() as u64),
+            Format::Torch => None,
+        };
+        // A file under the name is complete (files appear only by rename);
+        // one of the wrong size was damaged later and is replaced.
+        let present = std::fs::symlink_metadata(dir.join(hash)).is_ok_and(|m| m.is_file() && expected.map_or(true, |n| m.len() == n));
+        if present {
+            self.deduplicated.fetch_add(1, Ordering::Relaxed);
+        } else {
+            let durable = self.durable.load(Ordering::Relaxed);
+            match self.format {
+                Format::Native => fsio::write_atomic(&dir, hash, durable, |f| fsio::write_all(f, data))?,
+                Format::Torch => fsio::write_atomic(&dir, hash, durable, |f| torch_glue::write_storage_file(f, data))?,
+            }
+            self.written.fetch_add(1, Ordering::Relaxed);
+            self.bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+        }
+        self.seen.lock().unwrap().insert(hash.to_string());
+        Ok(())
+    }
+
+    /// Stores `data` as a storage and a tensor entry `name` viewing it
+    /// with `dtype`, `offset`, `shape` and `stride` (in elements). The view
+    /// must lie inside `data`. `/` in `name` makes folders. An entry of the
+    /// same name is replaced. Returns the storage's hash.
+    pub fn write_tensor(&self, name: &str, data: &[u8], dtype: Dtype, offset: i64, shape: &[i64], stride: &[i64]) -> Result<String> {
+        let parts = tensor_name_parts(name)?;
+        let hash = hash_hex(data, self.hash);
+        let meta = TensorMeta { dtype, storage_hash: hash.clone(), offset, shape: shape.to_vec(), stride: stride.to_vec() };
+        check_fits(&meta, data.len() as u64, ErrorKind::InvalidArgument).map_err(|e| e.context(format!("tensor {name:?}")))?;
+        self.store_hashed(&hash, data)?;
+        let entry = match self.format {
+            Format::Native => record::encode(&meta),
+            Format::Torch => torch_glue::tensor_file(&meta),
+        };
+        let (file, folders) = parts.split_last().expect("a valid name has a part");
+        let dir = fsio::make_dirs(&self.root.join(layout::TENSORS), folders)?;
+        fsio::write_atomic(&dir, file, self.durable.load(Ordering::Relaxed), |f| fsio::write_all(f, &entry)).map_err(|e| e.context(format!("tensor {name:?}")))?;
+        self.tensors.fetch_add(1, Ordering::Relaxed);
+        Ok(hash)
+    }
+}
+
+/// A shared flock on the store's lock file (created if absent).
+fn shared_lock(root: &Path) -> Result<File> {
+    let path = root.join(layout::LOCK);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| Error::new(ErrorKind::Io, format!("unable to open lock file {}: {e}", path.display())))?;
+    flock(&f, libc::LOCK_SH, &path)?;
+    Ok(f)
+}
+
+/// flock(2) on `f`; EINTR retried.
+pub(crate) fn flock(f: &File, op: i32, path: &Path) -> Result<()> {
+    loop {
+        // SAFETY: flock on a descriptor this File owns.
+        if unsafe { libc::flock(f.as_raw_fd(), op) } == 0 {
+            return Ok(());
+        }
+        let errno = crate::error::errno();
+        if errno == libc::EINTR {
+            continue;
+        }
+        if errno == libc::EWOULDBLOCK {
+            return Err(Error::new(ErrorKind::Busy, format!("{} is locked: a writer has the store open", path.display())));
+        }
+        return Err(Error::from_errno(errno, format!("unable to lock {}", path.display())));
+    }
+}

@@ -6,7 +6,8 @@
 
 mod common;
 
-use common::{child_main, my_role, run_ok, Parent, Peer, ROLE_VAR};
+use common::{child_main, my_role, run_ok, use_built_manager, wait_until, Parent, Peer, ROLE_VAR};
+use std::time::Duration;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::process::Command;
@@ -25,6 +26,7 @@ fn child_entry() {
             "consumer_then_producer" => consumer_then_producer(&mut parent, &data),
             "holder" => holder(&mut parent, &data),
             "producer" => producer(&mut parent, &data),
+            "unshared_producer" => unshared_producer(&mut parent),
             other => panic!("unknown role {other}"),
         }
     });
@@ -218,6 +220,32 @@ fn producer_killed_consumer_keeps_reading_and_nothing_is_left() {
         drop(views);
         assert_eq!(arena_names_of(pid), Vec::<String>::new(), "{strategy}: names of the dead producer left");
     }
+}
+
+/// Makes by-name segments (one of small blocks, one large block) and
+/// shares nothing: no consumer will ever open, or unlink, its names.
+fn unshared_producer(parent: &mut Parent) {
+    let arena = Arena::new(opts(Strategy::Name)).unwrap();
+    let small = arena.alloc(5000, 64).unwrap();
+    let large = arena.alloc(2 << 20, 64).unwrap();
+    fill(small, 5000, 1);
+    fill(large, 2 << 20, 2);
+    parent.send("made");
+    parent.wait_for_close();
+}
+
+#[test]
+fn producer_killed_before_any_consumer_leaves_no_name() {
+    use_built_manager();
+    let mut peer = Peer::spawn(ENTRY, "unshared_producer", "name");
+    let pid = peer.pid();
+    let _data = parent_data_channel(&peer);
+    assert_eq!(peer.recv(), "made");
+    assert_eq!(arena_names_of(pid).len(), 2, "one small-block segment, one large");
+    peer.kill9();
+    // The manager removes them when the producer's connection drops.
+    let gone = wait_until(Duration::from_secs(10), || arena_names_of(pid).is_empty());
+    assert!(gone, "names of the killed producer left in /dev/shm: {:?}", arena_names_of(pid));
 }
 
 #[test]

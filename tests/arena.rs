@@ -267,6 +267,53 @@ fn child_role() {
     fill(p, 100_000, 1);
 }
 
+/// A consumer alone in its process (its remote cache is its own): a
+/// by-name producer killed but not reaped (a zombie: `kill(pid, 0)` still
+/// finds it, as it finds a process that reused the pid) keeps its idle
+/// segments cached after the views go; `ss_arena_trim_remote_cache`
+/// unmaps them and removes the names.
+#[test]
+#[ignore = "entry point of a consumer process, run by trim_remote_cache_drops_a_dead_producers_segments"]
+fn trim_consumer_role() {
+    use storage_sharing::ffi::arena::{ss_arena_remote_cache_size, ss_arena_trim_remote_cache};
+    let Some((role, _)) = my_role() else { return };
+    assert_eq!(role, "trim-consumer");
+    let mut peer = Peer::spawn(ENTRY, "producer", "name");
+    let pid = peer.pid();
+    let data = parent_data_channel(&peer);
+    let views: Vec<RemoteView> = (0..3).map(|_| recv_block(data.as_raw_fd()).unwrap()).collect();
+    assert_eq!(peer.recv(), "sent");
+    // SAFETY: a signal to our own child, reaped below.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let zombie = || std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')));
+    assert!(wait_until(Duration::from_secs(10), zombie), "producer {pid} did not become a zombie");
+    assert_eq!(views.iter().map(check).collect::<Vec<_>>(), [50, 51, 52]);
+    drop(views);
+    let (mut cached, mut released) = (0usize, 0usize);
+    // SAFETY: writable out-parameters.
+    unsafe {
+        assert_eq!(ss_arena_remote_cache_size(&mut cached), storage_sharing::ffi::ss_status::SS_OK);
+        assert_eq!(cached, 2, "the zombie producer's two segments stay cached after the views");
+        assert_eq!(ss_arena_trim_remote_cache(&mut released), storage_sharing::ffi::ss_status::SS_OK);
+        assert_eq!(released, 2);
+        assert_eq!(ss_arena_remote_cache_size(&mut cached), storage_sharing::ffi::ss_status::SS_OK);
+        assert_eq!(cached, 0);
+        assert_eq!(ss_arena_trim_remote_cache(std::ptr::null_mut()), storage_sharing::ffi::ss_status::SS_OK);
+    }
+    assert_eq!(arena_names_of(pid), Vec::<String>::new(), "names of the dead producer left");
+    peer.kill9();
+    println!("trimmed {released} segments");
+}
+
+#[test]
+fn trim_remote_cache_drops_a_dead_producers_segments() {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--ignored", "--exact", "trim_consumer_role", "--nocapture"]).env(ROLE_VAR, "trim-consumer");
+    let out = run_ok(cmd);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("trimmed 2 segments"), "{text}");
+}
+
 #[test]
 fn full_dev_shm_is_no_space_not_sigbus() {
     let probe = Command::new("unshare").args(["-m", "--propagation", "private", "true"]).output();

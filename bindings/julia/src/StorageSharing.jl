@@ -34,7 +34,7 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        symm_signal_pad_size, symm_buffer_ptr, symm_signal_pad_ptr, symm_get_buffer, symm_barrier, symm_put_signal,
        symm_wait_signal, symm_finalize,
        ArenaOptions, ArenaHandle, ArenaStats, SharedArena, ArenaView, arena_options_default, open_arena,
-       arena_alloc, arena_free, arena_share, arena_unshare, arena_segment_fd, arena_collect, arena_stats,
+       arena_alloc, arena_free, arena_share, arena_unshare, arena_segment_fd, arena_collect, arena_stats, arena_trim_remote_cache, arena_remote_cache_size,
        arena_import_segment_fd, arena_open_remote, arena_send, arena_recv, storage_in_arena
 
 """The library to load: `STORAGE_SHARING_LIB`, else the standard search path."""

@@ -656,6 +656,20 @@ ss_status ss_arena_import_segment_fd(const ss_arena_handle *h, int fd);
 ss_status ss_arena_open_remote(const ss_arena_handle *h, ss_arena_view **out);
 
 /**
+ * Consumer: unmaps the cached remote segments that no view uses and
+ * whose producer retired them or died (also when its pid now belongs to
+ * another process); by name, a dead producer's name goes too. Their
+ * count goes to `out_released` (may be NULL). `ss_arena_open_remote`
+ * does this by itself before it maps a new segment.
+ */
+ss_status ss_arena_trim_remote_cache(size_t *out_released);
+
+/**
+ * Consumer: how many remote segments this process has mapped now.
+ */
+ss_status ss_arena_remote_cache_size(size_t *out);
+
+/**
  * Start of the viewed block; NULL for NULL.
  */
 void *ss_arena_view_data(const ss_arena_view *v);

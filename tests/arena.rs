@@ -6,7 +6,8 @@
 
 mod common;
 
-use common::{child_main, my_role, run_ok, Parent, Peer, ROLE_VAR};
+use common::{child_main, my_role, run_ok, use_built_manager, wait_until, Parent, Peer, ROLE_VAR};
+use std::time::Duration;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::process::Command;
@@ -25,6 +26,7 @@ fn child_entry() {
             "consumer_then_producer" => consumer_then_producer(&mut parent, &data),
             "holder" => holder(&mut parent, &data),
             "producer" => producer(&mut parent, &data),
+            "unshared_producer" => unshared_producer(&mut parent),
             other => panic!("unknown role {other}"),
         }
     });
@@ -220,6 +222,32 @@ fn producer_killed_consumer_keeps_reading_and_nothing_is_left() {
     }
 }
 
+/// Makes by-name segments (one of small blocks, one large block) and
+/// shares nothing: no consumer will ever open, or unlink, its names.
+fn unshared_producer(parent: &mut Parent) {
+    let arena = Arena::new(opts(Strategy::Name)).unwrap();
+    let small = arena.alloc(5000, 64).unwrap();
+    let large = arena.alloc(2 << 20, 64).unwrap();
+    fill(small, 5000, 1);
+    fill(large, 2 << 20, 2);
+    parent.send("made");
+    parent.wait_for_close();
+}
+
+#[test]
+fn producer_killed_before_any_consumer_leaves_no_name() {
+    use_built_manager();
+    let mut peer = Peer::spawn(ENTRY, "unshared_producer", "name");
+    let pid = peer.pid();
+    let _data = parent_data_channel(&peer);
+    assert_eq!(peer.recv(), "made");
+    assert_eq!(arena_names_of(pid).len(), 2, "one small-block segment, one large");
+    peer.kill9();
+    // The manager removes them when the producer's connection drops.
+    let gone = wait_until(Duration::from_secs(10), || arena_names_of(pid).is_empty());
+    assert!(gone, "names of the killed producer left in /dev/shm: {:?}", arena_names_of(pid));
+}
+
 #[test]
 #[ignore = "entry point of the child process, run inside a private mount namespace"]
 fn child_role() {
@@ -237,6 +265,53 @@ fn child_role() {
     let fits = Arena::new(ArenaOptions { segment_size: 256 << 10, large_threshold: 64 << 10, ..opts(Strategy::Name) }).unwrap();
     let p = fits.alloc(100_000, 64).unwrap();
     fill(p, 100_000, 1);
+}
+
+/// A consumer alone in its process (its remote cache is its own): a
+/// by-name producer killed but not reaped (a zombie: `kill(pid, 0)` still
+/// finds it, as it finds a process that reused the pid) keeps its idle
+/// segments cached after the views go; `ss_arena_trim_remote_cache`
+/// unmaps them and removes the names.
+#[test]
+#[ignore = "entry point of a consumer process, run by trim_remote_cache_drops_a_dead_producers_segments"]
+fn trim_consumer_role() {
+    use storage_sharing::ffi::arena::{ss_arena_remote_cache_size, ss_arena_trim_remote_cache};
+    let Some((role, _)) = my_role() else { return };
+    assert_eq!(role, "trim-consumer");
+    let mut peer = Peer::spawn(ENTRY, "producer", "name");
+    let pid = peer.pid();
+    let data = parent_data_channel(&peer);
+    let views: Vec<RemoteView> = (0..3).map(|_| recv_block(data.as_raw_fd()).unwrap()).collect();
+    assert_eq!(peer.recv(), "sent");
+    // SAFETY: a signal to our own child, reaped below.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let zombie = || std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')));
+    assert!(wait_until(Duration::from_secs(10), zombie), "producer {pid} did not become a zombie");
+    assert_eq!(views.iter().map(check).collect::<Vec<_>>(), [50, 51, 52]);
+    drop(views);
+    let (mut cached, mut released) = (0usize, 0usize);
+    // SAFETY: writable out-parameters.
+    unsafe {
+        assert_eq!(ss_arena_remote_cache_size(&mut cached), storage_sharing::ffi::ss_status::SS_OK);
+        assert_eq!(cached, 2, "the zombie producer's two segments stay cached after the views");
+        assert_eq!(ss_arena_trim_remote_cache(&mut released), storage_sharing::ffi::ss_status::SS_OK);
+        assert_eq!(released, 2);
+        assert_eq!(ss_arena_remote_cache_size(&mut cached), storage_sharing::ffi::ss_status::SS_OK);
+        assert_eq!(cached, 0);
+        assert_eq!(ss_arena_trim_remote_cache(std::ptr::null_mut()), storage_sharing::ffi::ss_status::SS_OK);
+    }
+    assert_eq!(arena_names_of(pid), Vec::<String>::new(), "names of the dead producer left");
+    peer.kill9();
+    println!("trimmed {released} segments");
+}
+
+#[test]
+fn trim_remote_cache_drops_a_dead_producers_segments() {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--ignored", "--exact", "trim_consumer_role", "--nocapture"]).env(ROLE_VAR, "trim-consumer");
+    let out = run_ok(cmd);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("trimmed 2 segments"), "{text}");
 }
 
 #[test]

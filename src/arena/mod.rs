@@ -22,4 +22,4 @@ pub mod transport;
 
 pub use allocator::{Arena, ArenaOptions, ArenaStats, CollectReport};
 pub use handle::{ArenaHandle, Strategy};
-pub use remote::{import_segment_fd, open_remote, RemoteView};
+pub use remote::{cached_segments, import_segment_fd, open_remote, trim_cache, RemoteView};

@@ -115,6 +115,10 @@ pub fn open_remote(h: &ArenaHandle) -> Result<RemoteView> {
     let mut c = cache();
     let map = c.get_or_insert_with(HashMap::new);
     if !map.contains_key(&h.key) {
+        // Mapping a new segment is rare: drop idle segments of dead
+        // producers first (a pid reused by another process, or a zombie,
+        // passed the cheap check when their last view went).
+        trim_map(map);
         let seg = match h.strategy {
             Strategy::Name => Segment::open(h.key, Strategy::Name, h.segment_data_size as usize, None, Some(&h.name))?,
             Strategy::Fd => {
@@ -156,7 +160,10 @@ pub fn open_remote(h: &ArenaHandle) -> Result<RemoteView> {
 /// died; returns how many went. (Views release theirs on drop already.)
 pub fn trim_cache() -> usize {
     let mut c = cache();
-    let Some(map) = c.as_mut() else { return 0 };
+    c.as_mut().map_or(0, trim_map)
+}
+
+fn trim_map(map: &mut HashMap<SegmentKey, Entry>) -> usize {
     let idle: Vec<SegmentKey> = map
         .iter()
         .filter(|(k, e)| e.views == 0 && (e.seg.retired() || !counters::alive(k.producer_pid, k.producer_start)))

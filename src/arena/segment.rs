@@ -68,6 +68,9 @@ pub struct Segment {
     name: Option<String>,
     unlink_on_drop: std::sync::atomic::AtomicBool,
     creator: bool,
+    /// By name, the manager daemon the creator registered the name with:
+    /// it removes the name if the creator is killed before unlinking it.
+    manager: Option<std::sync::Arc<crate::manager::Client>>,
 }
 
 // SAFETY: the segment owns its mapping and descriptor; the shared parts
@@ -90,12 +93,20 @@ impl Segment {
             .ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("segment of {data_size} bytes is too large")))?;
         let me = super::counters::me();
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let mut manager = None;
         let key = SegmentKey { producer_pid: me.0, producer_start: me.1, segment_id: id };
         let (fd, name) = match strategy {
             Strategy::Fd => (memfd(id)?, None),
             Strategy::Name => {
                 let name = format!("/ss_arena_{}_{}_{:08x}", me.0, id, random_u32());
-                (shm_create(&name)?, Some(name))
+                manager = register_with_manager(&name);
+                match shm_create(&name) {
+                    Ok(fd) => (fd, Some(name)),
+                    Err(e) => {
+                        tell_manager_freed(&manager, &name);
+                        return Err(e);
+                    }
+                }
             }
         };
         let what = name.clone().unwrap_or_else(|| format!("arena memfd segment {id}"));
@@ -117,6 +128,7 @@ impl Segment {
             Err(e) => {
                 if let Some(n) = &name {
                     unlink(n);
+                    tell_manager_freed(&manager, n);
                 }
                 return Err(e);
             }
@@ -133,6 +145,7 @@ impl Segment {
             name,
             unlink_on_drop: true.into(),
             creator: true,
+            manager,
         };
         // SAFETY: the header lies inside our fresh mapping, page aligned;
         // nobody else knows the segment yet.
@@ -188,6 +201,7 @@ impl Segment {
             name: name.map(str::to_string),
             unlink_on_drop: false.into(),
             creator: false,
+            manager: None,
         };
         // SAFETY: total >= data_size + HEADER_SIZE, so the header is mapped.
         let h = unsafe { &*seg.header_ptr() };
@@ -285,6 +299,28 @@ impl Drop for Segment {
                 unlink(n);
             }
         }
+        if let Some(n) = &self.name {
+            tell_manager_freed(&self.manager, n);
+        }
+    }
+}
+
+/// Registers a by-name segment with this process's manager daemon (the
+/// one already connected, else one spawned now) before the name exists,
+/// so a creator killed with -9 leaves nothing: the manager removes the
+/// name once no live process maps it. Best effort: without a manager
+/// binary the segment still works, and `ssctl gc` recognises
+/// `ss_arena_<pid>_...` names of dead creators.
+fn register_with_manager(name: &str) -> Option<std::sync::Arc<crate::manager::Client>> {
+    let client = crate::manager::default_client().ok()?;
+    client.register(name).ok()?;
+    Some(client)
+}
+
+fn tell_manager_freed(manager: &Option<std::sync::Arc<crate::manager::Client>>, name: &str) {
+    if let Some(c) = manager {
+        // No reply to wait for; a manager that is gone is not an error.
+        let _ = c.free(name);
     }
 }
 

@@ -353,6 +353,34 @@ pub unsafe extern "C" fn ss_arena_open_remote(h: *const ss_arena_handle, out: *m
     })
 }
 
+/// Consumer: unmaps the cached remote segments that no view uses and
+/// whose producer retired them or died (also when its pid now belongs to
+/// another process); by name, a dead producer's name goes too. Their
+/// count goes to `out_released` (may be NULL). `ss_arena_open_remote`
+/// does this by itself before it maps a new segment.
+#[no_mangle]
+pub unsafe extern "C" fn ss_arena_trim_remote_cache(out_released: *mut usize) -> ss_status {
+    ffi_status!("ss_arena_trim_remote_cache", {
+        let n = arena::trim_cache();
+        if !out_released.is_null() {
+            // SAFETY: non-NULL, so writable by the contract.
+            unsafe { write_out(out_released, n) };
+        }
+        Ok(())
+    })
+}
+
+/// Consumer: how many remote segments this process has mapped now.
+#[no_mangle]
+pub unsafe extern "C" fn ss_arena_remote_cache_size(out: *mut usize) -> ss_status {
+    ffi_status!("ss_arena_remote_cache_size", {
+        out_arg(out, "out")?;
+        // SAFETY: checked above.
+        unsafe { write_out(out, arena::cached_segments()) };
+        Ok(())
+    })
+}
+
 /// Start of the viewed block; NULL for NULL.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_view_data(v: *const SsArenaView) -> *mut c_void {

@@ -1,5 +1,6 @@
 //! The segments in /dev/shm that look like ours or PyTorch's
-//! (`torch_<pid>_<rand>_<n>`, or the older `torch_<pid>_<n>`), with what
+//! (`torch_<pid>_<rand>_<n>`, or the older `torch_<pid>_<n>`; arena
+//! segments `ss_arena_<pid>_<id>_<hex>`), with what
 //! `ssctl ls` shows and `ssctl gc` decides on.
 
 use crate::manager::segment_users::{creator_alive, names_in_use, SHM_DIR};
@@ -32,11 +33,25 @@ impl Segment {
     }
 }
 
-/// The creating pid if `file` (without the leading '/') has our naming.
+/// The creating pid if `file` (without the leading '/') has our naming:
+/// ATen's `torch_<pid>_...` or an arena's `ss_arena_<pid>_<id>_<hex>`.
 pub fn creator_pid(file: &str) -> Option<i32> {
+    if let Some(rest) = file.strip_prefix("ss_arena_") {
+        return arena_creator_pid(rest);
+    }
     let rest = file.strip_prefix("torch_")?;
     let parts: Vec<&str> = rest.split('_').collect();
     if !(parts.len() == 2 || parts.len() == 3) || parts.iter().any(|p| p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit())) {
+        return None;
+    }
+    parts[0].parse().ok()
+}
+
+fn arena_creator_pid(rest: &str) -> Option<i32> {
+    let parts: Vec<&str> = rest.split('_').collect();
+    let digits = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+    let hex = |p: &str| p.len() == 8 && p.bytes().all(|b| b.is_ascii_hexdigit());
+    if parts.len() != 3 || !digits(parts[0]) || !digits(parts[1]) || !hex(parts[2]) {
         return None;
     }
     parts[0].parse().ok()
@@ -62,7 +77,8 @@ pub fn scan(prefix: &str) -> Vec<Segment> {
         found.push(Segment {
             name: format!("/{file}"),
             size: meta.len(),
-            refcount: read_refcount(&entry.path(), meta.len()),
+            // Arena segments hold data at offset 0, not a count.
+            refcount: if file.starts_with("torch_") { read_refcount(&entry.path(), meta.len()) } else { None },
             pid,
             creator_alive: creator_alive(pid, created),
             in_use: false,
@@ -100,5 +116,8 @@ mod tests {
         assert_eq!(creator_pid("torch_a_1_2"), None);
         assert_eq!(creator_pid("torch_1__2"), None);
         assert_eq!(creator_pid("other_1_2_3"), None);
+        assert_eq!(creator_pid("ss_arena_77_3_0a1b2c3d"), Some(77));
+        assert_eq!(creator_pid("ss_arena_77_3"), None);
+        assert_eq!(creator_pid("ss_arena_77_3_xyz"), None);
     }
 }

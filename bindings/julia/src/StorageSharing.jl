@@ -35,6 +35,7 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        symm_wait_signal, symm_finalize, symm_get_signal_pad_size, symm_set_signal_pad_size,
        ArenaOptions, ArenaHandle, ArenaStats, SharedArena, ArenaView, arena_options_default, open_arena,
        arena_alloc, arena_free, arena_share, arena_unshare, arena_segment_fd, arena_collect, arena_stats,
+       arena_trim_remote_cache, arena_remote_cache_size,
        arena_import_segment_fd, arena_open_remote, arena_send, arena_recv, storage_in_arena,
        hash_bytes, ContentWriter, ContentReader, ContentTensor, ContentStorage, content_writer, write_storage,
        write_tensor, writer_counts, set_durable!, content_reader, reader_format, set_verify!, read_tensor, read_storage,

@@ -200,3 +200,17 @@ function storage_in_arena(a::SharedArena, n::Integer)
     check("ss_storage_new_in_arena", st)
     return SharedStorage(out[])
 end
+
+"""Consumer: unmaps idle cached segments of retired or dead producers; returns how many went."""
+function arena_trim_remote_cache()
+    released = Ref{Csize_t}(0)
+    check("ss_arena_trim_remote_cache", ccall((:ss_arena_trim_remote_cache, libstorage_sharing()), Cint, (Ptr{Csize_t},), released))
+    return Int(released[])
+end
+
+"""Consumer: how many remote segments this process has mapped."""
+function arena_remote_cache_size()
+    n = Ref{Csize_t}(0)
+    check("ss_arena_remote_cache_size", ccall((:ss_arena_remote_cache_size, libstorage_sharing()), Cint, (Ptr{Csize_t},), n))
+    return Int(n[])
+end

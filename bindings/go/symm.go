@@ -138,30 +138,23 @@ type SymmBlock struct {
 // (DeviceCPU, device 0; DeviceCUDA fails with ErrUnsupported for now).
 // group ("" for none) is the default group of its rendezvous.
 func SymmAlloc(deviceType, deviceIdx, size int, group string) (*SymmBlock, error) {
-	const op = "ss_symm_alloc"
-	if err := checkLen(op, size); err != nil {
-		return nil, err
-	}
-	g, err := optGroup(op, group)
-	if err != nil {
-		return nil, err
-	}
-	defer freeCString(g)
-	var p unsafe.Pointer
-	err = call(op, func() C.ss_status {
-		return C.ss_symm_alloc(C.int(deviceType), C.int(deviceIdx), C.size_t(size), g, &p)
+	return symmAllocWith("ss_symm_alloc", size, group, func(g *C.char, p *unsafe.Pointer) C.ss_status {
+		return C.ss_symm_alloc(C.int(deviceType), C.int(deviceIdx), C.size_t(size), g, p)
 	})
-	if err != nil {
-		return nil, err
-	}
-	return &SymmBlock{ptr: p, size: size}, nil
 }
 
 // SymmAllocPersistent is SymmAlloc for the persistent block allocID: once
 // the previous use was freed, the same block comes back (ErrBusy while it
 // is not freed, ErrSizeMismatch for another size).
 func SymmAllocPersistent(deviceType, deviceIdx, size int, group string, allocID uint64) (*SymmBlock, error) {
-	const op = "ss_symm_alloc_persistent"
+	return symmAllocWith("ss_symm_alloc_persistent", size, group, func(g *C.char, p *unsafe.Pointer) C.ss_status {
+		return C.ss_symm_alloc_persistent(C.int(deviceType), C.int(deviceIdx), C.size_t(size), g, C.uint64_t(allocID), p)
+	})
+}
+
+// symmAllocWith checks size and group, then runs one of the two C
+// allocation calls with the group as a C string (NULL for none).
+func symmAllocWith(op string, size int, group string, alloc func(g *C.char, p *unsafe.Pointer) C.ss_status) (*SymmBlock, error) {
 	if err := checkLen(op, size); err != nil {
 		return nil, err
 	}
@@ -171,10 +164,7 @@ func SymmAllocPersistent(deviceType, deviceIdx, size int, group string, allocID 
 	}
 	defer freeCString(g)
 	var p unsafe.Pointer
-	err = call(op, func() C.ss_status {
-		return C.ss_symm_alloc_persistent(C.int(deviceType), C.int(deviceIdx), C.size_t(size), g, C.uint64_t(allocID), &p)
-	})
-	if err != nil {
+	if err := call(op, func() C.ss_status { return alloc(g, &p) }); err != nil {
 		return nil, err
 	}
 	return &SymmBlock{ptr: p, size: size}, nil

@@ -13,7 +13,7 @@ for exe in "$build"/test_*; do
     [ -x "$exe" ] && [ -f "$exe" ] || continue
     echo "== valgrind $(basename "$exe")"
     # Children the tests fork or spawn (the manager daemon) are followed too.
-    valgrind --tool=memcheck --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite \
+    valgrind --tool=memcheck --error-exitcode=99 --suppressions=scripts/valgrind.supp --leak-check=full --errors-for-leak-kinds=definite \
         --trace-children=yes --child-silent-after-fork=no --quiet "$exe"
     n=$((n + 1))
 done

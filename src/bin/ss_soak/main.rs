@@ -18,7 +18,7 @@ mod system;
 use rng::{round_seed, Rng};
 use round::Round;
 use scenario::{Cleanup, Scenario};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 /// How long the run waits at the end for managers to remove what killed
@@ -108,8 +108,8 @@ fn run(o: &Options) -> i32 {
     let fds_before = system::open_fds();
     let started = Instant::now();
     let mut t = Totals::default();
-    // Creator pid -> (round, path cleanup) for the checks at the end.
-    let mut owners: HashMap<i32, (u64, Cleanup)> = HashMap::new();
+    // Per round: its pids, time window and cleanup, for the checks at the end.
+    let mut lives: Vec<(u64, HashSet<i32>, f64, f64, Cleanup)> = Vec::new();
     for i in o.start..o.start + o.rounds {
         if o.minutes.is_some_and(|m| started.elapsed().as_secs_f64() > m * 60.0) {
             break;
@@ -117,6 +117,7 @@ fn run(o: &Options) -> i32 {
         let rs = round_seed(o.seed, i);
         let mut pick = Rng::new(rs ^ 0x5eed);
         let s = chosen[pick.below(chosen.len() as u64) as usize];
+        let from = system::now();
         let mut r = Round::new(Rng::new(rs), format!("{run_tag}:{i}"), s.max_steps(), s.has_manager());
         let outcome = s.run(&mut r).and_then(|_| r.finish());
         t.rounds += 1;
@@ -131,39 +132,33 @@ fn run(o: &Options) -> i32 {
         let pids = r.pids.clone();
         let killed = r.fired();
         drop(r);
+        let to = system::now();
         // Segments must be gone now unless a kill left them to a manager
         // or to gc.
         let cleanup = if killed { s.cleanup() } else { Cleanup::Immediate };
         match cleanup {
             Cleanup::Immediate => {
-                let left = system::segments_of(&pids);
+                let left = system::segments_of(&pids, from, to);
                 if !left.is_empty() {
                     t.failures.push(format!("round {i} [{}]: segments left {left:?} (replay: {replay})", s.name()));
                 }
             }
-            Cleanup::Gc => {
-                for pid in &pids {
-                    let report = storage_sharing::ssctl::gc::collect(&format!("torch_{pid}_"), false);
-                    t.gc_removed += report.removed.len() as u64;
-                }
-            }
+            Cleanup::Gc => t.gc_removed += system::gc(&pids, from, to),
             Cleanup::Manager => {}
         }
-        for pid in pids {
-            owners.insert(pid, (i, cleanup));
-        }
+        lives.push((i, pids, from, to, cleanup));
     }
     // Managers remove what was abandoned, then exit when idle.
-    let all: HashSet<i32> = owners.keys().copied().collect();
+    let left_now = |lives: &[(u64, HashSet<i32>, f64, f64, Cleanup)]| -> Vec<(u64, Cleanup, String)> {
+        lives.iter().flat_map(|(i, pids, from, to, c)| system::segments_of(pids, *from, *to).into_iter().map(move |n| (*i, *c, n))).collect()
+    };
     let settle_end = Instant::now() + SETTLE;
-    while Instant::now() < settle_end && !(system::segments_of(&all).is_empty() && system::daemons(&run_tag).is_empty()) {
+    while Instant::now() < settle_end && !(left_now(&lives).is_empty() && system::daemons(&run_tag).is_empty()) {
         std::thread::sleep(Duration::from_millis(200));
     }
-    let left = system::segments_of(&all);
+    let left = left_now(&lives);
     let daemons = system::daemons(&run_tag);
-    for name in &left {
-        let pid = storage_sharing::ssctl::segments::creator_pid(name).unwrap_or(0);
-        let (round, how) = owners.get(&pid).copied().unwrap_or((0, Cleanup::Immediate));
+    for (round, how, name) in &left {
         t.failures.push(format!("segment {name} of round {round} left ({how:?} cleanup; replay: --seed {} --start {round} --rounds 1)", o.seed));
     }
     let fds_after = system::open_fds();

@@ -7,14 +7,36 @@ use std::collections::HashSet;
 /// inherited, in every manager daemon a participant starts.
 pub const TAG_VAR: &str = "SS_SOAK_TAG";
 
-/// Names (without '/') in /dev/shm created by one of `pids` (our naming
-/// `torch_<pid>_...`).
-pub fn segments_of(pids: &HashSet<i32>) -> Vec<String> {
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return Vec::new() };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_str().map(str::to_string))
-        .filter(|n| storage_sharing::ssctl::segments::creator_pid(n).is_some_and(|p| pids.contains(&p)))
+/// Segments (names with the '/') in /dev/shm created by one of `pids`
+/// (our naming `torch_<pid>_...`) between `from` and `to` (seconds since
+/// the epoch, one second of slack): other programs on the machine may
+/// reuse a pid of ours, before or after us, and their segments are not ours.
+pub fn segments_of(pids: &HashSet<i32>, from: f64, to: f64) -> Vec<String> {
+    storage_sharing::ssctl::segments::scan("torch_")
+        .into_iter()
+        .filter(|s| pids.contains(&s.pid) && s.created >= from - 1.0 && s.created <= to + 1.0)
+        .map(|s| s.name)
         .collect()
+}
+
+/// Removes the segments of `pids` made between `from` and `to` whose
+/// creator is dead and that no process maps or holds open (what `ssctl
+/// gc` removes); returns how many.
+pub fn gc(pids: &HashSet<i32>, from: f64, to: f64) -> u64 {
+    let mut removed = 0;
+    for s in storage_sharing::ssctl::segments::scan("torch_") {
+        if pids.contains(&s.pid) && s.created >= from - 1.0 && s.created <= to + 1.0 && s.collectable() {
+            let c = std::ffi::CString::new(s.name).expect("no NUL in a listed name");
+            // SAFETY: shm_unlink with a valid C string.
+            removed += u64::from(unsafe { libc::shm_unlink(c.as_ptr()) } == 0);
+        }
+    }
+    removed
+}
+
+/// Seconds since the epoch, now.
+pub fn now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
 /// Live (not zombie) processes whose environment holds `TAG_VAR=<tag...>`

@@ -150,7 +150,13 @@ fn run(o: &Options) -> i32 {
     }
     // Managers remove what was abandoned, then exit when idle.
     let left_now = |lives: &[(u64, HashSet<i32>, f64, f64, Cleanup)]| -> Vec<(u64, Cleanup, String)> {
-        lives.iter().flat_map(|(i, pids, from, to, c)| system::segments_of(pids, *from, *to).into_iter().map(move |n| (*i, *c, n))).collect()
+        let mut left = Vec::new();
+        for (name, pid, created) in system::our_segments() {
+            if let Some((i, _, _, _, c)) = lives.iter().find(|(_, pids, from, to, _)| system::owned_by(pid, created, pids, *from, *to)) {
+                left.push((*i, *c, name));
+            }
+        }
+        left
     };
     let settle_end = Instant::now() + SETTLE;
     while Instant::now() < settle_end && !(left_now(&lives).is_empty() && system::daemons(&run_tag).is_empty()) {

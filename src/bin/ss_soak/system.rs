@@ -7,16 +7,32 @@ use std::collections::HashSet;
 /// inherited, in every manager daemon a participant starts.
 pub const TAG_VAR: &str = "SS_SOAK_TAG";
 
-/// Segments (names with the '/') in /dev/shm created by one of `pids`
-/// (our naming `torch_<pid>_...`) between `from` and `to` (seconds since
-/// the epoch, one second of slack): other programs on the machine may
-/// reuse a pid of ours, before or after us, and their segments are not ours.
-pub fn segments_of(pids: &HashSet<i32>, from: f64, to: f64) -> Vec<String> {
-    storage_sharing::ssctl::segments::scan("torch_")
-        .into_iter()
-        .filter(|s| pids.contains(&s.pid) && s.created >= from - 1.0 && s.created <= to + 1.0)
-        .map(|s| s.name)
+/// Every segment in /dev/shm with our naming: (name with the '/',
+/// creator pid, creation time in seconds since the epoch). Cheap: no walk
+/// of /proc, unlike `ssctl`'s scan.
+pub fn our_segments() -> Vec<(String, i32, f64)> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return Vec::new() };
+    dir.flatten()
+        .filter_map(|e| {
+            let file = e.file_name().into_string().ok()?;
+            let pid = storage_sharing::ssctl::segments::creator_pid(&file)?;
+            let meta = e.metadata().ok()?;
+            Some((format!("/{file}"), pid, meta.mtime() as f64 + meta.mtime_nsec() as f64 * 1e-9))
+        })
         .collect()
+}
+
+/// Whether a segment of creator `pid` made at `created` belongs to a round
+/// with `pids` that ran from `from` to `to` (one second of slack): other
+/// programs on the machine may reuse a pid of ours, and theirs are not ours.
+pub fn owned_by(pid: i32, created: f64, pids: &HashSet<i32>, from: f64, to: f64) -> bool {
+    pids.contains(&pid) && created >= from - 1.0 && created <= to + 1.0
+}
+
+/// The segments of one round still in /dev/shm.
+pub fn segments_of(pids: &HashSet<i32>, from: f64, to: f64) -> Vec<String> {
+    our_segments().into_iter().filter(|(_, pid, t)| owned_by(*pid, *t, pids, from, to)).map(|(n, _, _)| n).collect()
 }
 
 /// Removes the segments of `pids` made between `from` and `to` whose
@@ -25,7 +41,7 @@ pub fn segments_of(pids: &HashSet<i32>, from: f64, to: f64) -> Vec<String> {
 pub fn gc(pids: &HashSet<i32>, from: f64, to: f64) -> u64 {
     let mut removed = 0;
     for s in storage_sharing::ssctl::segments::scan("torch_") {
-        if pids.contains(&s.pid) && s.created >= from - 1.0 && s.created <= to + 1.0 && s.collectable() {
+        if owned_by(s.pid, s.created, pids, from, to) && s.collectable() {
             let c = std::ffi::CString::new(s.name).expect("no NUL in a listed name");
             // SAFETY: shm_unlink with a valid C string.
             removed += u64::from(unsafe { libc::shm_unlink(c.as_ptr()) } == 0);

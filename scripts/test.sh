@@ -42,6 +42,9 @@ for variant in plain asan; do
     cmake --build "$build" -j2 >/dev/null
     ctest --test-dir "$build" --output-on-failure -j2
 done
+# --- reliability (issue 12): the sanitizer build really links ASan+UBSan ----
+bash scripts/check_sanitizers.sh "$target/ctests-asan"
+# --- end reliability -------------------------------------------------------------
 
 # --- packaging and bindings (issue 5) ----------------------------------------
 echo "== packaging: install to a temp prefix; SONAME; find_package (shared, static), pkg-config, README examples; go test"

@@ -27,6 +27,21 @@ fn child_role() {
     let e = share_memory(&vec![7u8; ASK]).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
     println!("share_memory: {e}");
+    // The storage and CUDA-IPC creating functions (issue 12: every one).
+    use_built_manager();
+    let e = storage_sharing::storage::Storage::new_using_fd(ASK).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoSpace, "new_using_fd: {e}");
+    let e = storage_sharing::storage::Storage::from_bytes(&vec![7u8; ASK]).unwrap().share_fd().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoSpace, "share_fd: {e}");
+    let e = storage_sharing::storage::Storage::new_using_filename(ASK).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoSpace, "new_using_filename: {e}");
+    let e = storage_sharing::storage::Storage::from_bytes(&vec![7u8; ASK]).unwrap().share_filename().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoSpace, "share_filename: {e}");
+    // Counter files are 80 KiB: fill the tmpfs first, then ask for one.
+    let filler = MapAllocator::open(&new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE | storage_sharing::shm::flags::UNLINK, (1 << 20) - (32 << 10)).unwrap();
+    let e = storage_sharing::cuda::counters::CounterFile::create().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoSpace, "CounterFile::create: {e}");
+    drop(filler);
     // Nothing is left behind, and what fits still works.
     let left: Vec<_> = std::fs::read_dir("/dev/shm").unwrap().collect();
     assert!(left.is_empty(), "segments left after failed creates: {left:?}");

@@ -143,7 +143,8 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 fn unhex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 || !text.is_ascii() {
+    // Hex digits only: u8::from_str_radix alone would take a sign ("+c").
+    if text.len() % 2 != 0 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok()).collect()
@@ -194,7 +195,7 @@ mod tests {
         let null = IpcHandle { mem_handle: vec![], ref_counter_handle: String::new(), event_sync_required: false, ..h.clone() };
         assert!(null.to_text().contains(" - "));
         assert_eq!(IpcHandle::from_text(&null.to_text()).unwrap(), null);
-        for bad in ["", "1 2 3", "x ab 1 1 /n 1 00 1", "1 zz 1 1 /n 1 00 1", "1 abc 1 1 /n 1 00 1"] {
+        for bad in ["", "1 2 3", "x ab 1 1 /n 1 00 1", "1 zz 1 1 /n 1 00 1", "1 abc 1 1 /n 1 00 1", "1 +c 1 1 /n 1 00 1"] {
             assert_eq!(IpcHandle::from_text(bad).unwrap_err().kind(), ErrorKind::InvalidArgument, "{bad:?}");
         }
         let short_event = h.to_text().replace(&"11".repeat(64), "11");

@@ -94,11 +94,11 @@ impl RefcountedMapAllocator {
         let count = self.count();
         let mut seen = count.load(Ordering::SeqCst);
         loop {
-            if seen <= 0 {
+            if seen <= 0 || seen == i32::MAX {
                 return Err(Error::new(
                     ErrorKind::BadRefcount,
                     format!(
-                        "refcounted segment <{}> has count {seen} in its header: it is being released or is not a refcounted segment",
+                        "refcounted segment <{}> has count {seen} in its header: it is being released, is not a refcounted segment, or was overwritten",
                         self.map.filename()
                     ),
                 ));
@@ -151,8 +151,11 @@ impl RefcountedMapAllocator {
     /// Count + 1.
     pub fn incref(&self) -> Result<()> {
         self.check_open()?;
-        self.count().fetch_add(1, Ordering::SeqCst);
-        Ok(())
+        // A count at i32::MAX was overwritten by someone: wrapping it to a
+        // negative value would make every later open fail and close misfire.
+        self.count().fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_add(1)).map(|_| ()).map_err(|c| {
+            Error::new(ErrorKind::BadRefcount, format!("refcounted segment <{}> has count {c} in its header: one more would overflow", self.map.filename()))
+        })
     }
 
     /// Count − 1; true when it is now 0. The name is not removed here (as
@@ -259,6 +262,20 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::BadRefcount);
         assert!(e.message().contains("count 0"), "{e}");
         a.incref().unwrap();
+        drop(a);
+        assert!(!exists(&name));
+    }
+
+    #[test]
+    fn overwritten_count_at_max_is_refused_not_wrapped() {
+        let name = new_process_wide_shm_handle();
+        let a = RefcountedMapAllocator::open(&name, SHAREDMEM | EXCLUSIVE, 10).unwrap();
+        a.count().store(i32::MAX, Ordering::SeqCst);
+        let e = RefcountedMapAllocator::open(&name, SHAREDMEM | NOCREATE, 10).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::BadRefcount, "{e}");
+        assert_eq!(a.incref().unwrap_err().kind(), ErrorKind::BadRefcount);
+        assert_eq!(a.refcount().unwrap(), i32::MAX);
+        a.count().store(1, Ordering::SeqCst);
         drop(a);
         assert!(!exists(&name));
     }

@@ -1,0 +1,6 @@
+//! One file per sharing path; see `scenario::all` for the table.
+
+pub mod by_fd;
+pub mod by_name;
+pub mod cuda_counters;
+pub mod refcounted;

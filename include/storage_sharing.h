@@ -14,6 +14,23 @@
 #define SS_VERSION_STRING "0.1.0"
 
 /**
+ * Arena segments are anonymous memfds; their descriptors travel by
+ * SCM_RIGHTS, once per segment per peer.
+ */
+#define SS_ARENA_BY_FD 1
+
+/**
+ * Arena segments are named POSIX shm objects (`/dev/shm/ss_arena_*`),
+ * opened by name; no descriptor is kept or sent.
+ */
+#define SS_ARENA_BY_NAME 2
+
+/**
+ * Bytes of `ss_arena_handle.segment_name`, with the NUL.
+ */
+#define SS_ARENA_NAME_LEN 48
+
+/**
  * Fast hash: XXH3-128 tree of 1 MiB chunks, 32 hex characters (the
  * native format's names; definition in the README).
  */
@@ -142,6 +159,17 @@
 #define SS_REFCOUNT_HEADER_SIZE 64
 
 /**
+ * Device type of a CPU block (the library's own multi-process backend).
+ */
+#define SS_DEVICE_CPU 0
+
+/**
+ * Device type of a CUDA block (backend not built yet: allocations fail
+ * with `SS_ERR_UNSUPPORTED`).
+ */
+#define SS_DEVICE_CUDA 1
+
+/**
  * Result of a fallible call. `SS_OK` is 0; every other value names a kind
  * of failure, and `ss_last_error_message()` gives the detail. Values are
  * never renumbered or reused.
@@ -242,6 +270,19 @@ typedef enum {
 } ss_status;
 
 /**
+ * A producer's shareable CPU arena. Thread safety: a `const ss_arena*`
+ * may be used from several threads at once (it locks internally).
+ */
+typedef struct ss_arena ss_arena;
+
+/**
+ * A consumer's view of a block shared by another process: keeps the
+ * block from being reused until `ss_arena_view_free`. Its bytes stay
+ * readable even if the producer dies.
+ */
+typedef struct ss_arena_view ss_arena_view;
+
+/**
  * A list of strings (tensor names, storage hashes, problems). Immutable.
  */
 typedef struct ss_content_list ss_content_list;
@@ -308,11 +349,112 @@ typedef struct ss_map ss_map;
 typedef struct ss_storage ss_storage;
 
 /**
+ * A reference to a key-value store (c10d's "Store"), the medium of a
+ * symmetric-memory rendezvous. Each handle is one reference:
+ * `ss_store_free` drops it, and whoever else took a reference (a group,
+ * `ss_store_ref`) keeps the store alive.
+ *
+ * Thread safety: a `const ss_store*` may be used from several threads at
+ * once; every operation may run concurrently with the others.
+ */
+typedef struct ss_store ss_store;
+
+/**
+ * A rendezvoused symmetric block: every rank's buffer and signal pad, and
+ * the synchronisation calls. Owned by its allocation: valid until
+ * `ss_symm_free` of the block; never freed by the caller.
+ *
+ * Thread safety: a `const ss_symm_mem*` may be used from several threads,
+ * but each (peer, channel) pair of put/wait/barrier must be used by one
+ * thread at a time, as the signal slots have one writer per side.
+ */
+typedef struct ss_symm_mem ss_symm_mem;
+
+/**
  * A weak reference to a storage: does not keep its bytes alive.
  *
  * Thread safety: a `const ss_weak*` may be used from several threads.
  */
 typedef struct ss_weak ss_weak;
+
+/**
+ * How `ss_arena_open` sets up an arena. Start from
+ * `ss_arena_options_default`.
+ */
+typedef struct {
+  /**
+   * Bytes of data in each segment of small blocks (default 64 MiB).
+   */
+  size_t segment_size;
+  /**
+   * `SS_ARENA_BY_FD` (default) or `SS_ARENA_BY_NAME`.
+   */
+  uint32_t strategy;
+  /**
+   * Hold slots per small-block segment: shares in flight or held by
+   * consumers at once (default 4096).
+   */
+  uint32_t max_holds;
+  /**
+   * Blocks above this many bytes get a segment of their own, released
+   * when they are freed (default 1 MiB; at most segment_size / 4).
+   */
+  size_t large_threshold;
+} ss_arena_options;
+
+/**
+ * A shared block: what a consumer passes to `ss_arena_open_remote`.
+ * Plain bytes: send it over any channel. Each handle carries one hold
+ * and opens once.
+ */
+typedef struct {
+  /**
+   * `SS_ARENA_BY_FD` or `SS_ARENA_BY_NAME`.
+   */
+  uint32_t strategy;
+  /**
+   * The producer's pid and start time (clock ticks since boot): with
+   * the segment id, the key of a consumer's segment cache, so a reused
+   * pid cannot alias.
+   */
+  int32_t producer_pid;
+  uint64_t producer_start;
+  uint64_t segment_id;
+  /**
+   * Bytes of data in the segment.
+   */
+  uint64_t segment_size;
+  /**
+   * Where the block is in the segment, and its size.
+   */
+  uint64_t offset;
+  uint64_t size;
+  /**
+   * The hold this share took in the segment's counter area.
+   */
+  uint32_t hold_slot;
+  uint32_t hold_generation;
+  /**
+   * The segment's name (by name), NUL-terminated; empty by fd.
+   */
+  char segment_name[SS_ARENA_NAME_LEN];
+} ss_arena_handle;
+
+/**
+ * Counts of an arena's state.
+ */
+typedef struct {
+  size_t segments;
+  size_t live_blocks;
+  /**
+   * Freed by the producer, still held by a consumer.
+   */
+  size_t deferred_blocks;
+  /**
+   * Bytes of segment data.
+   */
+  size_t segment_bytes;
+} ss_arena_stats;
 
 /**
  * Called when shared memory is no longer used by anyone: gets back the
@@ -366,9 +508,192 @@ typedef struct {
   bool event_sync_required;
 } ss_cuda_ipc_handle;
 
+/**
+ * Sets `key` to the `len` bytes at `value`. Returns an `ss_status` code
+ * (`SS_OK` = 0).
+ */
+typedef int (*ss_store_set_fn)(void *ctx, const char *key, const void *value, size_t len);
+
+/**
+ * Waits for `key` (`timeout_ms` 0: forever; expiry returns
+ * `SS_ERR_TIMEOUT`), writes the value's length to `*out_len` and, when it
+ * fits in `buf_len`, the value to `buf`. A longer value: write its length,
+ * return `SS_ERR_BUFFER_TOO_SMALL`, and the library calls again with a
+ * buffer of that size. `buf` may be NULL when `buf_len` is 0.
+ */
+typedef int (*ss_store_get_fn)(void *ctx,
+                               const char *key,
+                               int64_t timeout_ms,
+                               void *buf,
+                               size_t buf_len,
+                               size_t *out_len);
+
+/**
+ * Adds `delta` to the integer under `key` (missing = 0, stored as
+ * decimal text as c10d does) and writes the new value to `*out_value`.
+ */
+typedef int (*ss_store_add_fn)(void *ctx, const char *key, int64_t delta, int64_t *out_value);
+
+/**
+ * Waits until all `nkeys` keys are set (`timeout_ms` 0: forever; expiry
+ * returns `SS_ERR_TIMEOUT`).
+ */
+typedef int (*ss_store_wait_fn)(void *ctx, const char *const *keys, size_t nkeys, int64_t timeout_ms);
+
+/**
+ * Releases `ctx`: called once, when the store's last reference goes.
+ */
+typedef void (*ss_store_free_ctx_fn)(void *ctx);
+
+/**
+ * The functions of a host-provided store. `set`, `get`, `add` and `wait`
+ * are required, `free_ctx` may be NULL. They may be called from several
+ * threads at once (a rendezvous runs on the caller's thread, a group may
+ * live on others), must not unwind (no C++ exception may escape them),
+ * and report failures as `ss_status` codes; the library adds the keys to
+ * the message.
+ */
+typedef struct {
+  ss_store_set_fn set;
+  ss_store_get_fn get;
+  ss_store_add_fn add;
+  ss_store_wait_fn wait;
+  ss_store_free_ctx_fn free_ctx;
+} ss_store_callbacks;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Fills `*out` with the default options: 64 MiB segments by fd, 4096
+ * holds per segment, blocks above 1 MiB in segments of their own.
+ */
+ss_status ss_arena_options_default(ss_arena_options *out);
+
+/**
+ * A new arena with `options` (NULL: the defaults). No segment is made
+ * until the first allocation. Release with `ss_arena_close`.
+ */
+ss_status ss_arena_open(const ss_arena_options *options, ss_arena **out);
+
+/**
+ * Releases the handle and, once no storage made by
+ * `ss_storage_new_in_arena` keeps it alive, the arena and its segments:
+ * blocks from `ss_arena_alloc` must not be used after that. Views other
+ * processes hold stay readable (they have their own mapping); a handle
+ * not opened yet opens only in a process that has its segment mapped
+ * already (else `SS_ERR_NOT_FOUND`). NULL is a no-op.
+ */
+void ss_arena_close(ss_arena *a);
+
+/**
+ * A block of `size` bytes (> 0) aligned to `align` (a power of two, at
+ * most 4096) in shared memory, in `*out_ptr`. A full /dev/shm or out of
+ * memory gives `SS_ERR_NO_SPACE`, never a SIGBUS later.
+ */
+ss_status ss_arena_alloc(const ss_arena *a, size_t size, size_t align, void **out_ptr);
+
+/**
+ * Frees a block of this arena. One a consumer still holds is reused only
+ * after the consumer releases it (or dies and `ss_arena_collect` runs).
+ * A pointer this arena did not allocate, or one freed already, gives
+ * `SS_ERR_INVALID_ARGUMENT` and changes nothing.
+ */
+ss_status ss_arena_free(const ss_arena *a, void *ptr);
+
+/**
+ * Shares a live block in O(1), no copy: takes one hold on it and writes
+ * the handle another process opens with `ss_arena_open_remote` (once).
+ * By fd, that process needs the segment's descriptor first
+ * (`ss_arena_segment_fd`, once per segment), or use `ss_arena_send`.
+ */
+ss_status ss_arena_share(const ss_arena *a, void *ptr, ss_arena_handle *out);
+
+/**
+ * Cancels a share whose handle will never be opened, releasing its
+ * hold. A handle opened or cancelled already: `SS_ERR_INVALID_ARGUMENT`.
+ */
+ss_status ss_arena_unshare(const ss_arena *a, const ss_arena_handle *h);
+
+/**
+ * The descriptor of segment `segment_id` (from a handle) of a by-fd
+ * arena, owned by the arena: send it once per peer, never close it.
+ */
+ss_status ss_arena_segment_fd(const ss_arena *a, uint64_t segment_id, int *out_fd);
+
+/**
+ * Releases the holds of consumers that died (their pid is gone or now
+ * belongs to a process with another start time) and reuses the freed
+ * blocks nobody holds any more. Counts go to the out-parameters, each
+ * of which may be NULL.
+ */
+ss_status ss_arena_collect(const ss_arena *a,
+                           size_t *out_reclaimed_holds,
+                           size_t *out_recycled_blocks);
+
+/**
+ * The arena's counts: segments, live blocks, deferred blocks, bytes.
+ */
+ss_status ss_arena_stats_get(const ss_arena *a, ss_arena_stats *out);
+
+/**
+ * Consumer: maps the segment a by-fd handle names from `fd`, received
+ * from the producer. The descriptor is taken over on success (closed at
+ * once if this process has the segment mapped already); on failure the
+ * caller still owns it.
+ */
+ss_status ss_arena_import_segment_fd(const ss_arena_handle *h, int fd);
+
+/**
+ * Consumer: opens a shared block. The segment is mapped once per
+ * process (by name on first use; by fd it must be imported first, else
+ * `SS_ERR_NOT_FOUND`); the handle's hold becomes this view's. A handle
+ * opened already, cancelled, stale or malformed gives
+ * `SS_ERR_INVALID_ARGUMENT` (or `SS_ERR_CORRUPT` when the segment does
+ * not match it).
+ */
+ss_status ss_arena_open_remote(const ss_arena_handle *h, ss_arena_view **out);
+
+/**
+ * Start of the viewed block; NULL for NULL.
+ */
+void *ss_arena_view_data(const ss_arena_view *v);
+
+/**
+ * Size of the viewed block in bytes (the block's carved size, at least
+ * what the producer asked for); 0 for NULL.
+ */
+size_t ss_arena_view_size(const ss_arena_view *v);
+
+/**
+ * Releases the view's hold (one atomic compare-and-swap in the segment)
+ * and the view. The segment stays mapped for later views until its
+ * producer retires it or dies. NULL is a no-op.
+ */
+void ss_arena_view_free(ss_arena_view *v);
+
+/**
+ * Shares the block at `ptr` and sends it over `sock` (a connected Unix
+ * stream socket): the handle, plus the segment's descriptor the first
+ * time that segment goes to this peer. On failure the share is cancelled.
+ */
+ss_status ss_arena_send(const ss_arena *a, int sock, void *ptr);
+
+/**
+ * Receives one block sent with `ss_arena_send` and opens it.
+ */
+ss_status ss_arena_recv(int sock, ss_arena_view **out);
+
+/**
+ * A storage of `nbytes` (> 0) bytes in a new block of the arena: shared
+ * memory from birth. Above the arena's large threshold the block fills a
+ * memfd segment of its own, and `ss_storage_share_fd` returns that
+ * segment's fd with no copy (the tuple PyTorch maps); smaller blocks are
+ * copied into their own segment when shared by fd or by name, as heap
+ * storages are. The block is freed with the storage's last reference.
+ */
+ss_status ss_storage_new_in_arena(const ss_arena *a, size_t nbytes, ss_storage **out);
 
 /**
  * Writes the lowercase hex digest of `nbytes` bytes at `data` (NULL is
@@ -761,8 +1086,9 @@ ss_status ss_send_fds(int sock, const void *payload, size_t len, const int *fds,
  * owned by the caller). If the kernel dropped descriptors because this
  * process is at its open-file limit, the call fails with
  * `SS_ERR_TOO_MANY_FILES` (PyTorch loses them silently); more descriptors
- * than `max_fds` give `SS_ERR_BUFFER_TOO_SMALL`. On failure no
- * descriptor is left open.
+ * than `max_fds` give `SS_ERR_BUFFER_TOO_SMALL`, and so does a datagram
+ * longer than `len` (the kernel drops its tail; stream sockets keep the
+ * rest for the next call). On failure no descriptor is left open.
  */
 ss_status ss_recv_fds(int sock,
                       void *buf,
@@ -771,6 +1097,25 @@ ss_status ss_recv_fds(int sock,
                       int *fds,
                       size_t max_fds,
                       size_t *out_nfds);
+
+/**
+ * Takes every process-wide lock of the library, waiting for threads that
+ * are inside the library to leave it. Installed as pthread_atfork's
+ * "prepare" handler on first use of the library; call it yourself only
+ * right before a fork done without fork(3), then call
+ * `ss_atfork_parent` in the parent and `ss_atfork_child` in the child.
+ */
+void ss_atfork_prepare(void);
+
+/**
+ * Releases what `ss_atfork_prepare` took, in the parent after the fork.
+ */
+void ss_atfork_parent(void);
+
+/**
+ * Releases what `ss_atfork_prepare` took, in the child after the fork.
+ */
+void ss_atfork_child(void);
 
 /**
  * Uses the daemon binary at `path` when a manager must be started
@@ -1039,6 +1384,267 @@ ss_status ss_new_shm_fd_storage(size_t size, ss_map **out);
  * Fails with `SS_ERR_NO_SPACE` when /dev/shm cannot hold it.
  */
 ss_status ss_share_memory(const void *src, size_t nbytes, ss_map **out);
+
+/**
+ * Opens the store in folder `path` (created with its parents if missing),
+ * shared by the processes of one host that open the same path. Each key
+ * is a file written atomically (temporary file + rename), so a process
+ * killed mid-write never leaves half a value; `add` runs under `flock`.
+ * A path that is an existing regular file: `SS_ERR_INVALID_ARGUMENT`.
+ * Keys left by an earlier job stay: use a fresh folder per job.
+ */
+ss_status ss_store_file_open(const char *path, ss_store **out);
+
+/**
+ * Joins (or, with `is_master`, serves) a PyTorch c10d `TCPStore` at
+ * `host:port`, speaking its wire protocol: the client sees the keys of
+ * `torch.distributed` ranks of the same job (PyTorch's `/` key prefix is
+ * added), and PyTorch clients can use our server. As
+ * `TCPStore(host, port, world_size, is_master, timeout)`: the master
+ * listens on `host:port` (port 0: a free port, see `ss_store_tcp_port`);
+ * with `world_size` > 0 every rank adds itself to the `init/` counter and
+ * the master returns once `world_size` ranks joined. `timeout_ms` (0:
+ * forever) bounds connecting (a client retries while nobody listens),
+ * the join and every reply. Errors name `host:port`: port in use
+ * `SS_ERR_BUSY`, no server in time `SS_ERR_TIMEOUT`, server gone
+ * `SS_ERR_PEER_GONE`, bad reply `SS_ERR_PROTOCOL`.
+ */
+ss_status ss_store_tcp_open(const char *host,
+                            int port,
+                            bool is_master,
+                            int world_size,
+                            int64_t timeout_ms,
+                            ss_store **out);
+
+/**
+ * The TCP port of a TCPStore (the one its server picked when opened with
+ * port 0). Another kind of store: `SS_ERR_UNSUPPORTED`.
+ */
+ss_status ss_store_tcp_port(const ss_store *s, int *out_port);
+
+/**
+ * A second reference to the same store (free both).
+ */
+ss_status ss_store_ref(const ss_store *s, ss_store **out);
+
+/**
+ * Sets `key` to the `len` bytes at `value` (NULL allowed when `len` is 0),
+ * replacing an earlier value and waking its waiters.
+ */
+ss_status ss_store_set(const ss_store *s, const char *key, const void *value, size_t len);
+
+/**
+ * Waits until `key` is set (`timeout_ms` 0 waits forever; expiry is
+ * `SS_ERR_TIMEOUT` naming the key) and copies its value into `buf` of
+ * `buf_len` bytes, its length to `out_len`. A value longer than `buf_len`:
+ * `SS_ERR_BUFFER_TOO_SMALL`, with the needed length written to `out_len`
+ * (call again with a larger buffer; `buf` may be NULL when `buf_len` is 0).
+ */
+ss_status ss_store_get(const ss_store *s,
+                       const char *key,
+                       int64_t timeout_ms,
+                       void *buf,
+                       size_t buf_len,
+                       size_t *out_len);
+
+/**
+ * Adds `delta` to the integer under `key` (missing counts as 0; stored as
+ * decimal text, as c10d does) and writes the new value to `out_value`.
+ * A key holding something else: `SS_ERR_INVALID_ARGUMENT`.
+ */
+ss_status ss_store_add(const ss_store *s, const char *key, int64_t delta, int64_t *out_value);
+
+/**
+ * Waits until all `nkeys` keys are set (`timeout_ms` 0 waits forever;
+ * expiry is `SS_ERR_TIMEOUT` naming the keys still missing).
+ */
+ss_status ss_store_wait(const ss_store *s,
+                        const char *const *keys,
+                        size_t nkeys,
+                        int64_t timeout_ms);
+
+/**
+ * Drops this reference; the store closes with its last one. NULL is a
+ * no-op.
+ */
+void ss_store_free(ss_store *s);
+
+/**
+ * A store whose operations call the host's functions in `cb` with `ctx`
+ * (the table is copied; `ctx` is the host's). `free_ctx(ctx)` runs once,
+ * when the last reference goes. A required function missing:
+ * `SS_ERR_NULL_POINTER`, and `ctx` stays the caller's to release.
+ */
+ss_status ss_store_from_callbacks(const ss_store_callbacks *cb, void *ctx, ss_store **out);
+
+/**
+ * Registers group `group`: this process is `rank` of `world_size`, and the
+ * ranks meet through `store`. The group keeps its own reference to the
+ * store (free yours whenever you like). A second call for the same name is
+ * `SS_ERR_ALREADY_EXISTS`, as in PyTorch.
+ */
+ss_status ss_symm_set_group_info(const char *group,
+                                 int rank,
+                                 int world_size,
+                                 const ss_store *store);
+
+/**
+ * This process's rank and the world size of group `group`; an unknown
+ * group is `SS_ERR_NOT_FOUND`.
+ */
+ss_status ss_symm_get_group_info(const char *group, int *out_rank, int *out_world_size);
+
+/**
+ * Chooses the allocation backend by name ("CPU" here; PyTorch's are
+ * "CUDA", "NVSHMEM", "NCCL"). After the first allocation it fails with
+ * "Backend can not be changed after use." (`SS_ERR_BUSY`); an unknown name
+ * is `SS_ERR_NOT_FOUND`. Without it, CUDA allocations use the backend named
+ * by `TORCH_SYMMMEM` (default CUDA).
+ */
+ss_status ss_symm_set_backend(const char *name);
+
+/**
+ * The signal pad size, in bytes, of the blocks allocated from now on
+ * (PyTorch's `get_signal_pad_size`; default 9216 = 32 channels x 72 ranks
+ * x 4 bytes).
+ */
+ss_status ss_symm_get_signal_pad_size(size_t *out);
+
+/**
+ * Sets the signal pad size of the blocks to come (PyTorch's newest
+ * `set_signal_pad_size`): a positive multiple of 4 bytes, at most 1 GiB
+ * (else `SS_ERR_INVALID_ARGUMENT`), before the process's first allocation
+ * (after it: `SS_ERR_BUSY`). Every rank of a group must set the same size.
+ * Barrier/put/wait take channels below `size / 4 / world_size`.
+ */
+ss_status ss_symm_set_signal_pad_size(size_t size);
+
+/**
+ * Allocates a symmetric block whose buffer holds `size` bytes on device
+ * `device_type` (`SS_DEVICE_CPU`, `SS_DEVICE_CUDA`) `device_idx` (0 for
+ * CPU); `group` (may be NULL) is the default group of its rendezvous.
+ * Writes the buffer's address to `*out`. Free it with `ss_symm_free`.
+ * CUDA: `SS_ERR_UNSUPPORTED` (the CUDA backend is not built yet).
+ */
+ss_status ss_symm_alloc(int device_type,
+                        int device_idx,
+                        size_t size,
+                        const char *group,
+                        void **out);
+
+/**
+ * Like `ss_symm_alloc`, for the persistent block `alloc_id`: the first
+ * call makes it; once it was freed with `ss_symm_free`, a later call gives
+ * the same block (and its rendezvous objects) back. While the previous use
+ * is not freed: `SS_ERR_BUSY`; with another size: `SS_ERR_SIZE_MISMATCH`.
+ * A persistent block stays mapped until the process ends.
+ */
+ss_status ss_symm_alloc_persistent(int device_type,
+                                   int device_idx,
+                                   size_t size,
+                                   const char *group,
+                                   uint64_t alloc_id,
+                                   void **out);
+
+/**
+ * The size asked for when `ptr` (a buffer address from `ss_symm_alloc`)
+ * was allocated.
+ */
+ss_status ss_symm_get_alloc_size(const void *ptr, size_t *out);
+
+/**
+ * Frees the block at `ptr` and its `ss_symm_mem` objects (a persistent
+ * block is kept for reuse). NULL is a no-op; an address that is not a live
+ * block is `SS_ERR_NOT_FOUND`.
+ */
+ss_status ss_symm_free(void *ptr);
+
+/**
+ * Rendezvous of the block at `ptr` with the other ranks of `group` (NULL:
+ * the group given at allocation): every rank must call it with a block of
+ * the same size. `timeout_ms` 0 waits forever; ranks that do not arrive in
+ * time give `SS_ERR_TIMEOUT` naming them. A second call for the same block
+ * and group returns the same object. `*out` is owned by the block.
+ */
+ss_status ss_symm_rendezvous(void *ptr, const char *group, int64_t timeout_ms, ss_symm_mem **out);
+
+/**
+ * This process's rank in the object's group; -1 for NULL.
+ */
+int ss_symm_mem_rank(const ss_symm_mem *h);
+
+/**
+ * The number of ranks of the object's group; -1 for NULL.
+ */
+int ss_symm_mem_world_size(const ss_symm_mem *h);
+
+/**
+ * Usable bytes of each rank's buffer; 0 for NULL.
+ */
+size_t ss_symm_mem_buffer_size(const ss_symm_mem *h);
+
+/**
+ * Bytes of each rank's signal pad; 0 for NULL.
+ */
+size_t ss_symm_mem_signal_pad_size(const ss_symm_mem *h);
+
+/**
+ * The address, in this process, of rank `rank`'s buffer.
+ */
+ss_status ss_symm_mem_buffer_ptr(const ss_symm_mem *h, int rank, void **out);
+
+/**
+ * The address, in this process, of rank `rank`'s signal pad (uint32
+ * slots; keep them zero after your own use, as barrier/put/wait do).
+ */
+ss_status ss_symm_mem_signal_pad_ptr(const ss_symm_mem *h, int rank, void **out);
+
+/**
+ * The address of `nbytes` at `offset` in rank `rank`'s buffer, after
+ * PyTorch's checks: a bad rank ("Invalid peer rank") or a range past the
+ * buffer ("the requested size (N bytes) exceeds the allocated size (M
+ * bytes)") is `SS_ERR_INVALID_ARGUMENT`.
+ */
+ss_status ss_symm_mem_get_buffer(const ss_symm_mem *h,
+                                 int rank,
+                                 size_t nbytes,
+                                 size_t offset,
+                                 void **out);
+
+/**
+ * Signals every other rank on `channel`, then waits for each of them.
+ * `timeout_ms` 0 waits forever; expiry is `SS_ERR_TIMEOUT` naming the
+ * rank, the peer and the channel. `stream` is a CUDA stream (ignored by
+ * the CPU backend; may be NULL).
+ */
+ss_status ss_symm_mem_barrier(const ss_symm_mem *h, int channel, int64_t timeout_ms, void *stream);
+
+/**
+ * Signals rank `dst_rank` on `channel` (waits while its previous signal
+ * from us is unconsumed). Timeout and stream as for the barrier.
+ */
+ss_status ss_symm_mem_put_signal(const ss_symm_mem *h,
+                                 int dst_rank,
+                                 int channel,
+                                 int64_t timeout_ms,
+                                 void *stream);
+
+/**
+ * Waits for the signal of rank `src_rank` on `channel` and consumes it.
+ * Timeout and stream as for the barrier.
+ */
+ss_status ss_symm_mem_wait_signal(const ss_symm_mem *h,
+                                  int src_rank,
+                                  int channel,
+                                  int64_t timeout_ms,
+                                  void *stream);
+
+/**
+ * Marks symmetric memory as finalizing (PyTorch's `is_finalizing`): later
+ * frees leave mappings in place for teardown code that still reads them.
+ * Runs by itself at exit once the symmetric-memory registry was used.
+ */
+void ss_symm_finalize(void);
 
 #ifdef __cplusplus
 }  // extern "C"

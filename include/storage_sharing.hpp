@@ -13,6 +13,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -45,6 +47,18 @@ inline void check(ss_status status, const char *function) {
         const char *detail = ss_last_error_message();
         throw Error(status, function, detail && *detail ? detail : ss_status_str(static_cast<int>(status)));
     }
+}
+
+/* `s` as a C string for the C API. A NUL byte inside would cut it short
+ * there (so "/a\0b" would open "/a"): refused with Error
+ * SS_ERR_INVALID_ARGUMENT instead. */
+inline const char *c_string_arg(const std::string &s, const char *function, const char *what) {
+    std::size_t nul = s.find('\0');
+    if (nul != std::string::npos) {
+        throw Error(SS_ERR_INVALID_ARGUMENT, function,
+                    std::string(what) + " has a NUL byte at " + std::to_string(nul) + ": refused, it would be cut short");
+    }
+    return s.c_str();
 }
 
 /* The library's run-time version ("MAJOR.MINOR.PATCH"); SS_VERSION_STRING is
@@ -161,20 +175,21 @@ public:
     /* MapAllocator(name, flags, size). */
     static Map open(const std::string &name, int flags, std::size_t size) {
         ss_map *raw = nullptr;
-        check(ss_map_open(name.c_str(), flags, size, &raw), "ss_map_open");
+        check(ss_map_open(c_string_arg(name, "ss_map_open", "name"), flags, size, &raw), "ss_map_open");
         return Map(raw);
     }
     /* MapAllocator(WITH_FD, name, fd, flags, size): on success the map owns
      * `fd`; on failure (an exception) the caller still does. */
     static Map open_fd(int fd, int flags, std::size_t size, const std::string &name = "") {
         ss_map *raw = nullptr;
-        check(ss_map_open_fd(name.c_str(), fd, flags, size, &raw), "ss_map_open_fd");
+        check(ss_map_open_fd(c_string_arg(name, "ss_map_open_fd", "name"), fd, flags, size, &raw), "ss_map_open_fd");
         return Map(raw);
     }
     /* RefcountedMapAllocator(name, flags, size). */
     static Map open_refcounted(const std::string &name, int flags, std::size_t size) {
         ss_map *raw = nullptr;
-        check(ss_refcounted_map_open(name.c_str(), flags, size, &raw), "ss_refcounted_map_open");
+        check(ss_refcounted_map_open(c_string_arg(name, "ss_refcounted_map_open", "name"), flags, size, &raw),
+              "ss_refcounted_map_open");
         return Map(raw);
     }
     /* An anonymous fd-backed segment of `size` zero bytes. */
@@ -265,7 +280,8 @@ public:
     /* Opens a storage shared by name ("" manager = this process's own). */
     static Storage open_shared_filename(const std::string &manager, const std::string &name, std::size_t nbytes) {
         ss_storage *raw = nullptr;
-        check(ss_storage_new_shared_filename(manager.c_str(), name.c_str(), nbytes, &raw),
+        check(ss_storage_new_shared_filename(c_string_arg(manager, "ss_storage_new_shared_filename", "manager"),
+                                             c_string_arg(name, "ss_storage_new_shared_filename", "name"), nbytes, &raw),
               "ss_storage_new_shared_filename");
         return Storage(raw);
     }
@@ -420,7 +436,7 @@ inline FdMessage recv_fds(int sock, std::size_t max_len, std::size_t max_fds) {
 
 /* Uses the daemon binary at `path` when a manager must be started. */
 inline void shm_manager_set_binary(const std::string &path) {
-    check(ss_shm_manager_set_binary(path.c_str()), "ss_shm_manager_set_binary");
+    check(ss_shm_manager_set_binary(c_string_arg(path, "ss_shm_manager_set_binary", "path")), "ss_shm_manager_set_binary");
 }
 /* Starts a manager and returns its socket path (a manager handle). */
 inline std::string shm_manager_spawn() {
@@ -585,7 +601,8 @@ inline CudaAllocation cuda_pointer_base(const void *device_ptr, std::int32_t dev
 /* Decrements a ref-counter slot (a consumer dropping a tuple unopened);
  * needs no GPU. */
 inline void cuda_release_ipc_counter(const std::string &counter_name, std::uint64_t slot) {
-    check(ss_cuda_release_ipc_counter(counter_name.c_str(), slot), "ss_cuda_release_ipc_counter");
+    check(ss_cuda_release_ipc_counter(c_string_arg(counter_name, "ss_cuda_release_ipc_counter", "counter_name"), slot),
+          "ss_cuda_release_ipc_counter");
 }
 /* Gives back limbo blocks no consumer uses; returns how many. */
 inline std::size_t cuda_ipc_collect() {
@@ -604,9 +621,414 @@ inline std::string cuda_ipc_handle_to_text(const ss_cuda_ipc_handle &handle) {
 }
 inline ss_cuda_ipc_handle cuda_ipc_handle_from_text(const std::string &text) {
     ss_cuda_ipc_handle out{};
-    check(ss_cuda_ipc_handle_from_text(text.c_str(), &out), "ss_cuda_ipc_handle_from_text");
+    check(ss_cuda_ipc_handle_from_text(c_string_arg(text, "ss_cuda_ipc_handle_from_text", "text"), &out),
+          "ss_cuda_ipc_handle_from_text");
     return out;
 }
+
+/* ==== Key-value stores (ss_store): file store, TCPStore, host callbacks ==== */
+
+/* One reference to a key-value store (c10d's "Store"), the rendezvous medium
+ * of symmetric memory. Copying is explicit (ref()); the store closes with its
+ * last reference. Timeouts are in milliseconds, 0 waits forever. All const
+ * members may run on several threads at once. */
+class Store {
+public:
+    Store() noexcept = default;
+    /* Takes ownership of a handle from the C API. */
+    explicit Store(ss_store *raw) noexcept : handle_(raw) {}
+
+    /* The store in folder `path` (created if missing), shared by the
+     * processes of one host; use a fresh folder per job. */
+    static Store open_file(const std::string &path) {
+        ss_store *raw = nullptr;
+        check(ss_store_file_open(path.c_str(), &raw), "ss_store_file_open");
+        return Store(raw);
+    }
+    /* Joins (or with is_master serves) a PyTorch c10d TCPStore at host:port,
+     * as torch.distributed.TCPStore(host, port, world_size, is_master,
+     * timeout). Port 0 with is_master picks a free port (tcp_port()). */
+    static Store open_tcp(const std::string &host, int port, bool is_master, int world_size, int64_t timeout_ms) {
+        ss_store *raw = nullptr;
+        check(ss_store_tcp_open(host.c_str(), port, is_master, world_size, timeout_ms, &raw), "ss_store_tcp_open");
+        return Store(raw);
+    }
+    /* A store calling the host's functions with ctx (see ss_store_callbacks). */
+    static Store from_callbacks(const ss_store_callbacks &cb, void *ctx) {
+        ss_store *raw = nullptr;
+        check(ss_store_from_callbacks(&cb, ctx, &raw), "ss_store_from_callbacks");
+        return Store(raw);
+    }
+    /* A store backed by a C++ object the library then owns, e.g. an adapter
+     * over a framework's own c10d store. T provides
+     *   void set(const std::string &key, const std::vector<uint8_t> &value);
+     *   std::vector<uint8_t> get(const std::string &key, int64_t timeout_ms);
+     *   int64_t add(const std::string &key, int64_t delta);
+     *   void wait(const std::vector<std::string> &keys, int64_t timeout_ms);
+     * and may be called from several threads at once. To report a timeout,
+     * throw storage_sharing::Error with SS_ERR_TIMEOUT; an Error's status is
+     * passed on, any other exception becomes SS_ERR_IO. */
+    template <class T>
+    static Store adopt(std::unique_ptr<T> object) {
+        static const ss_store_callbacks table = {&adopted<T>::set, &adopted<T>::get, &adopted<T>::add,
+                                                 &adopted<T>::wait, &adopted<T>::free_ctx};
+        Store s = from_callbacks(table, object.get());
+        object.release();  // owned by the store now; free_ctx deletes it
+        return s;
+    }
+
+    /* A second reference to the same store. */
+    Store ref() const {
+        ss_store *raw = nullptr;
+        check(ss_store_ref(handle_.get(), &raw), "ss_store_ref");
+        return Store(raw);
+    }
+    /* The port of a TCPStore (SS_ERR_UNSUPPORTED for other stores). */
+    int tcp_port() const {
+        int port = 0;
+        check(ss_store_tcp_port(handle_.get(), &port), "ss_store_tcp_port");
+        return port;
+    }
+
+    void set(const std::string &key, const void *data, std::size_t len) const {
+        check(ss_store_set(handle_.get(), key.c_str(), data, len), "ss_store_set");
+    }
+    void set(const std::string &key, const std::string &value) const { set(key, value.data(), value.size()); }
+    void set(const std::string &key, const std::vector<uint8_t> &value) const { set(key, value.data(), value.size()); }
+
+    /* The value of key, waiting until it is set (Error with SS_ERR_TIMEOUT,
+     * naming the key, when timeout_ms passes first). */
+    std::vector<uint8_t> get(const std::string &key, int64_t timeout_ms = 0) const {
+        std::vector<uint8_t> buf(256);
+        for (;;) {
+            std::size_t len = 0;
+            ss_status st = ss_store_get(handle_.get(), key.c_str(), timeout_ms, buf.data(), buf.size(), &len);
+            if (st == SS_ERR_BUFFER_TOO_SMALL && len > buf.size()) {
+                buf.resize(len);  // longer than our buffer: ask again
+                continue;
+            }
+            check(st, "ss_store_get");
+            buf.resize(len);
+            return buf;
+        }
+    }
+    std::string get_string(const std::string &key, int64_t timeout_ms = 0) const {
+        std::vector<uint8_t> v = get(key, timeout_ms);
+        return std::string(v.begin(), v.end());
+    }
+
+    /* Adds delta to the integer under key (missing = 0); the new value. */
+    int64_t add(const std::string &key, int64_t delta) const {
+        int64_t out = 0;
+        check(ss_store_add(handle_.get(), key.c_str(), delta, &out), "ss_store_add");
+        return out;
+    }
+
+    /* Waits until every key is set (SS_ERR_TIMEOUT names the missing ones). */
+    void wait(const std::vector<std::string> &keys, int64_t timeout_ms = 0) const {
+        std::vector<const char *> ptrs;
+        ptrs.reserve(keys.size());
+        for (const std::string &k : keys) ptrs.push_back(k.c_str());
+        check(ss_store_wait(handle_.get(), ptrs.data(), ptrs.size(), timeout_ms), "ss_store_wait");
+    }
+
+    ss_store *get() const noexcept { return handle_.get(); }
+    ss_store *release() noexcept { return handle_.release(); }
+    void close() noexcept { handle_.reset(); }
+    explicit operator bool() const noexcept { return static_cast<bool>(handle_); }
+
+private:
+    template <class T>
+    struct adopted {
+        /* Runs f, turning exceptions into status codes: nothing may unwind
+         * into the library. */
+        template <class F>
+        static int guard(F &&f) noexcept {
+            try {
+                return f();
+            } catch (const Error &e) {
+                return static_cast<int>(e.status());
+            } catch (...) {
+                return static_cast<int>(SS_ERR_IO);
+            }
+        }
+        static int set(void *ctx, const char *key, const void *value, std::size_t len) {
+            return guard([&] {
+                const uint8_t *p = static_cast<const uint8_t *>(value);
+                static_cast<T *>(ctx)->set(key, std::vector<uint8_t>(p, p + len));
+                return static_cast<int>(SS_OK);
+            });
+        }
+        static int get(void *ctx, const char *key, int64_t timeout_ms, void *buf, std::size_t buf_len,
+                       std::size_t *out_len) {
+            return guard([&] {
+                std::vector<uint8_t> v = static_cast<T *>(ctx)->get(key, timeout_ms);
+                *out_len = v.size();
+                if (v.size() > buf_len) return static_cast<int>(SS_ERR_BUFFER_TOO_SMALL);
+                if (!v.empty()) std::memcpy(buf, v.data(), v.size());
+                return static_cast<int>(SS_OK);
+            });
+        }
+        static int add(void *ctx, const char *key, int64_t delta, int64_t *out_value) {
+            return guard([&] {
+                *out_value = static_cast<T *>(ctx)->add(key, delta);
+                return static_cast<int>(SS_OK);
+            });
+        }
+        static int wait(void *ctx, const char *const *keys, std::size_t nkeys, int64_t timeout_ms) {
+            return guard([&] {
+                static_cast<T *>(ctx)->wait(std::vector<std::string>(keys, keys + nkeys), timeout_ms);
+                return static_cast<int>(SS_OK);
+            });
+        }
+        static void free_ctx(void *ctx) { delete static_cast<T *>(ctx); }
+    };
+
+    unique_handle<ss_store, ss_store_free> handle_;
+};
+
+
+/* ---- symmetric memory (ss_symm_*) ----------------------------------------
+ * Every rank of a group allocates a block of the same size; after
+ * rendezvous each rank reaches every peer's buffer and signal pad. */
+
+/* Registers `group`: this process is `rank` of `world_size`, meeting the
+ * others through `store` (borrowed; the group takes its own reference). */
+inline void symm_set_group_info(const std::string &group, int rank, int world_size, const ss_store *store) {
+    check(ss_symm_set_group_info(group.c_str(), rank, world_size, store), "ss_symm_set_group_info");
+}
+/* The same with the file store in folder `store_dir` (one host). */
+inline void symm_set_group_info_file(const std::string &group, int rank, int world_size, const std::string &store_dir) {
+    ss_store *raw = nullptr;
+    check(ss_store_file_open(store_dir.c_str(), &raw), "ss_store_file_open");
+    unique_handle<ss_store, ss_store_free> store(raw);
+    symm_set_group_info(group, rank, world_size, store.get());
+}
+
+struct SymmGroupInfo {
+    int rank;
+    int world_size;
+};
+inline SymmGroupInfo symm_get_group_info(const std::string &group) {
+    SymmGroupInfo out{0, 0};
+    check(ss_symm_get_group_info(group.c_str(), &out.rank, &out.world_size), "ss_symm_get_group_info");
+    return out;
+}
+/* Chooses the backend by name, before the first allocation. */
+inline void symm_set_backend(const std::string &name) { check(ss_symm_set_backend(name.c_str()), "ss_symm_set_backend"); }
+/* The signal pad size of the blocks allocated from now on (default 9216). */
+inline size_t symm_get_signal_pad_size() {
+    size_t n = 0;
+    check(ss_symm_get_signal_pad_size(&n), "ss_symm_get_signal_pad_size");
+    return n;
+}
+/* Sets it: a positive multiple of 4, before the process's first allocation. */
+inline void symm_set_signal_pad_size(size_t size) { check(ss_symm_set_signal_pad_size(size), "ss_symm_set_signal_pad_size"); }
+
+/* A rendezvoused block (not owned: valid until its SymmBlock is freed).
+ * timeout_ms 0 waits forever; stream is a CUDA stream (ignored on CPU). */
+class SymmMem {
+public:
+    explicit SymmMem(const ss_symm_mem *handle) noexcept : h_(handle) {}
+    const ss_symm_mem *get() const noexcept { return h_; }
+    int rank() const noexcept { return ss_symm_mem_rank(h_); }
+    int world_size() const noexcept { return ss_symm_mem_world_size(h_); }
+    std::size_t buffer_size() const noexcept { return ss_symm_mem_buffer_size(h_); }
+    std::size_t signal_pad_size() const noexcept { return ss_symm_mem_signal_pad_size(h_); }
+    void *buffer_ptr(int rank) const {
+        void *p = nullptr;
+        check(ss_symm_mem_buffer_ptr(h_, rank, &p), "ss_symm_mem_buffer_ptr");
+        return p;
+    }
+    std::uint32_t *signal_pad_ptr(int rank) const {
+        void *p = nullptr;
+        check(ss_symm_mem_signal_pad_ptr(h_, rank, &p), "ss_symm_mem_signal_pad_ptr");
+        return static_cast<std::uint32_t *>(p);
+    }
+    void *get_buffer(int rank, std::size_t nbytes, std::size_t offset = 0) const {
+        void *p = nullptr;
+        check(ss_symm_mem_get_buffer(h_, rank, nbytes, offset, &p), "ss_symm_mem_get_buffer");
+        return p;
+    }
+    void barrier(int channel = 0, std::int64_t timeout_ms = 0, void *stream = nullptr) const {
+        check(ss_symm_mem_barrier(h_, channel, timeout_ms, stream), "ss_symm_mem_barrier");
+    }
+    void put_signal(int dst_rank, int channel = 0, std::int64_t timeout_ms = 0, void *stream = nullptr) const {
+        check(ss_symm_mem_put_signal(h_, dst_rank, channel, timeout_ms, stream), "ss_symm_mem_put_signal");
+    }
+    void wait_signal(int src_rank, int channel = 0, std::int64_t timeout_ms = 0, void *stream = nullptr) const {
+        check(ss_symm_mem_wait_signal(h_, src_rank, channel, timeout_ms, stream), "ss_symm_mem_wait_signal");
+    }
+
+private:
+    const ss_symm_mem *h_;
+};
+
+/* One rank's symmetric block; frees it (ss_symm_free) when destroyed.
+ * Move-only. group "" means none. */
+class SymmBlock {
+public:
+    static SymmBlock alloc(std::size_t size, const std::string &group = "", int device_type = SS_DEVICE_CPU,
+                           int device_idx = 0) {
+        void *p = nullptr;
+        check(ss_symm_alloc(device_type, device_idx, size, group.empty() ? nullptr : group.c_str(), &p), "ss_symm_alloc");
+        return SymmBlock(p);
+    }
+    /* The persistent block alloc_id (the same block once the previous use
+     * was freed). */
+    static SymmBlock alloc_persistent(std::size_t size, std::uint64_t alloc_id, const std::string &group = "",
+                                      int device_type = SS_DEVICE_CPU, int device_idx = 0) {
+        void *p = nullptr;
+        check(ss_symm_alloc_persistent(device_type, device_idx, size, group.empty() ? nullptr : group.c_str(), alloc_id,
+                                       &p),
+              "ss_symm_alloc_persistent");
+        return SymmBlock(p);
+    }
+    SymmBlock(const SymmBlock &) = delete;
+    SymmBlock &operator=(const SymmBlock &) = delete;
+    SymmBlock(SymmBlock &&other) noexcept : ptr_(std::exchange(other.ptr_, nullptr)) {}
+    SymmBlock &operator=(SymmBlock &&other) noexcept {
+        if (this != &other) {
+            reset();
+            ptr_ = std::exchange(other.ptr_, nullptr);
+        }
+        return *this;
+    }
+    ~SymmBlock() { reset(); }
+
+    void *data() const noexcept { return ptr_; }
+    std::size_t size() const {
+        std::size_t n = 0;
+        check(ss_symm_get_alloc_size(ptr_, &n), "ss_symm_get_alloc_size");
+        return n;
+    }
+    /* Meets the other ranks of `group` ("" for the allocation's group). */
+    SymmMem rendezvous(const std::string &group = "", std::int64_t timeout_ms = 0) const {
+        ss_symm_mem *h = nullptr;
+        check(ss_symm_rendezvous(ptr_, group.empty() ? nullptr : group.c_str(), timeout_ms, &h), "ss_symm_rendezvous");
+        return SymmMem(h);
+    }
+    /* Frees now, reporting errors (the destructor ignores them). */
+    void free() {
+        void *p = std::exchange(ptr_, nullptr);
+        if (p) check(ss_symm_free(p), "ss_symm_free");
+    }
+
+private:
+    explicit SymmBlock(void *ptr) noexcept : ptr_(ptr) {}
+    void reset() noexcept {
+        void *p = std::exchange(ptr_, nullptr);
+        if (p) (void)ss_symm_free(p);
+    }
+    void *ptr_ = nullptr;
+};
+
+/* ---- end symmetric memory ------------------------------------------------ */
+
+/* ---- Shareable CPU arena (ss_arena) ---- */
+
+/* Options with the library's defaults (64 MiB segments by fd, 4096 holds
+ * per segment, blocks above 1 MiB in a segment of their own). */
+inline ss_arena_options arena_options_default() {
+    ss_arena_options o{};
+    check(ss_arena_options_default(&o), "ss_arena_options_default");
+    return o;
+}
+
+/* A consumer's view of a block another process shared: holds the block
+ * until destroyed (the producer will not reuse it). Move-only. */
+class ArenaView {
+public:
+    ArenaView() noexcept = default;
+    explicit ArenaView(ss_arena_view *raw) noexcept : handle_(raw) {}
+    /* Opens a shared block (once per handle). By fd, import the segment
+     * first (import_segment_fd) unless it came with Arena::send. */
+    static ArenaView open(const ss_arena_handle &h) {
+        ss_arena_view *raw = nullptr;
+        check(ss_arena_open_remote(&h, &raw), "ss_arena_open_remote");
+        return ArenaView(raw);
+    }
+    /* Receives a block sent with Arena::send over `sock`, and opens it. */
+    static ArenaView recv(int sock) {
+        ss_arena_view *raw = nullptr;
+        check(ss_arena_recv(sock, &raw), "ss_arena_recv");
+        return ArenaView(raw);
+    }
+    /* Maps a by-fd segment from `fd` (taken over on success). */
+    static void import_segment_fd(const ss_arena_handle &h, int fd) {
+        check(ss_arena_import_segment_fd(&h, fd), "ss_arena_import_segment_fd");
+    }
+    ss_arena_view *get() const noexcept { return handle_.get(); }
+    explicit operator bool() const noexcept { return static_cast<bool>(handle_); }
+    void *data() const noexcept { return ss_arena_view_data(handle_.get()); }
+    template <class U>
+    U *data_as() const noexcept { return static_cast<U *>(data()); }
+    std::size_t size() const noexcept { return ss_arena_view_size(handle_.get()); }
+
+private:
+    unique_handle<ss_arena_view, ss_arena_view_free> handle_;
+};
+
+/* A producer's shareable arena: blocks born in shared memory, shared in
+ * O(1). Const members may run on several threads. Move-only. */
+class Arena {
+public:
+    Arena() noexcept = default;
+    explicit Arena(ss_arena *raw) noexcept : handle_(raw) {}
+    static Arena open(const ss_arena_options &options = arena_options_default()) {
+        ss_arena *raw = nullptr;
+        check(ss_arena_open(&options, &raw), "ss_arena_open");
+        return Arena(raw);
+    }
+    ss_arena *get() const noexcept { return handle_.get(); }
+    explicit operator bool() const noexcept { return static_cast<bool>(handle_); }
+    void *alloc(std::size_t size, std::size_t align = 64) const {
+        void *p = nullptr;
+        check(ss_arena_alloc(handle_.get(), size, align, &p), "ss_arena_alloc");
+        return p;
+    }
+    void free(void *p) const { check(ss_arena_free(handle_.get(), p), "ss_arena_free"); }
+    ss_arena_handle share(void *p) const {
+        ss_arena_handle h{};
+        check(ss_arena_share(handle_.get(), p, &h), "ss_arena_share");
+        return h;
+    }
+    void unshare(const ss_arena_handle &h) const { check(ss_arena_unshare(handle_.get(), &h), "ss_arena_unshare"); }
+    /* The segment's descriptor (owned by the arena; by-fd arenas). */
+    int segment_fd(std::uint64_t segment_id) const {
+        int fd = -1;
+        check(ss_arena_segment_fd(handle_.get(), segment_id, &fd), "ss_arena_segment_fd");
+        return fd;
+    }
+    /* Shares `p` and sends it over the Unix socket (fd once per segment per peer). */
+    void send(int sock, void *p) const { check(ss_arena_send(handle_.get(), sock, p), "ss_arena_send"); }
+    struct Collected {
+        std::size_t reclaimed_holds;
+        std::size_t recycled_blocks;
+    };
+    /* Reclaims dead consumers' holds; reuses blocks nobody holds. */
+    Collected collect() const {
+        Collected c{0, 0};
+        check(ss_arena_collect(handle_.get(), &c.reclaimed_holds, &c.recycled_blocks), "ss_arena_collect");
+        return c;
+    }
+    ss_arena_stats stats() const {
+        ss_arena_stats s{};
+        check(ss_arena_stats_get(handle_.get(), &s), "ss_arena_stats_get");
+        return s;
+    }
+    /* A storage of `nbytes` in a new block of this arena. */
+    Storage new_storage(std::size_t nbytes) const {
+        ss_storage *raw = nullptr;
+        check(ss_storage_new_in_arena(handle_.get(), nbytes, &raw), "ss_storage_new_in_arena");
+        return Storage(raw);
+    }
+
+private:
+    unique_handle<ss_arena, ss_arena_close> handle_;
+};
+
+/* ---- end shareable CPU arena ---- */
 
 /* ======================= Content store (ss_content_*) ======================= */
 

@@ -5,14 +5,17 @@
 //! `include/storage_sharing.h`). The safe Rust API is public too; the core
 //! modules know nothing of C.
 
+pub mod arena;
 pub mod content_store;
 pub mod cuda;
 pub mod error;
 pub mod ffi;
+pub mod fork_safe;
 pub mod manager;
 pub mod shm;
 pub mod ssctl;
 pub mod storage;
 pub mod store;
+pub mod symm;
 
 pub use error::{Error, ErrorKind, Result};

@@ -262,6 +262,11 @@ fn julia_types_for(c: &str, opaque: &[String]) -> Result<Vec<String>, String> {
         b if opaque.iter().any(|o| o == b) => vec!["Cvoid".into()],
         // The struct's Julia mirror; julia_structs_match_the_header checks its fields.
         "ss_cuda_ipc_handle" => vec!["CudaIpcHandle".into()],
+        // The callback table of ss_store_from_callbacks (its Julia mirror).
+        "ss_store_callbacks" => vec!["StoreCallbacks".into()],
+        "ss_arena_options" => vec!["ArenaOptions".into()],
+        "ss_arena_handle" => vec!["ArenaHandle".into()],
+        "ss_arena_stats" => vec!["ArenaStats".into()],
         // A C function pointer (from @cfunction) or C_NULL.
         "ss_cuda_deleter" if stars == 0 => vec!["Ptr{Cvoid}".into()],
         b => {
@@ -384,6 +389,8 @@ fn every_ccall_matches_the_header() {
     assert_eq!(
         opaque,
         [
+            "ss_arena",
+            "ss_arena_view",
             "ss_content_list",
             "ss_content_reader",
             "ss_content_storage",
@@ -393,7 +400,9 @@ fn every_ccall_matches_the_header() {
             "ss_cuda_sent",
             "ss_map",
             "ss_storage",
-            "ss_weak"
+            "ss_store",
+            "ss_symm_mem",
+            "ss_weak",
         ],
         "opaque handle types of the header"
     );
@@ -426,22 +435,33 @@ fn every_ccall_matches_the_header() {
 /// types of the same size: its bytes are the C struct's.
 #[test]
 fn julia_structs_match_the_header() {
+    for (c_name, j_name) in [
+        ("ss_cuda_ipc_handle", "CudaIpcHandle"),
+        ("ss_arena_options", "ArenaOptions"),
+        ("ss_arena_handle", "ArenaHandle"),
+        ("ss_arena_stats", "ArenaStats"),
+    ] {
+        check_struct(c_name, j_name);
+    }
+}
+
+fn check_struct(c_name: &str, j_name: &str) {
     let header = read("include/storage_sharing.h");
     let consts = header_constants(&header);
     let structs = parse_structs(&header);
     let c_fields = structs
-        .get("ss_cuda_ipc_handle")
-        .unwrap_or_else(|| panic!("no ss_cuda_ipc_handle in {structs:?}"));
+        .get(c_name)
+        .unwrap_or_else(|| panic!("no {c_name} in {structs:?}"));
     let julia = julia_sources()
         .into_iter()
         .map(|(_, t)| strip_julia_comments(&t))
         .collect::<Vec<_>>()
         .join("\n");
     let body = julia
-        .split("struct CudaIpcHandle\n")
+        .split(&format!("struct {j_name}\n"))
         .nth(1)
         .and_then(|b| b.split("\nend").next())
-        .expect("no `struct CudaIpcHandle` in the Julia module");
+        .unwrap_or_else(|| panic!("no `struct {j_name}` in the Julia module"));
     let j_fields: Vec<(String, String)> = body
         .lines()
         .filter_map(|l| l.trim().split_once("::"))
@@ -451,7 +471,7 @@ fn julia_structs_match_the_header() {
     assert_eq!(
         j_fields.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
         names,
-        "field names and order"
+        "{j_name}: field names and order"
     );
     let opaque: Vec<String> = Vec::new();
     for (c, (name, jt)) in c_fields.iter().zip(&j_fields) {

@@ -146,3 +146,13 @@ fn usage_errors() {
     assert_eq!(out.status.code(), Some(2));
     assert!(ssctl(&["ls", "--prefix", "torch_0_"]).contains("0 segment(s)"));
 }
+
+#[test]
+fn demo_symm_two_ranks_exchange_data() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ssctl")).args(["demo", "symm", "64"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("rank 0: rendezvous") && text.contains("read rank 1's buffer in place: as rank 1 wrote it"), "{text}");
+    assert!(text.contains("read rank 0's buffer in place: as rank 0 wrote it"), "{text}");
+    assert!(text.contains("read \"hello from rank 0, through your own buffer\""), "{text}");
+}

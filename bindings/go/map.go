@@ -86,8 +86,12 @@ func openNamed(op, name string, flags Flag, size int, open func(*C.char, **C.ss_
 	if err := checkSize(op, size); err != nil {
 		return nil, err
 	}
-	cname := C.CString(name)
-	defer C.free(unsafe.Pointer(cname))
+	// A NUL inside would cut the name short in C: refused, not truncated.
+	cname, err := cString(op, "name", name)
+	if err != nil {
+		return nil, err
+	}
+	defer freeCString(cname)
 	var h *C.ss_map
 	if err := call(op, func() C.ss_status { return open(cname, &h) }); err != nil {
 		return nil, err

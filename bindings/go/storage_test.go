@@ -303,6 +303,9 @@ func storageHelper(mode string) error {
 		writeSecondHalf(s.Bytes())
 		return nil
 	}
+	if strings.HasPrefix(mode, "arena-") {
+		return arenaHelper(mode)
+	}
 	if strings.HasPrefix(mode, "cuda-open:") {
 		return cudaHelper(strings.TrimPrefix(mode, "cuda-open:"))
 	}

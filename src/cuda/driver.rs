@@ -10,7 +10,7 @@ use cudarc::driver::sys::{self, CUcontext, CUresult};
 use once_cell::sync::OnceCell;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
-use std::sync::Mutex;
+use crate::fork_safe::ForkSafeMutex;
 
 /// Oldest driver API we accept (cudarc's bindings are those of CUDA 12.0).
 pub const MIN_DRIVER_VERSION: i32 = 12000;
@@ -57,7 +57,7 @@ pub struct Driver {
     pub device_count: i32,
     /// Primary contexts retained so far, by device ordinal (kept for the
     /// life of the process, as the CUDA runtime does).
-    contexts: Mutex<HashMap<i32, usize>>,
+    contexts: ForkSafeMutex<HashMap<i32, usize>>,
 }
 
 static DRIVER: OnceCell<std::result::Result<Driver, Error>> = OnceCell::new();
@@ -65,7 +65,9 @@ static DRIVER: OnceCell<std::result::Result<Driver, Error>> = OnceCell::new();
 /// The driver, loaded on first use; `CudaUnavailable` with the reason when
 /// there is no driver library, no device, or the driver is too old.
 pub fn driver() -> Result<&'static Driver> {
-    DRIVER.get_or_init(load).as_ref().map_err(Clone::clone)
+    let driver = DRIVER.get_or_init(load).as_ref().map_err(Clone::clone)?;
+    driver.contexts.register();
+    Ok(driver)
 }
 
 /// Ok when CUDA can be used; else the `CudaUnavailable` error saying why.
@@ -125,7 +127,7 @@ fn load() -> std::result::Result<Driver, Error> {
     if device_count == 0 {
         return Err(no_device());
     }
-    Ok(Driver { library, version, device_count, contexts: Mutex::new(HashMap::new()) })
+    Ok(Driver { library, version, device_count, contexts: ForkSafeMutex::new(HashMap::new()) })
 }
 
 fn no_device() -> Error {
@@ -214,7 +216,7 @@ impl Driver {
                 format!("CUDA device {device} does not exist: {} device(s) visible", self.device_count),
             ));
         }
-        let mut contexts = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
+        let mut contexts = self.contexts.lock();
         if let Some(ctx) = contexts.get(&device) {
             return Ok(*ctx as CUcontext);
         }

@@ -28,7 +28,9 @@ pub fn teardown() -> Option<TeardownReport> {
 
 /// This process's CUDA IPC state.
 pub fn global() -> &'static CudaIpc<CudaBackend> {
-    &GLOBAL
+    let ipc: &'static CudaIpc<CudaBackend> = &GLOBAL;
+    ipc.register_fork_locks();
+    ipc
 }
 
 /// Allocates device memory; when the device is out of memory, collects

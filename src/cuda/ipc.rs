@@ -17,7 +17,8 @@ use crate::shm::flags::SHAREDMEM;
 use crate::shm::map::unlink_name;
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use crate::fork_safe::ForkSafeMutex;
+use std::sync::MutexGuard;
 
 /// Interprocess events alive at once before sends fall back to a stream
 /// synchronisation (old drivers ran out at about 22,000).
@@ -35,7 +36,7 @@ pub const RESEND_MESSAGE: &str = "Attempted to send CUDA tensor received from an
 /// cache under their own.
 pub struct CudaIpc<B: IpcBackend> {
     backend: B,
-    counters: Mutex<CounterFiles>,
+    counters: ForkSafeMutex<CounterFiles>,
     limbo: Limbo,
     events_in_use: AtomicUsize,
     received: ReceivedCache,
@@ -55,7 +56,7 @@ impl<B: IpcBackend> CudaIpc<B> {
     pub fn new(backend: B) -> Self {
         CudaIpc {
             backend,
-            counters: Mutex::new(CounterFiles::default()),
+            counters: ForkSafeMutex::new(CounterFiles::default()),
             limbo: Limbo::default(),
             events_in_use: AtomicUsize::new(0),
             received: ReceivedCache::default(),
@@ -68,7 +69,15 @@ impl<B: IpcBackend> CudaIpc<B> {
     }
 
     fn counters(&self) -> MutexGuard<'_, CounterFiles> {
-        self.counters.lock().unwrap_or_else(|p| p.into_inner())
+        self.counters.lock()
+    }
+
+    /// Makes fork() take this state's locks (see `fork_safe`): for the
+    /// process's one state, which lives as long as the process.
+    pub fn register_fork_locks(&'static self) {
+        self.counters.register();
+        self.limbo.register_fork_lock();
+        self.received.register_fork_lock();
     }
 
     /// Shares `nbytes` at device pointer `ptr` on `device`: returns the

@@ -3,20 +3,29 @@
 
 use super::sent::{PinnedBlock, SentData};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use crate::fork_safe::ForkSafeMutex;
 
 /// Above this many blocks in limbo we warn once: every collection scans them.
 pub const WARN_AFTER_BLOCKS_IN_LIMBO: usize = 1000;
 
-#[derive(Default)]
 pub struct Limbo {
-    blocks: Mutex<Vec<SentData>>,
+    blocks: ForkSafeMutex<Vec<SentData>>,
     warned: AtomicBool,
+}
+
+impl Default for Limbo {
+    fn default() -> Self {
+        Limbo { blocks: ForkSafeMutex::new(Vec::new()), warned: AtomicBool::new(false) }
+    }
 }
 
 impl Limbo {
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<SentData>> {
-        self.blocks.lock().unwrap_or_else(|p| p.into_inner())
+        self.blocks.lock()
+    }
+
+    pub(crate) fn register_fork_lock(&'static self) {
+        self.blocks.register();
     }
 
     /// Puts a block in limbo; warns once when limbo grows past the limit.

@@ -6,7 +6,7 @@
 use super::backend::RawHandle;
 use crate::error::Result;
 use std::collections::HashMap;
-use std::sync::Mutex;
+use crate::fork_safe::ForkSafeMutex;
 
 /// One received storage (PyTorch's `CudaIPCReceivedData` plus what its
 /// deleter needs). Give it back with [`super::CudaIpc::received_free`].
@@ -45,14 +45,23 @@ struct Mapping {
 }
 
 /// Per-process map from (device, handle) to the opened mapping.
-#[derive(Default)]
 pub struct ReceivedCache {
-    map: Mutex<HashMap<(i32, RawHandle), Mapping>>,
+    map: ForkSafeMutex<HashMap<(i32, RawHandle), Mapping>>,
+}
+
+impl Default for ReceivedCache {
+    fn default() -> Self {
+        ReceivedCache { map: ForkSafeMutex::new(HashMap::new()) }
+    }
 }
 
 impl ReceivedCache {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(i32, RawHandle), Mapping>> {
-        self.map.lock().unwrap_or_else(|p| p.into_inner())
+        self.map.lock()
+    }
+
+    pub(crate) fn register_fork_lock(&'static self) {
+        self.map.register();
     }
 
     /// One more user of the mapping of `handle`, opening it (with `open`,

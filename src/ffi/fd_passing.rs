@@ -38,8 +38,9 @@ pub unsafe extern "C" fn ss_send_fds(sock: c_int, payload: *const c_void, len: u
 /// owned by the caller). If the kernel dropped descriptors because this
 /// process is at its open-file limit, the call fails with
 /// `SS_ERR_TOO_MANY_FILES` (PyTorch loses them silently); more descriptors
-/// than `max_fds` give `SS_ERR_BUFFER_TOO_SMALL`. On failure no
-/// descriptor is left open.
+/// than `max_fds` give `SS_ERR_BUFFER_TOO_SMALL`, and so does a datagram
+/// longer than `len` (the kernel drops its tail; stream sockets keep the
+/// rest for the next call). On failure no descriptor is left open.
 #[no_mangle]
 pub unsafe extern "C" fn ss_recv_fds(
     sock: c_int,

@@ -6,14 +6,19 @@
 #[macro_use]
 pub mod guard;
 pub mod args;
+pub mod arena;
 pub mod content_store;
 pub mod cuda;
 pub mod errors;
 pub mod fd_passing;
+pub mod fork;
 pub mod manager;
 pub mod map;
 pub mod status;
 pub mod storage;
 pub mod storage_utils;
+pub mod store;
+pub mod store_callbacks;
+pub mod symm;
 
 pub use status::ss_status;

@@ -39,6 +39,13 @@ unsafe fn new_handle(out: *mut *mut SsStorage, make: impl FnOnce() -> crate::Res
     Ok(())
 }
 
+impl SsStorage {
+    /// A new handle owning `storage` (for other areas' constructors).
+    pub(crate) fn wrap(storage: Storage) -> *mut SsStorage {
+        Box::into_raw(Box::new(SsStorage { storage }))
+    }
+}
+
 /// The storage behind a handle argument.
 unsafe fn storage<'a>(s: *const SsStorage) -> crate::Result<&'a Storage> {
     // SAFETY: the caller passes NULL or a live handle.

@@ -11,7 +11,10 @@
 //! gone fails the send at once; one that answers anything but `OK`, or
 //! does not answer within the time-out once replies are awaited, breaks
 //! the connection with a `Protocol` or `Timeout` error, and the next use
-//! reconnects. This saves one round trip to the manager per open.
+//! reconnects. A break found while sending a free (closing a segment, with
+//! nobody to tell) is kept and returned once by the next call on that
+//! manager, so the user learns that earlier messages may be lost. This
+//! saves one round trip to the manager per open.
 //!
 //! Unlike libshm, a connection inherited across fork() is not reused by the
 //! child (replies would go to whichever process reads first): each process
@@ -20,8 +23,8 @@
 use super::protocol::{AllocInfo, ALLOC_INFO_SIZE, OK_REPLY};
 use super::spawn;
 use crate::error::{Error, ErrorKind, Result};
-use once_cell::sync::Lazy;
-use std::collections::HashMap;
+use crate::fork_safe::ForkSafeMutex;
+use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
@@ -41,6 +44,9 @@ struct Conn {
     partial: Vec<u8>,
     /// Set once the connection broke; every later call fails with it.
     broken: Option<Error>,
+    /// The break was found by a `free`, whose caller cannot report it: the
+    /// next call on this manager returns it (see [`client_for`]).
+    unreported: bool,
 }
 
 /// A connection to one manager.
@@ -75,7 +81,7 @@ impl Client {
                 format!("could not connect to the shared memory manager at <{path}>"),
             )
         })?;
-        let conn = Conn { stream, owed: 0, partial: Vec::new(), broken: None };
+        let conn = Conn { stream, owed: 0, partial: Vec::new(), broken: None, unreported: false };
         Ok(Client { path: path.to_string(), pid: std::process::id(), conn: Mutex::new(conn), timeout })
     }
 
@@ -94,29 +100,68 @@ impl Client {
         self.conn().broken.is_some()
     }
 
+    /// The error a `free` met and could not report, once.
+    fn take_unreported(&self) -> Option<Error> {
+        let mut c = self.conn();
+        if !c.unreported {
+            return None;
+        }
+        c.unreported = false;
+        c.broken.clone()
+    }
+
+    /// A connection inherited across fork() belongs to the parent: the
+    /// child must not use it (nor wait on its lock, which a thread of the
+    /// parent may have held at the fork).
+    fn check_owner(&self) -> Result<()> {
+        if self.pid != std::process::id() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("the connection to the shared memory manager <{}> belongs to process {}, not to this forked child", self.path, self.pid),
+            ));
+        }
+        Ok(())
+    }
+
     /// Tells the manager this process maps (or is about to map) `filename`.
     /// The `OK` is checked later (see the module comment); call
     /// [`Client::sync`] to wait for it now.
     pub fn register(&self, filename: &str) -> Result<()> {
+        self.check_owner()?;
         let msg = AllocInfo::new(std::process::id() as i32, false, filename)?.encode();
         let mut c = self.conn();
-        self.collect(&mut c, MAX_OWED_REPLIES - 1)?;
-        self.send(&mut c, &msg)?;
+        let sent = self.collect(&mut c, MAX_OWED_REPLIES - 1).and_then(|()| self.send(&mut c, &msg));
+        // The caller gets the error: it is reported.
+        c.unreported = false;
+        sent?;
         c.owed += 1;
         Ok(())
     }
 
     /// Tells the manager this process unmapped `filename`; no reply comes.
+    /// Callers close segments and usually cannot report a failure here, so
+    /// a connection that breaks in this call also keeps the error for the
+    /// next call on this manager (see [`client_for`]). In a forked child,
+    /// a connection of the parent is left alone: nothing is sent.
     pub fn free(&self, filename: &str) -> Result<()> {
+        if self.pid != std::process::id() {
+            return Ok(());
+        }
         let msg = AllocInfo::new(std::process::id() as i32, true, filename)?.encode();
         let mut c = self.conn();
-        self.collect(&mut c, usize::MAX)?;
-        self.send(&mut c, &msg)
+        let was_broken = c.broken.is_some();
+        let result = self.collect(&mut c, usize::MAX).and_then(|()| self.send(&mut c, &msg));
+        if result.is_err() && !was_broken {
+            c.unreported = true;
+        }
+        result
     }
 
     /// Waits until every registration sent so far has its `OK`.
     pub fn sync(&self) -> Result<()> {
+        self.check_owner()?;
         let mut c = self.conn();
+        c.unreported = false;
         self.collect(&mut c, 0)
     }
 
@@ -221,22 +266,41 @@ impl Client {
 }
 
 struct Connections {
-    by_path: HashMap<String, Arc<Client>>,
+    by_path: BTreeMap<String, Arc<Client>>,
     /// The manager this process spawned (or adopted) for handle-less use.
     default: Option<String>,
 }
 
-static CONNECTIONS: Lazy<Mutex<Connections>> =
-    Lazy::new(|| Mutex::new(Connections { by_path: HashMap::new(), default: None }));
+/// Fork-safe (see `fork_safe`); each connection's own lock is never taken
+/// by a forked child (connections of the parent are left alone there).
+static CONNECTIONS: ForkSafeMutex<Connections> =
+    ForkSafeMutex::new(Connections { by_path: BTreeMap::new(), default: None });
 
 fn connections() -> std::sync::MutexGuard<'static, Connections> {
-    CONNECTIONS.lock().unwrap_or_else(|p| p.into_inner())
+    CONNECTIONS.lock_static()
+}
+
+/// If this process's connection to `path` broke inside a `free` and no
+/// caller has seen the error yet, forgets the connection (the next call
+/// reconnects) and returns the error to report now.
+fn take_unreported(c: &mut Connections, path: &str) -> Option<Error> {
+    let client = c.by_path.get(path).filter(|cl| cl.pid == std::process::id())?;
+    let e = client.take_unreported()?;
+    c.by_path.remove(path);
+    Some(e.context(format!(
+        "the connection to the shared memory manager <{path}> broke while a segment was being freed, so registrations and frees sent before may not have reached it"
+    )))
 }
 
 /// This process's connection to the manager at `path`, opened on first use.
+/// A break found inside an earlier `free` on it (which had no caller to
+/// tell) is returned here once; the call after that reconnects.
 pub fn client_for(path: &str) -> Result<Arc<Client>> {
     let me = std::process::id();
     let mut c = connections();
+    if let Some(e) = take_unreported(&mut c, path) {
+        return Err(e);
+    }
     if let Some(client) = c.by_path.get(path) {
         if client.pid == me && !client.is_broken() {
             return Ok(client.clone());
@@ -256,14 +320,18 @@ pub fn default_client() -> Result<Arc<Client>> {
         c.default.clone().or_else(|| c.by_path.values().find(|cl| cl.pid == me).map(|cl| cl.path.clone()))
     };
     if let Some(path) = path {
+        if let Some(e) = take_unreported(&mut connections(), &path) {
+            return Err(e);
+        }
         // A forked child reconnects to the same manager by path.
         if let Ok(client) = client_for(&path) {
             connections().default = Some(path);
             return Ok(client);
         }
     }
-    let path = spawn::spawn_manager()?;
-    let client = client_for(&path)?;
+    // A daemon we cannot connect to is stopped again (see spawn).
+    let binary = spawn::find_manager_binary()?;
+    let (path, client) = spawn::spawn_manager_then(&binary, client_for)?;
     connections().default = Some(path);
     Ok(client)
 }

@@ -9,12 +9,11 @@
 //! code, then in `../bin` from there; `ss_shm_manager` on `PATH`.
 
 use crate::error::{Error, ErrorKind, Result};
-use once_cell::sync::Lazy;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::os::fd::AsRawFd;
-use std::sync::Mutex;
+use crate::fork_safe::ForkSafeMutex;
 use std::time::{Duration, Instant};
 
 /// File name of the daemon.
@@ -25,20 +24,20 @@ pub const MANAGER_ENV: &str = "SS_SHM_MANAGER";
 /// How long a started daemon may take to print its socket path.
 pub const START_TIMEOUT: Duration = Duration::from_secs(5);
 
-static BINARY: Lazy<Mutex<Option<PathBuf>>> = Lazy::new(|| Mutex::new(None));
+static BINARY: ForkSafeMutex<Option<PathBuf>> = ForkSafeMutex::new(None);
 
 /// Uses `path` as the daemon binary from now on (libshm's `libshm_init`).
 pub fn set_manager_binary(path: &str) -> Result<()> {
     if path.is_empty() {
         return Err(Error::new(ErrorKind::InvalidArgument, "empty shared memory manager binary path"));
     }
-    *BINARY.lock().unwrap_or_else(|p| p.into_inner()) = Some(PathBuf::from(path));
+    *BINARY.lock_static() = Some(PathBuf::from(path));
     Ok(())
 }
 
 /// Where the daemon binary is, per the lookup order above.
 pub fn find_manager_binary() -> Result<PathBuf> {
-    if let Some(p) = BINARY.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+    if let Some(p) = BINARY.lock_static().clone() {
         return Ok(p);
     }
     if let Some(p) = std::env::var_os(MANAGER_ENV).filter(|v| !v.is_empty()) {
@@ -97,40 +96,104 @@ pub fn spawn_manager() -> Result<String> {
 /// Starts the daemon `binary` (ours or torch_shm_manager) and returns the
 /// socket path it prints.
 pub fn spawn_manager_at(binary: &Path) -> Result<String> {
-    let shown = binary.display().to_string();
-    let mut child = Command::new(binary)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| {
-            Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not start the shared memory manager \"{shown}\""))
-        })?;
-    let line = child.stdout.take().map_or_else(
-        || Err(Error::new(ErrorKind::Io, format!("no stdout pipe to the shared memory manager \"{shown}\""))),
-        |out| read_first_line(out, &shown, START_TIMEOUT),
-    );
-    if line.is_err() {
-        // It may still be running without ever answering: stop it, so the
-        // reaper below does not wait on it for ever.
-        let _ = child.kill();
+    spawn_manager_then(binary, |_| Ok(())).map(|(path, ())| path)
+}
+
+/// Starts the daemon `binary`, then runs `use_it` on its socket path
+/// (e.g. connects to it). If anything fails, the daemon is stopped.
+pub fn spawn_manager_then<T>(binary: &Path, use_it: impl FnOnce(&str) -> Result<T>) -> Result<(String, T)> {
+    let mut started = Started::run(binary)?;
+    let path = started.socket_path()?;
+    let value = use_it(&path)?;
+    started.keep();
+    Ok((path, value))
+}
+
+/// A daemon being started. Unless [`Started::keep`] is called, dropping it
+/// kills and reaps the daemon: a failed start never leaves one running.
+struct Started {
+    child: Option<Child>,
+    shown: String,
+}
+
+impl Started {
+    fn run(binary: &Path) -> Result<Self> {
+        let shown = binary.display().to_string();
+        let child = Command::new(binary)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| {
+                Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not start the shared memory manager \"{shown}\""))
+            })?;
+        Ok(Started { child: Some(child), shown })
     }
-    // The daemon outlives this call; a thread reaps it when it exits so it
-    // never lingers as a zombie of the host process, also when its output
-    // could not be read. Without a thread it stays unreaped until we exit.
-    let _ = std::thread::Builder::new().name("ss-manager-reaper".into()).spawn(move || {
-        let _ = child.wait();
-    });
-    let line = line?;
-    let text = String::from_utf8_lossy(&line);
-    let text = text.trim_end_matches('\n');
-    if text.is_empty() {
-        return Err(Error::new(ErrorKind::PeerGone, format!("no response from the shared memory manager at \"{shown}\"")));
+
+    /// The socket path the daemon printed, checked to be one we can use.
+    fn socket_path(&mut self) -> Result<String> {
+        let shown = &self.shown;
+        let out = self.child.as_mut().and_then(|c| c.stdout.take());
+        let line = match out {
+            Some(out) => read_first_line(out, shown, START_TIMEOUT)?,
+            None => return Err(Error::new(ErrorKind::Io, format!("no stdout pipe to the shared memory manager \"{shown}\""))),
+        };
+        let text = String::from_utf8_lossy(&line);
+        let text = text.trim_end_matches('\n');
+        if text.is_empty() {
+            return Err(Error::new(ErrorKind::PeerGone, format!("no response from the shared memory manager at \"{shown}\"")));
+        }
+        if let Some(rest) = text.strip_prefix("ERROR: ").or_else(|| text.strip_prefix("ERROR")) {
+            return Err(Error::new(ErrorKind::Io, format!("shared memory manager at \"{shown}\": {}", rest.trim())));
+        }
+        check_socket_path(text, shown)?;
+        Ok(text.to_string())
     }
-    if let Some(rest) = text.strip_prefix("ERROR: ").or_else(|| text.strip_prefix("ERROR")) {
-        return Err(Error::new(ErrorKind::Io, format!("shared memory manager at \"{shown}\": {}", rest.trim())));
+
+    /// The daemon outlives this call; a thread reaps it when it exits so
+    /// it never lingers as a zombie of the host process.
+    fn keep(mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = std::thread::Builder::new().name("ss-manager-reaper".into()).spawn(move || {
+                let _ = child.wait();
+            });
+        }
     }
-    Ok(text.to_string())
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A path a client can connect to: fits sun_path (107 bytes and the NUL)
+/// and names a socket.
+fn check_socket_path(path: &str, shown: &str) -> Result<()> {
+    if path.len() >= 108 {
+        return Err(Error::new(
+            ErrorKind::NameTooLong,
+            format!(
+                "the shared memory manager \"{shown}\" printed a socket path of {} bytes, at most 107 fit: <{path}>; it was stopped",
+                path.len()
+            ),
+        ));
+    }
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::metadata(path) {
+        Ok(m) if m.file_type().is_socket() => Ok(()),
+        Ok(_) => Err(Error::new(
+            ErrorKind::Protocol,
+            format!("the shared memory manager \"{shown}\" printed <{path}>, which is not a socket; it was stopped"),
+        )),
+        Err(e) => Err(Error::from_errno(
+            e.raw_os_error().unwrap_or(libc::EIO),
+            format!("the shared memory manager \"{shown}\" printed the socket path <{path}>, which cannot be used; it was stopped"),
+        )),
+    }
 }
 
 /// The daemon's first line (up to 4 KiB), or what it wrote before closing;

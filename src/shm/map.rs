@@ -74,6 +74,26 @@ impl MapAllocator {
     }
 
     pub(crate) fn open_with(name: &str, fd: Option<RawFd>, flags: i32, size: usize, reserve: Reserve) -> Result<Self> {
+        let source = fd.map_or(Source::Named, Source::Fd);
+        Self::open_from(name, source, flags, size, reserve)
+    }
+
+    /// A new object with flags 86 (SHAREDMEM | EXCLUSIVE | KEEPFD | UNLINK)
+    /// that never has a name in /dev/shm: an O_TMPFILE file of the tmpfs
+    /// behind /dev/shm (same space limit, same kind of descriptor), so a
+    /// process killed while the bytes are reserved or copied leaves
+    /// nothing behind. `name` is only what `filename()` reports, as ATen
+    /// would have named it. Where O_TMPFILE is refused the object is
+    /// created under `name` and the name removed right after the open.
+    pub(crate) fn create_nameless(name: &str, size: usize, reserve: Reserve) -> Result<Self> {
+        Self::open_from(name, Source::Nameless, flags::SHM_FD_STORAGE, size, reserve)
+    }
+
+    fn open_from(name: &str, source: Source, flags: i32, size: usize, reserve: Reserve) -> Result<Self> {
+        let fd = match source {
+            Source::Fd(fd) => Some(fd),
+            Source::Named | Source::Nameless => None,
+        };
         let flags = check_flags(flags, fd)?;
         let name = if name.is_empty() { UNNAMED } else { name };
         check_size(name, size)?;
@@ -82,7 +102,29 @@ impl MapAllocator {
         }
         let c_name = CString::new(name)
             .map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("name <{name}> contains a NUL byte")))?;
-        let opened = Opened::new(&c_name, name, fd, flags)?;
+        let mut opened = match source {
+            Source::Nameless => match Opened::nameless(&c_name, flags) {
+                Some(o) => o,
+                None => Opened::new(&c_name, name, None, flags)?,
+            },
+            _ => Opened::new(&c_name, name, fd, flags)?,
+        };
+        if flags & UNLINK != 0 && !in_shm_namespace(flags) && !opened.made_here {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "UNLINK would remove the file <{name}>, which this call did not create (flags {}): only a file made by this open is removed",
+                    flags::describe(flags)
+                ),
+            ));
+        }
+        // A name this open made and is asked to remove goes now, before the
+        // pages are reserved or filled: if this process dies meanwhile, the
+        // kernel frees the object with the descriptor and nothing is left.
+        if flags & UNLINK != 0 && opened.made_here && !opened.name_gone {
+            unlink_name(&c_name, name, flags)?;
+            opened.name_gone = true;
+        }
         let st_size = opened.file_size(name)?;
         let grown_from = if size > st_size {
             if flags & NOCREATE != 0 || flags & (SHARED | SHAREDMEM) == 0 {
@@ -91,21 +133,17 @@ impl MapAllocator {
                     format!("file <{name}> size <{st_size}> is smaller than the required mapping size <{size}>"),
                 ));
             }
-            opened.grow(name, size)?;
+            if let Err(e) = opened.grow(name, size) {
+                return Err(opened.undo(st_size, e));
+            }
             Some(st_size)
         } else {
             None
         };
-        let created = flags & EXCLUSIVE != 0 || grown_from == Some(0);
-        let cleanup = |opened: &Opened, e: Error| {
-            if let Some(old) = grown_from {
-                opened.undo_grow(old, flags & EXCLUSIVE != 0);
-            }
-            e
-        };
+        let created = opened.made_here || grown_from == Some(0);
         let base = match map(opened.fd, size, flags, name) {
             Ok(b) => b,
-            Err(e) => return Err(cleanup(&opened, e)),
+            Err(e) => return Err(opened.undo(grown_from.unwrap_or(st_size), e)),
         };
         let mut this = MapAllocator {
             name: name.to_string(),
@@ -114,7 +152,7 @@ impl MapAllocator {
             fd: -1,
             base,
             len: size,
-            unlink_on_close: flags & SHAREDMEM != 0 && flags & (FROMFD | UNLINK) == 0,
+            unlink_on_close: in_shm_namespace(flags) && flags & (FROMFD | UNLINK) == 0,
             created,
             closed: false,
         };
@@ -125,12 +163,14 @@ impl MapAllocator {
         };
         if let Err(e) = filled {
             let _ = this.unmap_only();
-            return Err(cleanup(&opened, e));
+            return Err(opened.undo(grown_from.unwrap_or(st_size), e));
         }
-        if flags & UNLINK != 0 && (flags & FROMFD == 0 || name != UNNAMED) {
+        // UNLINK of an object this open did not make: ATen's order (after
+        // mapping), and only ever a shared-memory name (checked above).
+        if flags & UNLINK != 0 && !opened.name_gone && (flags & FROMFD == 0 || name != UNNAMED) {
             if let Err(e) = unlink_name(&c_name, name, flags) {
                 let _ = this.unmap_only();
-                return Err(cleanup(&opened, e));
+                return Err(opened.undo(grown_from.unwrap_or(st_size), e));
             }
         }
         this.fd = opened.release(flags & KEEPFD != 0, name)?;
@@ -244,6 +284,15 @@ fn check_flags(flags: i32, fd: Option<RawFd>) -> Result<i32> {
             format!("unknown flag bits {:#x} in flags {flags}", flags & !flags::ALL),
         ));
     }
+    if flags & SHARED != 0 && flags & SHAREDMEM != 0 {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "flags SHARED (a regular file) and SHAREDMEM (a shared-memory object) contradict each other (got flags {})",
+                flags::describe(flags)
+            ),
+        ));
+    }
     let mut flags = flags;
     if flags & (SHARED | SHAREDMEM) == 0 {
         flags &= !NOCREATE;
@@ -290,11 +339,31 @@ fn check_name(name: &str, flags: i32) -> Result<()> {
     }
 }
 
+/// Where an open gets its descriptor.
+#[derive(Clone, Copy)]
+enum Source {
+    /// open(2) or shm_open(3) of the name.
+    Named,
+    /// The caller's descriptor (FROMFD).
+    Fd(RawFd),
+    /// A new object that never has a name (see `create_nameless`).
+    Nameless,
+}
+
+/// True when the name lives in the shm namespace (shm_open/shm_unlink).
+fn in_shm_namespace(flags: i32) -> bool {
+    flags & SHAREDMEM != 0 && flags & SHARED == 0
+}
+
 /// The descriptor during an open: closed again on failure unless the
 /// caller passed it in (FROMFD).
 struct Opened {
     fd: RawFd,
     owned: bool,
+    /// This call created the object (an O_EXCL open succeeded).
+    made_here: bool,
+    /// The object has no name any more (or never had one).
+    name_gone: bool,
     c_name: CString,
     flags: i32,
 }
@@ -302,7 +371,7 @@ struct Opened {
 impl Opened {
     fn new(c_name: &CString, name: &str, fd: Option<RawFd>, flags: i32) -> Result<Self> {
         if let Some(fd) = fd {
-            return Ok(Opened { fd, owned: false, c_name: c_name.clone(), flags });
+            return Ok(Opened { fd, owned: false, made_here: false, name_gone: false, c_name: c_name.clone(), flags });
         }
         let shared = flags & (SHARED | SHAREDMEM) != 0;
         let mut oflags = if shared { libc::O_RDWR | libc::O_CREAT } else { libc::O_RDONLY };
@@ -313,21 +382,46 @@ impl Opened {
             oflags &= !libc::O_CREAT;
         }
         oflags |= libc::O_CLOEXEC;
-        // SAFETY: c_name is a valid NUL-terminated string for the call.
-        let (fd, what) = unsafe {
-            if flags & SHARED != 0 {
-                (libc::open(c_name.as_ptr(), oflags, 0o600 as libc::c_uint), "file")
-            } else if flags & SHAREDMEM != 0 {
-                (libc::shm_open(c_name.as_ptr(), oflags, 0o600), "shared memory object")
-            } else {
-                (libc::open(c_name.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC), "file")
-            }
-        };
-        if fd < 0 {
+        let what = if flags & SHARED == 0 && flags & SHAREDMEM != 0 { "shared memory object" } else { "file" };
+        let fail = || {
             let mode = if shared { "read-write" } else { "read-only" };
-            return Err(Error::last_os_error(format!("unable to open {what} <{name}> in {mode} mode")));
+            Err(Error::last_os_error(format!("unable to open {what} <{name}> in {mode} mode")))
+        };
+        let made = |fd| Ok(Opened { fd, owned: true, made_here: true, name_gone: false, c_name: c_name.clone(), flags });
+        let found = |fd| Ok(Opened { fd, owned: true, made_here: false, name_gone: false, c_name: c_name.clone(), flags });
+        if oflags & libc::O_CREAT == 0 || oflags & libc::O_EXCL != 0 {
+            let fd = open_raw(c_name, oflags, flags);
+            return if fd < 0 { fail() } else if oflags & libc::O_EXCL != 0 { made(fd) } else { found(fd) };
         }
-        Ok(Opened { fd, owned: true, c_name: c_name.clone(), flags })
+        // Create-or-open: try to create first, so that we know whether this
+        // call made the object (and may remove it if the open fails later).
+        // Someone may remove it between the two tries: start again then.
+        for _ in 0..100 {
+            let fd = open_raw(c_name, oflags | libc::O_EXCL, flags);
+            if fd >= 0 {
+                return made(fd);
+            }
+            if errno() != libc::EEXIST {
+                return fail();
+            }
+            let fd = open_raw(c_name, oflags & !libc::O_CREAT, flags);
+            if fd >= 0 {
+                return found(fd);
+            }
+            if errno() != libc::ENOENT {
+                return fail();
+            }
+        }
+        fail()
+    }
+
+    /// An object without a name on the tmpfs behind /dev/shm; None where
+    /// the kernel or file system does not offer O_TMPFILE there.
+    fn nameless(c_name: &CString, flags: i32) -> Option<Self> {
+        let oflags = libc::O_TMPFILE | libc::O_RDWR | libc::O_EXCL | libc::O_CLOEXEC;
+        // SAFETY: a constant NUL-terminated path; open returns a new fd or -1.
+        let fd = unsafe { libc::open(c"/dev/shm".as_ptr(), oflags, 0o600 as libc::c_uint) };
+        (fd >= 0).then(|| Opened { fd, owned: true, made_here: true, name_gone: true, c_name: c_name.clone(), flags })
     }
 
     fn file_size(&self, name: &str) -> Result<usize> {
@@ -348,13 +442,20 @@ impl Opened {
         Ok(())
     }
 
-    /// After a failed open: shrink back, and remove a name we created.
-    fn undo_grow(&self, old: usize, we_created: bool) {
-        // SAFETY: best-effort cleanup on our own descriptor and name.
-        unsafe { libc::ftruncate(self.fd, old as libc::off_t) };
-        if we_created && self.owned {
-            let _ = unlink_name(&self.c_name, "", self.flags);
+    /// After a failed open: remove the object if this call made it (and
+    /// its name is still there), else shrink it back to `old` bytes.
+    /// Returns `e` for the caller to pass on.
+    fn undo(&self, old: usize, e: Error) -> Error {
+        if self.made_here && self.owned {
+            if !self.name_gone {
+                let _ = unlink_name(&self.c_name, "", self.flags);
+            }
+        } else {
+            // SAFETY: best-effort cleanup on the descriptor of this open
+            // (a no-op when the object was not grown).
+            unsafe { libc::ftruncate(self.fd, old as libc::off_t) };
         }
+        e
     }
 
     /// Hands the descriptor over: kept (returned) or closed now.
@@ -370,6 +471,20 @@ impl Opened {
             return Err(Error::last_os_error(format!("Error closing file <{name}>")));
         }
         Ok(-1)
+    }
+}
+
+/// open(2) for files, shm_open(3) for SHAREDMEM; -1 with errno on failure.
+fn open_raw(c_name: &CString, oflags: i32, flags: i32) -> RawFd {
+    // SAFETY: c_name is a valid NUL-terminated string for the call.
+    unsafe {
+        if flags & SHARED != 0 {
+            libc::open(c_name.as_ptr(), oflags, 0o600 as libc::c_uint)
+        } else if flags & SHAREDMEM != 0 {
+            libc::shm_open(c_name.as_ptr(), oflags, 0o600)
+        } else {
+            libc::open(c_name.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC)
+        }
     }
 }
 
@@ -395,7 +510,7 @@ fn map(fd: RawFd, size: usize, flags: i32, name: &str) -> Result<*mut u8> {
 
 /// shm_unlink for shared memory, unlink for files.
 pub(crate) fn unlink_name(c_name: &CString, name: &str, flags: i32) -> Result<()> {
-    let shm = flags & SHARED == 0 && flags & SHAREDMEM != 0;
+    let shm = in_shm_namespace(flags);
     // SAFETY: c_name is a valid NUL-terminated string.
     let rc = unsafe { if shm { libc::shm_unlink(c_name.as_ptr()) } else { libc::unlink(c_name.as_ptr()) } };
     if rc != 0 {

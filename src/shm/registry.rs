@@ -2,21 +2,22 @@
 //! (or a pointer into the data) leads back to the object that owns it:
 //! ATen's `fromDataPtr`, extended to interior pointers.
 
-use once_cell::sync::Lazy;
+use crate::fork_safe::ForkSafeMutex;
 use std::collections::BTreeMap;
-use std::sync::Mutex;
 
 struct Entry {
     len: usize,
     token: usize,
 }
 
-static LIVE: Lazy<Mutex<BTreeMap<usize, Entry>>> = Lazy::new(|| Mutex::new(BTreeMap::new()));
+/// Fork-safe: a child forked while another thread registers a map must
+/// still be able to open and close maps.
+static LIVE: ForkSafeMutex<BTreeMap<usize, Entry>> = ForkSafeMutex::new(BTreeMap::new());
 
 fn live() -> std::sync::MutexGuard<'static, BTreeMap<usize, Entry>> {
     // A panic while holding the lock cannot leave the map half-updated
     // (every update is one insert or remove), so poisoning is ignored.
-    LIVE.lock().unwrap_or_else(|p| p.into_inner())
+    LIVE.lock_static()
 }
 
 /// Records that `[start, start + len)` belongs to `token`.

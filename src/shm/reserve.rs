@@ -42,7 +42,17 @@ pub fn write_all(fd: RawFd, at: usize, src: &[u8], what: &str) -> Result<()> {
             if e == libc::EINTR {
                 continue;
             }
-            return Err(space_error(e, "pwrite").context(format!("unable to copy {} bytes into <{what}>", src.len())));
+            // pwrite reads the source: EFAULT here is the caller's buffer,
+            // not a full file system.
+            let err = if e == libc::EFAULT {
+                Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("the source buffer is not readable (pwrite: EFAULT at byte {done} of {})", src.len()),
+                )
+            } else {
+                space_error(e, "pwrite")
+            };
+            return Err(err.context(format!("unable to copy {} bytes into <{what}>", src.len())));
         }
         done += n as usize;
     }

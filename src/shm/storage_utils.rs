@@ -1,14 +1,16 @@
 //! ATen's StorageUtils: new fd-backed segments and `share_memory`.
 
-use super::flags::SHM_FD_STORAGE;
 use super::map::{MapAllocator, Reserve};
 use super::names::new_process_wide_shm_handle;
 use crate::error::{Error, ErrorKind, Result};
 
 /// A new anonymous shared-memory segment of `size` bytes, reachable only
-/// through its kept descriptor (flags 86: the name is removed at once).
+/// through its kept descriptor (flags 86). It never has a name in
+/// /dev/shm (see `MapAllocator::create_nameless`), so a process killed
+/// while it is being made leaks nothing; `filename()` still reports the
+/// `/torch_...` name ATen would have used.
 pub fn new_shm_fd_storage(size: usize) -> Result<MapAllocator> {
-    MapAllocator::open(&new_process_wide_shm_handle(), SHM_FD_STORAGE, size)
+    MapAllocator::create_nameless(&new_process_wide_shm_handle(), size, Reserve::Now)
 }
 
 /// Copies `src` into a new fd-backed segment and returns its mapping: what
@@ -21,8 +23,7 @@ pub fn share_memory(src: &[u8]) -> Result<MapAllocator> {
     if src.is_empty() {
         return Err(Error::new(ErrorKind::InvalidArgument, "share_memory of 0 bytes: nothing to share"));
     }
-    let name = new_process_wide_shm_handle();
-    MapAllocator::open_with(&name, None, SHM_FD_STORAGE, src.len(), Reserve::Fill { at: 0, bytes: src })
+    MapAllocator::create_nameless(&new_process_wide_shm_handle(), src.len(), Reserve::Fill { at: 0, bytes: src })
 }
 
 #[cfg(test)]
@@ -46,7 +47,7 @@ mod tests {
     #[test]
     fn new_fd_storage_is_zeroed_and_nameless() {
         let m = new_shm_fd_storage(10_000).unwrap();
-        assert_eq!(m.flags(), 86);
+        assert_eq!(m.flags(), crate::shm::flags::SHM_FD_STORAGE);
         assert!(!std::path::Path::new(&format!("/dev/shm{}", m.filename())).exists());
         // SAFETY: 10_000 bytes mapped.
         assert!(unsafe { std::slice::from_raw_parts(m.data(), 10_000) }.iter().all(|b| *b == 0));

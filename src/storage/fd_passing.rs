@@ -69,7 +69,8 @@ pub fn send_fds(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<usize> {
 /// and the descriptors. If the kernel had to drop descriptors, everything
 /// received is closed and the error says why: `TooManyFiles` when this
 /// process is at its open-file limit, `BufferTooSmall` when the sender sent
-/// more than `max_fds`.
+/// more than `max_fds`. A datagram longer than `buf` (its tail dropped by
+/// the kernel) is `BufferTooSmall` too, its descriptors closed.
 pub fn recv_fds(sock: RawFd, buf: &mut [u8], max_fds: usize) -> Result<(usize, Vec<OwnedFd>)> {
     if max_fds > MAX_FDS_PER_MESSAGE {
         return Err(Error::new(ErrorKind::InvalidArgument, format!("max_fds {max_fds} above the kernel's {MAX_FDS_PER_MESSAGE}")));
@@ -128,6 +129,18 @@ pub fn recv_fds(sock: RawFd, buf: &mut [u8], max_fds: usize) -> Result<(usize, V
         return Err(Error::new(
             ErrorKind::BufferTooSmall,
             format!("the sender sent more than the {max_fds} descriptors this receive had room for; all were closed"),
+        ));
+    }
+    if msg.msg_flags & libc::MSG_TRUNC != 0 {
+        // A datagram longer than `buf`: the kernel dropped the rest.
+        let got = fds.len();
+        drop(fds);
+        return Err(Error::new(
+            ErrorKind::BufferTooSmall,
+            format!(
+                "the message was longer than the {}-byte buffer and was cut (a datagram socket drops the rest); its {got} descriptor(s) were closed",
+                buf.len()
+            ),
         ));
     }
     if fds.len() > max_fds {

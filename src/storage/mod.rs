@@ -8,5 +8,5 @@ pub mod share_fd;
 pub mod share_name;
 
 pub use fd_passing::{recv_fds, send_fds, MAX_FDS_PER_MESSAGE};
-pub use object::{Allocation, Storage, WeakStorage};
+pub use object::{Allocation, ArenaBlock, Storage, WeakStorage};
 pub use share_name::FilenameHandle;

@@ -4,6 +4,7 @@
 
 use super::heap::HeapBuf;
 use crate::error::{Error, ErrorKind, Result};
+use crate::arena::Arena;
 use crate::shm::{ManagedMapAllocator, MapAllocator};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
@@ -16,6 +17,38 @@ pub enum Allocation {
     Fd(MapAllocator),
     /// A refcounted segment registered with a manager: shared by name.
     Managed(ManagedMapAllocator),
+    /// A block of a shareable arena (already in shared memory).
+    Arena(ArenaBlock),
+}
+
+/// A storage's block in an [`Arena`]; dropping it frees the block.
+#[derive(Debug)]
+pub struct ArenaBlock {
+    arena: Arena,
+    ptr: *mut u8,
+}
+
+// SAFETY: the block is owned by this value alone; the arena locks itself.
+unsafe impl Send for ArenaBlock {}
+// SAFETY: as above; `&self` only reads the pointer.
+unsafe impl Sync for ArenaBlock {}
+
+impl ArenaBlock {
+    pub fn arena(&self) -> &Arena {
+        &self.arena
+    }
+
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+}
+
+impl Drop for ArenaBlock {
+    fn drop(&mut self) {
+        // Only fails for a pointer the arena does not know, which this
+        // value's construction rules out.
+        let _ = self.arena.free(self.ptr);
+    }
 }
 
 impl Allocation {
@@ -24,6 +57,7 @@ impl Allocation {
             Allocation::Heap(h) => h.data(),
             Allocation::Fd(m) => m.data(),
             Allocation::Managed(m) => m.data(),
+            Allocation::Arena(b) => b.ptr,
         }
     }
 }
@@ -58,6 +92,15 @@ impl Storage {
     /// A resizable storage of `nbytes` zero bytes on the heap.
     pub fn new(nbytes: usize) -> Result<Self> {
         Ok(Self::from_allocation(Allocation::Heap(HeapBuf::new(nbytes)?), nbytes, true))
+    }
+
+    /// A storage of `nbytes` bytes in a new block of `arena` (shared
+    /// memory from birth; not resizable). Blocks above the arena's large
+    /// threshold fill a segment of their own, which
+    /// [`Storage::share_fd`] then hands out with no copy.
+    pub fn new_in_arena(arena: &Arena, nbytes: usize) -> Result<Self> {
+        let ptr = arena.alloc(nbytes, 64)?;
+        Ok(Self::from_allocation(Allocation::Arena(ArenaBlock { arena: arena.clone(), ptr }), nbytes, false))
     }
 
     /// A heap storage holding a copy of `bytes`.

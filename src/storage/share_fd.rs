@@ -14,8 +14,16 @@ impl Storage {
     pub fn share_fd(&self) -> Result<(RawFd, usize)> {
         {
             let s = self.read();
-            if let Allocation::Fd(m) = &s.alloc {
-                return Ok((m.fd(), s.nbytes));
+            match &s.alloc {
+                Allocation::Fd(m) => return Ok((m.fd(), s.nbytes)),
+                Allocation::Arena(b) => {
+                    // A block that owns its whole memfd segment from offset
+                    // 0 is already what PyTorch maps by fd: no copy.
+                    if let Some(fd) = b.arena().whole_segment_fd(b.ptr()) {
+                        return Ok((fd, s.nbytes));
+                    }
+                }
+                _ => {}
             }
         }
         let mut s = self.write();
@@ -67,6 +75,9 @@ impl Storage {
     pub fn get_shared_fd(&self) -> Result<RawFd> {
         match &self.read().alloc {
             Allocation::Fd(m) if m.fd() >= 0 => Ok(m.fd()),
+            Allocation::Arena(b) if b.arena().whole_segment_fd(b.ptr()).is_some() => {
+                Ok(b.arena().whole_segment_fd(b.ptr()).expect("checked"))
+            }
             _ => Err(Error::new(ErrorKind::NotFound, "couldn't retrieve a shared file descriptor: the storage is not fd-backed")),
         }
     }

@@ -4,6 +4,15 @@
 //! Every store implements [`Store`]; groups and callers share one through
 //! [`StoreRef`] (an `Arc`, so a group keeps its own reference).
 
+pub mod deadline;
+pub mod dir_watch;
+pub mod file;
+pub mod file_key;
+pub mod tcp;
+
+pub use file::FileStore;
+pub use tcp::TcpStore;
+
 use crate::error::Result;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +42,12 @@ pub trait Store: Send + Sync {
 
     /// Where the store lives, for messages (a path, or `host:port`).
     fn describe(&self) -> String;
+
+    /// The TCP port of a TCPStore (the one its server picked when asked
+    /// for port 0); `None` for other stores.
+    fn tcp_port(&self) -> Option<u16> {
+        None
+    }
 }
 
 /// A shared reference to a store.

@@ -105,18 +105,25 @@ run_and_check_segment "README static link line" bash -c 'cd "$1" && PREFIX="$2" 
 if readelf -d "$readme/app" | grep -q "NEEDED.*libstorage_sharing"; then fail "README static app is not static"; fi
 run_and_check_segment "README pkg-config example" bash -c 'cd "$1" && rm -f app && PREFIX="$2" bash -eu pkg-config.sh' _ "$readme" "$prefix"
 # The content store's C example (the same text as ctests/test_content_store_example.c).
-if [ -s "$readme/content_store.c" ]; then
-    # shellcheck disable=SC2046 # word splitting of the flags is intended
-    cc -std=c11 -Wall -Wextra -Werror "$readme/content_store.c" $(pkg-config --cflags --libs storage_sharing) \
-        -Wl,-rpath,"$lib" -o "$readme/content_store" || fail "README content store example does not build"
-    "$readme/content_store" || fail "README content store example"
-    cmp -s "$readme/content_store.c" "$root/ctests/test_content_store_example.c" \
-        || fail "README content store example differs from ctests/test_content_store_example.c"
-fi
+[ -s "$readme/content_store.c" ] || fail "README has no checked block content_store.c"
+# shellcheck disable=SC2046 # word splitting of the flags is intended
+cc -std=c11 -Wall -Wextra -Werror "$readme/content_store.c" $(pkg-config --cflags --libs storage_sharing) \
+    -Wl,-rpath,"$lib" -o "$readme/content_store" || fail "README content store example does not build"
+"$readme/content_store" || fail "README content store example"
+cmp -s "$readme/content_store.c" "$root/ctests/test_content_store_example.c" \
+    || fail "README content store example differs from ctests/test_content_store_example.c"
 run_and_check_segment "README C++ example" bash -c 'cd "$1" && PREFIX="$2" bash -eu cpp.sh' _ "$readme" "$prefix"
 cmake -S "$readme" -B "$readme/build" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$readme/build" >/dev/null
 run_and_check_segment "README CMake example" "$readme/build/app"
+
+step "README symmetric-memory example (the same file as ctests/test_symm.c)"
+[ -s "$readme/symm.c" ] || fail "README has no checked block symm.c"
+cmp -s "$readme/symm.c" "$root/ctests/test_symm.c" || fail "README's symm.c differs from ctests/test_symm.c"
+# shellcheck disable=SC2046 # word splitting of the flags is intended
+cc -std=c11 -Wall -Wextra -Wpedantic -Werror "$readme/symm.c" $(pkg-config --cflags --libs storage_sharing) \
+    -Wl,-rpath,"$lib" -o "$readme/symm"
+"$readme/symm" || fail "README symmetric-memory example"
 
 if command -v go >/dev/null; then
     step "Go: README example and go test"

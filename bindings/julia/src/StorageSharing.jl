@@ -27,6 +27,15 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        cuda_share, sent_counter, cuda_open, cuda_release_ipc_counter, cuda_ipc_collect, cuda_limbo_size,
        cuda_ipc_teardown, cuda_pointer_base, cuda_malloc, cuda_free, cuda_ipc_handle_to_text,
        cuda_ipc_handle_from_text,
+       KVStore, store_file_open, store_tcp_open, store_tcp_port, store_ref, store_set, store_get, store_add,
+       store_wait, StoreCallbacks, store_from_callbacks,
+       SymmMem, symm_set_group_info, symm_get_group_info, symm_set_backend, symm_alloc, symm_alloc_persistent,
+       symm_get_alloc_size, symm_free, symm_rendezvous, symm_rank, symm_world_size, symm_buffer_size,
+       symm_signal_pad_size, symm_buffer_ptr, symm_signal_pad_ptr, symm_get_buffer, symm_barrier, symm_put_signal,
+       symm_wait_signal, symm_finalize, symm_get_signal_pad_size, symm_set_signal_pad_size,
+       ArenaOptions, ArenaHandle, ArenaStats, SharedArena, ArenaView, arena_options_default, open_arena,
+       arena_alloc, arena_free, arena_share, arena_unshare, arena_segment_fd, arena_collect, arena_stats,
+       arena_import_segment_fd, arena_open_remote, arena_send, arena_recv, storage_in_arena,
        hash_bytes, ContentWriter, ContentReader, ContentTensor, ContentStorage, content_writer, write_storage,
        write_tensor, writer_counts, set_durable!, content_reader, reader_format, set_verify!, read_tensor, read_storage,
        list_tensors, list_storages, verify, tensor_dtype, tensor_offset, tensor_ndim, tensor_shape, tensor_stride,
@@ -295,6 +304,10 @@ Base.isopen(m::SharedMap) = m.handle != C_NULL
 
 include("storage.jl")
 include("cuda.jl")
+include("store.jl")
+include("symm.jl")
+include("arena.jl")
+include("fork.jl")
 include("content_store.jl")
 
 end # module

@@ -1,15 +1,18 @@
 //! ssctl: the storage-sharing command-line tool.
 
 mod demo;
+mod demo_symm;
 
 use storage_sharing::ssctl;
 
-const USAGE: &str = "usage: ssctl <command> [args]\ncommands:\n  demo [MiB]  share a buffer with a second process and show what happened and how fast\n  ls          list segments in /dev/shm named like ours or PyTorch's\n  gc          remove those whose creator is dead and that nobody maps (--dry-run)\n  store ls|show|verify|gc PATH  look into, check or clean a content store";
+const USAGE: &str = "usage: ssctl <command> [args]\ncommands:\n  demo [MiB]  share a buffer with a second process and show what happened and how fast\n  demo symm [KiB]  two ranks exchange data through symmetric memory (file store rendezvous)\n  ls          list segments in /dev/shm named like ours or PyTorch's\n  gc          remove those whose creator is dead and that nobody maps (--dry-run)\n  store ls|show|verify|gc PATH  look into, check or clean a content store";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let code = match args.first().map(String::as_str) {
+        Some("demo") if args.get(1).map(String::as_str) == Some("symm") => demo_symm::run(&args[2..]),
         Some("demo") => demo::run(&args[1..]),
+        Some(demo_symm::CHILD_COMMAND) => demo_symm::child(&args[1..]),
         Some(demo::CHILD_COMMAND) => demo::child(&args[1..]),
         Some("ls") => ssctl::ls::run(&args[1..]),
         Some("gc") => ssctl::gc::run(&args[1..]),

@@ -1,0 +1,223 @@
+package storagesharing
+
+/*
+#include <stdlib.h>
+#include <storage_sharing.h>
+*/
+import "C"
+
+import (
+	"runtime"
+	"sync"
+	"time"
+	"unsafe"
+)
+
+// Store is one reference to a key-value store (ss_store, c10d's "Store"):
+// the rendezvous medium of symmetric memory. The store closes with its last
+// reference (Close, or the finalizer of a forgotten one). Its methods may be
+// called from several goroutines at once; a Get blocked waiting for a key
+// does not hold up a Set from another goroutine. Close waits for calls in
+// progress. Timeouts: 0 waits forever.
+type Store struct {
+	mu sync.RWMutex
+	h  *C.ss_store // nil once closed
+}
+
+func wrapStore(h *C.ss_store) *Store {
+	s := &Store{h: h}
+	runtime.SetFinalizer(s, (*Store).finalize)
+	return s
+}
+
+func (s *Store) finalize() {
+	if s.h != nil {
+		C.ss_store_free(s.h)
+		s.h = nil
+	}
+}
+
+// Close drops this reference; closing twice does nothing.
+func (s *Store) Close() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.finalize()
+	runtime.SetFinalizer(s, nil)
+}
+
+// with runs f on the live handle, or fails with ErrClosed.
+func (s *Store) with(op string, f func(h *C.ss_store) C.ss_status) error {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	if s.h == nil {
+		return goError(op, ErrClosed, "the store was closed")
+	}
+	err := call(op, func() C.ss_status { return f(s.h) })
+	runtime.KeepAlive(s)
+	return err
+}
+
+// timeoutMs converts a Go timeout: 0 is forever, anything shorter than a
+// millisecond rounds up to one, a negative one is refused.
+func timeoutMs(op string, d time.Duration) (C.int64_t, error) {
+	if d < 0 {
+		return 0, goError(op, ErrInvalidArgument, "timeout %v is negative (0 waits forever)", d)
+	}
+	ms := d.Milliseconds()
+	if d > 0 && ms == 0 {
+		ms = 1
+	}
+	return C.int64_t(ms), nil
+}
+
+// OpenFileStore opens the store in folder path (created if missing), shared
+// by the processes of one host that open the same path. Use a fresh folder
+// per job: keys of an earlier job stay.
+func OpenFileStore(path string) (*Store, error) {
+	const op = "ss_store_file_open"
+	p, err := cString(op, "path", path)
+	if err != nil {
+		return nil, err
+	}
+	defer freeCString(p)
+	var h *C.ss_store
+	if err := call(op, func() C.ss_status { return C.ss_store_file_open(p, &h) }); err != nil {
+		return nil, err
+	}
+	return wrapStore(h), nil
+}
+
+// OpenTCPStore joins (or with isMaster serves) a PyTorch c10d TCPStore at
+// host:port, as torch.distributed.TCPStore(host, port, worldSize, isMaster,
+// timeout) does. Port 0 with isMaster picks a free port (TCPPort). With
+// worldSize > 0 the master returns once that many ranks joined.
+func OpenTCPStore(host string, port int, isMaster bool, worldSize int, timeout time.Duration) (*Store, error) {
+	const op = "ss_store_tcp_open"
+	ms, err := timeoutMs(op, timeout)
+	if err != nil {
+		return nil, err
+	}
+	if port < 0 || port > 65535 || worldSize < 0 || worldSize > 1<<30 {
+		return nil, goError(op, ErrInvalidArgument, "port %d or world size %d out of range", port, worldSize)
+	}
+	hs, err := cString(op, "host", host)
+	if err != nil {
+		return nil, err
+	}
+	defer freeCString(hs)
+	var h *C.ss_store
+	if err := call(op, func() C.ss_status {
+		return C.ss_store_tcp_open(hs, C.int(port), C.bool(isMaster), C.int(worldSize), ms, &h)
+	}); err != nil {
+		return nil, err
+	}
+	return wrapStore(h), nil
+}
+
+// Ref returns a second reference to the same store (close both).
+func (s *Store) Ref() (*Store, error) {
+	var h *C.ss_store
+	if err := s.with("ss_store_ref", func(sh *C.ss_store) C.ss_status { return C.ss_store_ref(sh, &h) }); err != nil {
+		return nil, err
+	}
+	return wrapStore(h), nil
+}
+
+// TCPPort is the port of a TCPStore (the one its server picked for port 0).
+func (s *Store) TCPPort() (int, error) {
+	var port C.int
+	err := s.with("ss_store_tcp_port", func(h *C.ss_store) C.ss_status { return C.ss_store_tcp_port(h, &port) })
+	return int(port), err
+}
+
+// Set sets key to value.
+func (s *Store) Set(key string, value []byte) error {
+	const op = "ss_store_set"
+	k, err := cString(op, "key", key)
+	if err != nil {
+		return err
+	}
+	defer freeCString(k)
+	var p unsafe.Pointer
+	if len(value) > 0 {
+		p = unsafe.Pointer(&value[0])
+	}
+	return s.with(op, func(h *C.ss_store) C.ss_status { return C.ss_store_set(h, k, p, C.size_t(len(value))) })
+}
+
+// Get returns the value of key, waiting until it is set (ErrTimeout, whose
+// message names the key, when timeout passes first; 0 waits forever).
+func (s *Store) Get(key string, timeout time.Duration) ([]byte, error) {
+	const op = "ss_store_get"
+	ms, err := timeoutMs(op, timeout)
+	if err != nil {
+		return nil, err
+	}
+	k, err := cString(op, "key", key)
+	if err != nil {
+		return nil, err
+	}
+	defer freeCString(k)
+	buf := make([]byte, 256)
+	for {
+		var n C.size_t
+		err := s.with(op, func(h *C.ss_store) C.ss_status {
+			return C.ss_store_get(h, k, ms, unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &n)
+		})
+		if e, ok := err.(*Error); ok && e.Status == ErrBufferTooSmall && int(n) > len(buf) {
+			buf = make([]byte, int(n)) // the value is longer: ask again
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		return buf[:int(n)], nil
+	}
+}
+
+// Add adds delta to the integer under key (a missing key counts as 0) and
+// returns the new value.
+func (s *Store) Add(key string, delta int64) (int64, error) {
+	const op = "ss_store_add"
+	k, err := cString(op, "key", key)
+	if err != nil {
+		return 0, err
+	}
+	defer freeCString(k)
+	var v C.int64_t
+	err = s.with(op, func(h *C.ss_store) C.ss_status { return C.ss_store_add(h, k, C.int64_t(delta), &v) })
+	return int64(v), err
+}
+
+// Wait waits until every key is set (ErrTimeout, naming the keys still
+// missing, when timeout passes first; 0 waits forever).
+func (s *Store) Wait(keys []string, timeout time.Duration) error {
+	const op = "ss_store_wait"
+	ms, err := timeoutMs(op, timeout)
+	if err != nil {
+		return err
+	}
+	if len(keys) == 0 {
+		return s.with(op, func(h *C.ss_store) C.ss_status { return C.ss_store_wait(h, nil, 0, ms) })
+	}
+	// The key array lives in C memory: the library reads it after the call starts.
+	arr := (*[1 << 28]*C.char)(C.calloc(C.size_t(len(keys)), C.size_t(unsafe.Sizeof((*C.char)(nil)))))[:len(keys):len(keys)]
+	defer func() {
+		for _, p := range arr {
+			if p != nil {
+				freeCString(p)
+			}
+		}
+		C.free(unsafe.Pointer(&arr[0]))
+	}()
+	for i, key := range keys {
+		p, err := cString(op, "key", key)
+		if err != nil {
+			return err
+		}
+		arr[i] = p
+	}
+	return s.with(op, func(h *C.ss_store) C.ss_status {
+		return C.ss_store_wait(h, &arr[0], C.size_t(len(keys)), ms)
+	})
+}

@@ -1,0 +1,114 @@
+package storagesharing
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestFileStoreShared(t *testing.T) {
+	dir := t.TempDir() + "/store"
+	a, err := OpenFileStore(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	b, err := OpenFileStore(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	big := []byte(strings.Repeat("0123456789", 100))
+	if err := a.Set("grp/0/0", big); err != nil {
+		t.Fatal(err)
+	}
+	got, err := b.Get("grp/0/0", time.Second)
+	if err != nil || string(got) != string(big) {
+		t.Fatalf("get through a second store: %v, %d bytes", err, len(got))
+	}
+	for i := 0; i < 3; i++ {
+		if _, err := a.Add("n", 2); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if v, err := b.Add("n", 0); err != nil || v != 6 {
+		t.Fatalf("add: %v %v", v, err)
+	}
+	err = b.Wait([]string{"grp/0/0", "grp/0/1"}, 30*time.Millisecond)
+	if !errors.Is(err, ErrTimeout) || !strings.Contains(err.Error(), `"grp/0/1"`) || strings.Contains(err.Error(), `"grp/0/0"`) {
+		t.Fatalf("wait timeout: %v", err)
+	}
+	if _, err := b.Get("x", -time.Second); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("negative timeout: %v", err)
+	}
+	if _, err := a.TCPPort(); !errors.Is(err, ErrUnsupported) {
+		t.Fatalf("file store port: %v", err)
+	}
+	if err := a.Set("bad\x00key", nil); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("NUL in key: %v", err)
+	}
+	f := dir + "/plain-file"
+	if err := os.WriteFile(f, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := OpenFileStore(f); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("a regular file as store: %v", err)
+	}
+	a.Close()
+	a.Close()
+	if err := a.Set("k", nil); !errors.Is(err, ErrClosed) {
+		t.Fatalf("set after close: %v", err)
+	}
+}
+
+func TestTCPStoreMasterAndClient(t *testing.T) {
+	m, err := OpenTCPStore("127.0.0.1", 0, true, 0, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	port, err := m.TCPPort()
+	if err != nil || port <= 0 {
+		t.Fatalf("port %d: %v", port, err)
+	}
+	c, err := OpenTCPStore("127.0.0.1", port, false, 0, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	go func() {
+		time.Sleep(30 * time.Millisecond)
+		_ = c.Set("late", []byte("here"))
+	}()
+	// A get blocked in one goroutine does not hold up the other's set.
+	got, err := m.Get("late", 0)
+	if err != nil || string(got) != "here" {
+		t.Fatalf("get: %q %v", got, err)
+	}
+	if err := m.Wait([]string{"late"}, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.Get("never", 50*time.Millisecond)
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	if !errors.Is(err, ErrTimeout) || !strings.Contains(err.Error(), `"never"`) || !strings.Contains(err.Error(), addr) {
+		t.Fatalf("timeout: %v", err)
+	}
+	// The port is taken: a second master is ErrBusy, naming it.
+	if _, err := OpenTCPStore("127.0.0.1", port, true, 0, time.Second); !errors.Is(err, ErrBusy) || !strings.Contains(err.Error(), addr) {
+		t.Fatalf("second master: %v", err)
+	}
+	// Nobody listens: the client gives up after its timeout.
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	free := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	if _, err := OpenTCPStore("127.0.0.1", free, false, 0, 100*time.Millisecond); !errors.Is(err, ErrTimeout) {
+		t.Fatalf("no server: %v", err)
+	}
+}

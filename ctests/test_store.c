@@ -1,0 +1,276 @@
+/* Stores through the C API: a store implemented here in C and used through
+ * ss_store_from_callbacks (set, get with a value longer than the library's
+ * first buffer, add, wait, timeouts, free_ctx once after the last
+ * reference), the file store, and a TCPStore master with a client thread. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+
+/* ---- a small thread-safe in-memory store (the "host framework's") ---- */
+
+#define MAX_KEYS 64
+
+struct entry {
+    char *key;
+    unsigned char *value;
+    size_t len;
+};
+
+struct host_store {
+    pthread_mutex_t mu;
+    pthread_cond_t changed;
+    struct entry entries[MAX_KEYS];
+    size_t n;
+    int frees; /* how often free_ctx ran */
+    int get_calls;
+};
+
+static struct entry *find(struct host_store *h, const char *key) {
+    for (size_t i = 0; i < h->n; i++)
+        if (strcmp(h->entries[i].key, key) == 0) return &h->entries[i];
+    return NULL;
+}
+
+static int put(struct host_store *h, const char *key, const void *value, size_t len) {
+    struct entry *e = find(h, key);
+    if (!e) {
+        if (h->n == MAX_KEYS) return SS_ERR_NO_SPACE;
+        e = &h->entries[h->n++];
+        e->key = strdup(key);
+        e->value = NULL;
+    }
+    free(e->value);
+    e->value = malloc(len ? len : 1);
+    if (len) memcpy(e->value, value, len);
+    e->len = len;
+    pthread_cond_broadcast(&h->changed);
+    return SS_OK;
+}
+
+/* Waits on the condition until `ready` holds; timeout_ms 0 waits forever. */
+static int wait_until(struct host_store *h, int64_t timeout_ms, int (*ready)(struct host_store *, const void *), const void *arg) {
+    struct timespec end;
+    clock_gettime(CLOCK_REALTIME, &end);
+    end.tv_sec += (time_t)(timeout_ms / 1000);
+    end.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (end.tv_nsec >= 1000000000L) {
+        end.tv_sec++;
+        end.tv_nsec -= 1000000000L;
+    }
+    while (!ready(h, arg)) {
+        if (timeout_ms == 0) {
+            pthread_cond_wait(&h->changed, &h->mu);
+        } else if (pthread_cond_timedwait(&h->changed, &h->mu, &end) == ETIMEDOUT && !ready(h, arg)) {
+            return SS_ERR_TIMEOUT;
+        }
+    }
+    return SS_OK;
+}
+
+static int has_key(struct host_store *h, const void *key) { return find(h, (const char *)key) != NULL; }
+
+struct key_list {
+    const char *const *keys;
+    size_t n;
+};
+
+static int has_all(struct host_store *h, const void *arg) {
+    const struct key_list *l = arg;
+    for (size_t i = 0; i < l->n; i++)
+        if (!find(h, l->keys[i])) return 0;
+    return 1;
+}
+
+static int cb_set(void *ctx, const char *key, const void *value, size_t len) {
+    struct host_store *h = ctx;
+    pthread_mutex_lock(&h->mu);
+    int rc = put(h, key, value, len);
+    pthread_mutex_unlock(&h->mu);
+    return rc;
+}
+
+static int cb_get(void *ctx, const char *key, int64_t timeout_ms, void *buf, size_t buf_len, size_t *out_len) {
+    struct host_store *h = ctx;
+    pthread_mutex_lock(&h->mu);
+    h->get_calls++;
+    int rc = wait_until(h, timeout_ms, has_key, key);
+    if (rc == SS_OK) {
+        struct entry *e = find(h, key);
+        *out_len = e->len;
+        if (e->len > buf_len) rc = SS_ERR_BUFFER_TOO_SMALL;
+        else if (e->len) memcpy(buf, e->value, e->len);
+    }
+    pthread_mutex_unlock(&h->mu);
+    return rc;
+}
+
+static int cb_add(void *ctx, const char *key, int64_t delta, int64_t *out_value) {
+    struct host_store *h = ctx;
+    pthread_mutex_lock(&h->mu);
+    struct entry *e = find(h, key);
+    long long v = 0;
+    if (e) {
+        char text[32] = {0};
+        memcpy(text, e->value, e->len < 31 ? e->len : 31);
+        v = strtoll(text, NULL, 10);
+    }
+    v += delta;
+    char text[32];
+    int n = snprintf(text, sizeof text, "%lld", v);
+    int rc = put(h, key, text, (size_t)n);
+    pthread_mutex_unlock(&h->mu);
+    *out_value = v;
+    return rc;
+}
+
+static int cb_wait(void *ctx, const char *const *keys, size_t nkeys, int64_t timeout_ms) {
+    struct host_store *h = ctx;
+    struct key_list l = {keys, nkeys};
+    pthread_mutex_lock(&h->mu);
+    int rc = wait_until(h, timeout_ms, has_all, &l);
+    pthread_mutex_unlock(&h->mu);
+    return rc;
+}
+
+static void cb_free(void *ctx) {
+    struct host_store *h = ctx;
+    for (size_t i = 0; i < h->n; i++) {
+        free(h->entries[i].key);
+        free(h->entries[i].value);
+    }
+    h->n = 0;
+    h->frees++;
+}
+
+static void *late_setter(void *arg) {
+    usleep(50 * 1000);
+    CHECK_OK(ss_store_set((const ss_store *)arg, "late", "on time", 7));
+    return NULL;
+}
+
+/* The same checks on any store. */
+static void exercise(const ss_store *s) {
+    char big[1000];
+    for (size_t i = 0; i < sizeof big; i++) big[i] = (char)('a' + i % 26);
+    CHECK_OK(ss_store_set(s, "grp/0/0", big, sizeof big));
+    char buf[1024];
+    size_t len = 0;
+    CHECK_STATUS(ss_store_get(s, "grp/0/0", 1000, buf, 10, &len), SS_ERR_BUFFER_TOO_SMALL);
+    CHECK(len == sizeof big);
+    CHECK_OK(ss_store_get(s, "grp/0/0", 1000, buf, sizeof buf, &len));
+    CHECK(len == sizeof big && memcmp(buf, big, len) == 0);
+
+    int64_t v = 0;
+    CHECK_OK(ss_store_add(s, "count", 3, &v));
+    CHECK(v == 3);
+    CHECK_OK(ss_store_add(s, "count", -5, &v));
+    CHECK(v == -2);
+
+    const char *keys[] = {"grp/0/0", "count", "missing/1"};
+    CHECK_OK(ss_store_wait(s, keys, 2, 1000));
+    CHECK_STATUS(ss_store_wait(s, keys, 3, 50), SS_ERR_TIMEOUT);
+    CHECK(strstr(ss_last_error_message(), "\"missing/1\"") != NULL);
+    CHECK_STATUS(ss_store_get(s, "missing/2", 30, buf, sizeof buf, &len), SS_ERR_TIMEOUT);
+    CHECK(strstr(ss_last_error_message(), "\"missing/2\"") != NULL);
+    CHECK_STATUS(ss_store_wait(s, keys, 1, -1), SS_ERR_INVALID_ARGUMENT);
+
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, late_setter, (void *)s) == 0);
+    CHECK_OK(ss_store_get(s, "late", 0, buf, sizeof buf, &len)); /* 0: waits forever */
+    CHECK(len == 7 && memcmp(buf, "on time", 7) == 0);
+    pthread_join(t, NULL);
+}
+
+static void test_callbacks(void) {
+    static struct host_store h = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {{0}}, 0, 0, 0};
+    ss_store_callbacks cb = {cb_set, cb_get, cb_add, cb_wait, cb_free};
+    ss_store *s = NULL;
+    CHECK_OK(ss_store_from_callbacks(&cb, &h, &s));
+    exercise(s);
+    /* The 1000-byte value did not fit the first buffer: asked again. */
+    CHECK(h.get_calls >= 2);
+
+    /* A second reference keeps the context alive; free_ctx runs once. */
+    ss_store *s2 = NULL;
+    CHECK_OK(ss_store_ref(s, &s2));
+    ss_store_free(s);
+    CHECK(h.frees == 0);
+    size_t len = 0;
+    char buf[8];
+    CHECK_OK(ss_store_get(s2, "late", 10, buf, sizeof buf, &len));
+    ss_store_free(s2);
+    CHECK(h.frees == 1);
+
+    /* A table without a required function is refused, ctx untouched. */
+    ss_store_callbacks partial = {cb_set, NULL, cb_add, cb_wait, cb_free};
+    s = NULL;
+    CHECK_STATUS(ss_store_from_callbacks(&partial, &h, &s), SS_ERR_NULL_POINTER);
+    CHECK(s == NULL && h.frees == 1);
+    CHECK(strstr(ss_last_error_message(), "cb->get") != NULL);
+    CHECK_STATUS(ss_store_from_callbacks(NULL, &h, &s), SS_ERR_NULL_POINTER);
+}
+
+static void test_file_store(void) {
+    char dir[] = "/tmp/ss-ctest-store-XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    ss_store *s = NULL;
+    CHECK_OK(ss_store_file_open(dir, &s));
+    exercise(s);
+    int port = 0;
+    CHECK_STATUS(ss_store_tcp_port(s, &port), SS_ERR_UNSUPPORTED);
+    ss_store_free(s);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+}
+
+static void *tcp_rank1(void *arg) {
+    int port = *(int *)arg;
+    ss_store *c = NULL;
+    CHECK_OK(ss_store_tcp_open("127.0.0.1", port, false, 2, 10000, &c));
+    CHECK_OK(ss_store_set(c, "from/1", "one", 3));
+    ss_store_free(c);
+    return NULL;
+}
+
+static void test_tcp_store(void) {
+    /* Rank 0 serves on a free port with no join wait, rank 1 joins. */
+    ss_store *m = NULL;
+    CHECK_OK(ss_store_tcp_open("127.0.0.1", 0, true, 0, 10000, &m));
+    int port = 0;
+    CHECK_OK(ss_store_tcp_port(m, &port));
+    CHECK(port > 0 && port < 65536);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, tcp_rank1, &port) == 0);
+    char buf[8];
+    size_t len = 0;
+    CHECK_OK(ss_store_get(m, "from/1", 10000, buf, sizeof buf, &len));
+    CHECK(len == 3 && memcmp(buf, "one", 3) == 0);
+    pthread_join(t, NULL);
+    exercise(m);
+
+    /* The port is taken now: a second master is refused, naming it. */
+    ss_store *again = NULL;
+    CHECK_STATUS(ss_store_tcp_open("127.0.0.1", port, true, 0, 1000, &again), SS_ERR_BUSY);
+    char want[32];
+    snprintf(want, sizeof want, "127.0.0.1:%d", port);
+    CHECK(strstr(ss_last_error_message(), want) != NULL);
+    CHECK_STATUS(ss_store_tcp_open("127.0.0.1", 70000, false, 0, 1000, &again), SS_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(ss_store_tcp_open("127.0.0.1", 0, false, 0, 1000, &again), SS_ERR_INVALID_ARGUMENT);
+    ss_store_free(m);
+}
+
+int main(void) {
+    test_callbacks();
+    test_file_store();
+    test_tcp_store();
+    ss_store_free(NULL);
+    printf("test_store: ok\n");
+    return 0;
+}

@@ -1,0 +1,182 @@
+//! The counter area of a segment: one hold slot per share in flight or
+//! per block a consumer holds, with the holder's pid and start time beside
+//! it, so a dead holder is recognised (and a reused pid cannot pass for it).
+//!
+//! A slot's `tag` is `generation << 32 | state`. Only the producer claims
+//! free slots (bumping the generation, so a stale handle can never match);
+//! consumers move a slot from in-flight to held and from held to free, each
+//! with one compare-and-swap.
+
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+
+pub const FREE: u32 = 0;
+/// Claimed by the producer for a handle not opened yet.
+pub const IN_FLIGHT: u32 = 1;
+/// A consumer is writing its pid and start time (a few instructions).
+pub const ADOPTING: u32 = 2;
+/// Held by the consumer named in the slot.
+pub const HELD: u32 = 3;
+
+/// One slot, 32 bytes, in the segment's shared counter area.
+#[repr(C)]
+pub struct HoldSlot {
+    tag: AtomicU64,
+    holder_pid: AtomicI32,
+    _pad: AtomicI32,
+    holder_start: AtomicU64,
+    offset: AtomicU64,
+}
+
+pub const SLOT_SIZE: usize = std::mem::size_of::<HoldSlot>();
+const _: () = assert!(SLOT_SIZE == 32);
+
+pub fn tag(generation: u32, state: u32) -> u64 {
+    (generation as u64) << 32 | state as u64
+}
+
+pub fn split(tag: u64) -> (u32, u32) {
+    ((tag >> 32) as u32, tag as u32)
+}
+
+impl HoldSlot {
+    pub fn load(&self) -> (u32, u32) {
+        split(self.tag.load(Ordering::Acquire))
+    }
+
+    pub fn offset(&self) -> u64 {
+        self.offset.load(Ordering::Acquire)
+    }
+
+    pub fn holder(&self) -> (i32, u64) {
+        (self.holder_pid.load(Ordering::Acquire), self.holder_start.load(Ordering::Acquire))
+    }
+
+    /// Producer: claims this free slot for a share of the block at
+    /// `offset`; returns the new generation, or None if it is not free.
+    pub fn claim(&self, offset: u64, me: (i32, u64)) -> Option<u32> {
+        let (generation, state) = self.load();
+        if state != FREE {
+            return None;
+        }
+        let next = generation.wrapping_add(1);
+        // Fill the slot first; the tag published last makes it visible.
+        self.offset.store(offset, Ordering::Relaxed);
+        self.holder_pid.store(me.0, Ordering::Relaxed);
+        self.holder_start.store(me.1, Ordering::Relaxed);
+        self.tag
+            .compare_exchange(tag(generation, FREE), tag(next, IN_FLIGHT), Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| next)
+    }
+
+    /// Consumer: takes over the in-flight hold of generation `generation`
+    /// for the block at `offset`. False if the handle is stale or was
+    /// opened already.
+    pub fn adopt(&self, generation: u32, offset: u64, me: (i32, u64)) -> bool {
+        if self.offset() != offset {
+            return false;
+        }
+        if self
+            .tag
+            .compare_exchange(tag(generation, IN_FLIGHT), tag(generation, ADOPTING), Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return false;
+        }
+        self.holder_pid.store(me.0, Ordering::Relaxed);
+        self.holder_start.store(me.1, Ordering::Relaxed);
+        self.tag.store(tag(generation, HELD), Ordering::Release);
+        true
+    }
+
+    /// Moves the slot from `state` of `generation` to free (a consumer
+    /// releasing its hold, a producer cancelling an unopened share, a
+    /// collector reclaiming a dead holder's). False if it was not there.
+    pub fn release(&self, generation: u32, state: u32) -> bool {
+        self.tag
+            .compare_exchange(tag(generation, state), tag(generation, FREE), Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+}
+
+/// `(pid, start time in clock ticks)` of this process, looked up once per
+/// process (a forked child looks again).
+pub fn me() -> (i32, u64) {
+    use crate::fork_safe::ForkSafeMutex;
+    static CACHE: ForkSafeMutex<(i32, u64)> = ForkSafeMutex::new((0, 0));
+    let pid = std::process::id() as i32;
+    let mut c = CACHE.lock_static();
+    if c.0 != pid {
+        *c = (pid, start_ticks(pid).map(|(s, _)| s).unwrap_or(0));
+    }
+    *c
+}
+
+/// Start time (clock ticks since boot, field 22 of /proc/<pid>/stat) and
+/// state letter of `pid`, or None when there is no such process.
+fn start_ticks(pid: i32) -> Option<(u64, char)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces.
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    Some((fields.nth(18)?.parse().ok()?, state))
+}
+
+/// Whether the process that recorded `(pid, start)` still runs: it exists,
+/// is not a zombie, and started at that time (not a reused pid).
+pub fn alive(pid: i32, start: u64) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    match start_ticks(pid) {
+        Some((s, state)) => s == start && state != 'Z' && state != 'X',
+        None => false,
+    }
+}
+
+/// A cheap first look (one kill(pid, 0), no /proc read): false only when
+/// `pid` surely is gone. A reused pid reads as alive here; callers that
+/// must tell use [`alive`].
+pub fn maybe_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 || crate::error::errno() == libc::EPERM }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot() -> HoldSlot {
+        HoldSlot { tag: AtomicU64::new(0), holder_pid: AtomicI32::new(0), _pad: AtomicI32::new(0), holder_start: AtomicU64::new(0), offset: AtomicU64::new(0) }
+    }
+
+    #[test]
+    fn claim_adopt_release_and_stale_generations() {
+        let s = slot();
+        let g = s.claim(4096, me()).unwrap();
+        assert_eq!(s.load(), (g, IN_FLIGHT));
+        assert!(s.claim(0, me()).is_none(), "an in-flight slot is not free");
+        assert!(!s.adopt(g, 8192, (7, 7)), "wrong offset");
+        assert!(!s.adopt(g.wrapping_add(1), 4096, (7, 7)), "wrong generation");
+        assert!(s.adopt(g, 4096, (7, 9)));
+        assert!(!s.adopt(g, 4096, (7, 9)), "a handle opens once");
+        assert_eq!(s.holder(), (7, 9));
+        assert!(s.release(g, HELD));
+        assert!(!s.release(g, HELD), "double release");
+        assert_eq!(s.claim(0, me()), Some(g.wrapping_add(1)));
+    }
+
+    #[test]
+    fn liveness_checks_pid_and_start_time() {
+        let (pid, start) = me();
+        assert!(start > 0);
+        assert!(alive(pid, start));
+        assert!(!alive(pid, start + 1), "same pid, other start time: a reused pid");
+        assert!(!alive(0, 0));
+        assert!(!alive(i32::MAX, start));
+    }
+}

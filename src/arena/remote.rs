@@ -1,0 +1,174 @@
+//! The consumer's side: each remote segment mapped once per process
+//! (cached by producer pid + start time + segment id, so a reused pid
+//! cannot alias), views into it that carry one hold each.
+
+use super::counters::{self, HELD};
+use super::handle::{ArenaHandle, Strategy};
+use super::segment::{Segment, SegmentKey};
+use crate::error::{Error, ErrorKind, Result};
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use crate::fork_safe::ForkSafeMutex;
+use std::sync::{Arc, MutexGuard};
+
+struct Entry {
+    seg: Arc<Segment>,
+    views: usize,
+}
+
+static CACHE: ForkSafeMutex<Option<HashMap<SegmentKey, Entry>>> = ForkSafeMutex::new(None);
+
+fn cache() -> MutexGuard<'static, Option<HashMap<SegmentKey, Entry>>> {
+    CACHE.lock_static()
+}
+
+/// A consumer's view of a block shared by another process. Holds the
+/// block (its producer will not reuse it) until dropped; the segment's
+/// mapping stays valid even if the producer dies.
+#[derive(Debug)]
+pub struct RemoteView {
+    seg: Arc<Segment>,
+    offset: usize,
+    size: usize,
+    slot: u32,
+    generation: u32,
+}
+
+// SAFETY: the view only reads plain fields; the bytes are the caller's.
+unsafe impl Send for RemoteView {}
+// SAFETY: as above.
+unsafe impl Sync for RemoteView {}
+
+impl RemoteView {
+    pub fn data(&self) -> *mut u8 {
+        // SAFETY: offset + size was checked against the segment's data.
+        unsafe { self.seg.base().add(self.offset) }
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The segment's key (which producer, which segment).
+    pub fn segment(&self) -> SegmentKey {
+        self.seg.key()
+    }
+}
+
+impl Drop for RemoteView {
+    fn drop(&mut self) {
+        // The hold goes back in one compare-and-swap; a collector that
+        // took it already (it thought us dead) makes this a no-op.
+        self.seg.slot(self.slot as usize).release(self.generation, HELD);
+        let key = self.seg.key();
+        let mut c = cache();
+        let Some(map) = c.as_mut() else { return };
+        let Some(e) = map.get_mut(&key) else { return };
+        e.views -= 1;
+        // kill(pid, 0) only: a /proc read per released view would cost more
+        // than the rest of the release. A dead producer whose pid was reused
+        // or that is an unreaped zombie is left to `trim_cache`.
+        if e.views == 0 && (e.seg.retired() || !counters::maybe_alive(key.producer_pid)) {
+            forget(map, key);
+        }
+    }
+}
+
+/// Drops a cached segment; by name, a dead producer's name goes with it
+/// (nobody else would remove it).
+fn forget(map: &mut HashMap<SegmentKey, Entry>, key: SegmentKey) {
+    if let Some(e) = map.remove(&key) {
+        // The mapping goes with the last view holding the Arc.
+        if e.seg.strategy() == Strategy::Name && !counters::alive(key.producer_pid, key.producer_start) {
+            e.seg.unlink_when_dropped();
+        }
+    }
+}
+
+/// Maps the segment a by-fd handle names from `fd` (received from the
+/// producer; taken over: closed here if the segment is mapped already).
+pub fn import_segment_fd(h: &ArenaHandle, fd: OwnedFd) -> Result<()> {
+    h.validate()?;
+    if h.strategy != Strategy::Fd {
+        return Err(Error::new(ErrorKind::InvalidArgument, "import_segment_fd: the handle is by name, not by fd"));
+    }
+    let mut c = cache();
+    let map = c.get_or_insert_with(HashMap::new);
+    if map.contains_key(&h.key) {
+        return Ok(());
+    }
+    let seg = Segment::open(h.key, Strategy::Fd, h.segment_data_size as usize, Some(fd), None)?;
+    map.insert(h.key, Entry { seg: Arc::new(seg), views: 0 });
+    Ok(())
+}
+
+/// Whether this process has the segment of `h` mapped.
+pub fn has_segment(h: &ArenaHandle) -> bool {
+    cache().as_ref().is_some_and(|m| m.contains_key(&h.key))
+}
+
+/// Opens a shared block: maps its segment if this process has not yet
+/// (by name; by fd it must have been imported), checks the handle against
+/// the segment, and adopts the handle's hold.
+pub fn open_remote(h: &ArenaHandle) -> Result<RemoteView> {
+    h.validate()?;
+    let mut c = cache();
+    let map = c.get_or_insert_with(HashMap::new);
+    if !map.contains_key(&h.key) {
+        let seg = match h.strategy {
+            Strategy::Name => Segment::open(h.key, Strategy::Name, h.segment_data_size as usize, None, Some(&h.name))?,
+            Strategy::Fd => {
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "arena segment {} of pid {} is not mapped in this process: receive its fd (the producer's ss_arena_segment_fd) and import it first",
+                        h.key.segment_id, h.key.producer_pid
+                    ),
+                ))
+            }
+        };
+        map.insert(h.key, Entry { seg: Arc::new(seg), views: 0 });
+    }
+    let e = map.get_mut(&h.key).expect("inserted above");
+    if e.seg.data_size() as u64 != h.segment_data_size {
+        return Err(Error::new(ErrorKind::SizeMismatch, "arena handle: segment size differs from the mapped segment's"));
+    }
+    if h.slot as usize >= e.seg.nslots() {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!("bad arena handle: hold slot {} of a segment with {}", h.slot, e.seg.nslots()),
+        ));
+    }
+    if !e.seg.slot(h.slot as usize).adopt(h.generation, h.offset, counters::me()) {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "arena handle (segment {}, offset {}, slot {}, generation {}) was opened already, cancelled, or is stale",
+                h.key.segment_id, h.offset, h.slot, h.generation
+            ),
+        ));
+    }
+    e.views += 1;
+    Ok(RemoteView { seg: e.seg.clone(), offset: h.offset as usize, size: h.size as usize, slot: h.slot, generation: h.generation })
+}
+
+/// Unmaps cached segments no view uses whose producer retired them or
+/// died; returns how many went. (Views release theirs on drop already.)
+pub fn trim_cache() -> usize {
+    let mut c = cache();
+    let Some(map) = c.as_mut() else { return 0 };
+    let idle: Vec<SegmentKey> = map
+        .iter()
+        .filter(|(k, e)| e.views == 0 && (e.seg.retired() || !counters::alive(k.producer_pid, k.producer_start)))
+        .map(|(k, _)| *k)
+        .collect();
+    for k in &idle {
+        forget(map, *k);
+    }
+    idle.len()
+}
+
+/// Remote segments mapped in this process now.
+pub fn cached_segments() -> usize {
+    cache().as_ref().map_or(0, |m| m.len())
+}

@@ -1,0 +1,351 @@
+//! One arena segment: a memfd or a named POSIX shm object, pages reserved
+//! at creation (a full file system is `NoSpace`, never a SIGBUS later).
+//!
+//! Layout: the data first, at offset 0 (so a block that owns its whole
+//! segment is, by fd, exactly what PyTorch maps: bytes `[0, size)`), then
+//! a page-aligned trailer: a 4 KiB header and the hold slots.
+
+use super::counters::{HoldSlot, SLOT_SIZE};
+use super::handle::Strategy;
+use crate::error::{errno, Error, ErrorKind, Result};
+use crate::shm::reserve::reserve;
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+const MAGIC: u64 = u64::from_le_bytes(*b"SSARENA1");
+const VERSION: u32 = 1;
+const HEADER_SIZE: usize = 4096;
+
+/// The header at the start of the trailer.
+#[repr(C)]
+struct Header {
+    magic: u64,
+    version: u32,
+    strategy: u32,
+    producer_pid: i32,
+    _pad: u32,
+    producer_start: u64,
+    segment_id: u64,
+    data_size: u64,
+    nslots: u64,
+    /// Set by the producer when it gives the segment up.
+    retired: AtomicU32,
+}
+
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize
+}
+
+pub fn round_up(n: usize, to: usize) -> Option<usize> {
+    n.checked_add(to - 1).map(|v| v / to * to)
+}
+
+fn trailer_size(nslots: usize) -> usize {
+    round_up(HEADER_SIZE + nslots * SLOT_SIZE, page_size()).unwrap_or(usize::MAX)
+}
+
+/// Who made a segment and which one it is: the key of a consumer's cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SegmentKey {
+    pub producer_pid: i32,
+    pub producer_start: u64,
+    pub segment_id: u64,
+}
+
+/// A mapped segment. The creator unlinks the name (by-name) when it drops
+/// it; a consumer may unlink it when it finds the producer dead.
+#[derive(Debug)]
+pub struct Segment {
+    base: *mut u8,
+    total: usize,
+    data_size: usize,
+    nslots: usize,
+    key: SegmentKey,
+    strategy: Strategy,
+    fd: Option<OwnedFd>,
+    name: Option<String>,
+    unlink_on_drop: std::sync::atomic::AtomicBool,
+    creator: bool,
+}
+
+// SAFETY: the segment owns its mapping and descriptor; the shared parts
+// are accessed through atomics or by the callers that own the blocks.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+impl Segment {
+    /// A new segment with `data_size` bytes of data (rounded up to pages)
+    /// and `nslots` hold slots, every page reserved.
+    pub fn create(strategy: Strategy, data_size: usize, nslots: usize) -> Result<Segment> {
+        let data_size = round_up(data_size.max(1), page_size())
+            .ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("segment of {data_size} bytes is too large")))?;
+        let total = data_size
+            .checked_add(trailer_size(nslots))
+            .filter(|t| *t <= isize::MAX as usize)
+            .ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("segment of {data_size} bytes is too large")))?;
+        let me = super::counters::me();
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let key = SegmentKey { producer_pid: me.0, producer_start: me.1, segment_id: id };
+        let (fd, name) = match strategy {
+            Strategy::Fd => (memfd(id)?, None),
+            Strategy::Name => {
+                let name = format!("/ss_arena_{}_{}_{:08x}", me.0, id, random_u32());
+                (shm_create(&name)?, Some(name))
+            }
+        };
+        let what = name.clone().unwrap_or_else(|| format!("arena memfd segment {id}"));
+        let made = (|| {
+            // SAFETY: ftruncate acts on our new descriptor only.
+            if unsafe { libc::ftruncate(fd.as_raw_fd(), total as libc::off_t) } != 0 {
+                return Err(Error::last_os_error(format!("unable to size <{what}> to {total} bytes")));
+            }
+            let base = map(fd.as_raw_fd(), total, &what)?;
+            if let Err(e) = reserve(fd.as_raw_fd(), base, 0, total, &what) {
+                // SAFETY: the mapping we just made, not used by anyone.
+                unsafe { libc::munmap(base.cast(), total) };
+                return Err(e);
+            }
+            Ok(base)
+        })();
+        let base = match made {
+            Ok(b) => b,
+            Err(e) => {
+                if let Some(n) = &name {
+                    unlink(n);
+                }
+                return Err(e);
+            }
+        };
+        let seg = Segment {
+            base,
+            total,
+            data_size,
+            nslots,
+            key,
+            strategy,
+            // By name, the descriptor is not needed once mapped: no fd per segment.
+            fd: if strategy == Strategy::Fd { Some(fd) } else { None },
+            name,
+            unlink_on_drop: true.into(),
+            creator: true,
+        };
+        // SAFETY: the header lies inside our fresh mapping, page aligned;
+        // nobody else knows the segment yet.
+        unsafe {
+            seg.header_ptr().write(Header {
+                magic: MAGIC,
+                version: VERSION,
+                strategy: strategy as u32,
+                producer_pid: key.producer_pid,
+                _pad: 0,
+                producer_start: key.producer_start,
+                segment_id: id,
+                data_size: data_size as u64,
+                nslots: nslots as u64,
+                retired: AtomicU32::new(0),
+            })
+        };
+        Ok(seg)
+    }
+
+    /// Maps a segment received as `fd` (which it takes over) or opened by
+    /// `name`, and checks that its header is the one `key` and
+    /// `data_size` describe.
+    pub fn open(key: SegmentKey, strategy: Strategy, data_size: usize, fd: Option<OwnedFd>, name: Option<&str>) -> Result<Segment> {
+        let what = name.map(str::to_string).unwrap_or_else(|| format!("arena segment {} of pid {}", key.segment_id, key.producer_pid));
+        let fd = match (fd, name) {
+            (Some(fd), _) => fd,
+            (None, Some(n)) => shm_open_existing(n)?,
+            (None, None) => return Err(Error::new(ErrorKind::InvalidArgument, "a segment needs an fd or a name")),
+        };
+        // SAFETY: plain data filled by fstat.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is open, st is valid.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(Error::last_os_error(format!("fstat of <{what}>")));
+        }
+        let total = st.st_size as usize;
+        if data_size % page_size() != 0 || total < data_size.saturating_add(HEADER_SIZE) {
+            return Err(Error::new(
+                ErrorKind::SizeMismatch,
+                format!("<{what}> holds {total} bytes, not a segment with {data_size} bytes of data"),
+            ));
+        }
+        let base = map(fd.as_raw_fd(), total, &what)?;
+        let mut seg = Segment {
+            base,
+            total,
+            data_size,
+            nslots: 0,
+            key,
+            strategy,
+            fd: if strategy == Strategy::Fd { Some(fd) } else { None },
+            name: name.map(str::to_string),
+            unlink_on_drop: false.into(),
+            creator: false,
+        };
+        // SAFETY: total >= data_size + HEADER_SIZE, so the header is mapped.
+        let h = unsafe { &*seg.header_ptr() };
+        let nslots = h.nslots as usize;
+        if h.magic != MAGIC
+            || h.version != VERSION
+            || h.segment_id != key.segment_id
+            || h.producer_pid != key.producer_pid
+            || h.producer_start != key.producer_start
+            || h.data_size != data_size as u64
+            || h.strategy != strategy as u32
+            || nslots > (total - data_size - HEADER_SIZE) / SLOT_SIZE
+        {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("<{what}> is not arena segment {} of pid {} with {data_size} data bytes (header does not match)", key.segment_id, key.producer_pid),
+            ));
+        }
+        seg.nslots = nslots;
+        Ok(seg)
+    }
+
+    fn header_ptr(&self) -> *mut Header {
+        // SAFETY: data_size < total and the trailer starts page aligned.
+        unsafe { self.base.add(self.data_size).cast() }
+    }
+
+    pub fn key(&self) -> SegmentKey {
+        self.key
+    }
+
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    pub fn base(&self) -> *mut u8 {
+        self.base
+    }
+
+    pub fn data_size(&self) -> usize {
+        self.data_size
+    }
+
+    pub fn nslots(&self) -> usize {
+        self.nslots
+    }
+
+    pub fn fd(&self) -> Option<RawFd> {
+        self.fd.as_ref().map(|f| f.as_raw_fd())
+    }
+
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    /// Whether `p` points into the data of this segment.
+    pub fn contains(&self, p: usize) -> bool {
+        p >= self.base as usize && p < self.base as usize + self.data_size
+    }
+
+    pub fn slot(&self, i: usize) -> &HoldSlot {
+        assert!(i < self.nslots, "slot {i} out of {}", self.nslots);
+        // SAFETY: slot i lies inside the trailer (checked at open/create),
+        // 8-byte aligned; all accesses to it are atomic.
+        unsafe { &*(self.base.add(self.data_size + HEADER_SIZE + i * SLOT_SIZE) as *const HoldSlot) }
+    }
+
+    pub fn retire(&self) {
+        // SAFETY: the header is mapped for our lifetime; the field is atomic.
+        unsafe { &*self.header_ptr() }.retired.store(1, Ordering::Release);
+    }
+
+    pub fn retired(&self) -> bool {
+        // SAFETY: as above.
+        unsafe { &*self.header_ptr() }.retired.load(Ordering::Acquire) != 0
+    }
+
+    /// Makes a consumer remove the name when it drops the segment (the
+    /// producer died without doing it).
+    pub fn unlink_when_dropped(&self) {
+        self.unlink_on_drop.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if self.creator {
+            // Consumers unmap their copy once their last view goes.
+            self.retire();
+        }
+        // SAFETY: our own mapping; no block of it is used after this.
+        unsafe { libc::munmap(self.base.cast(), self.total) };
+        if self.unlink_on_drop.load(Ordering::Relaxed) {
+            if let Some(n) = &self.name {
+                unlink(n);
+            }
+        }
+    }
+}
+
+fn memfd(id: u64) -> Result<OwnedFd> {
+    let label = CString::new(format!("ss_arena_{id}")).unwrap_or_default();
+    // SAFETY: memfd_create reads the NUL-terminated label only.
+    let fd = unsafe { libc::memfd_create(label.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::last_os_error("memfd_create for an arena segment"));
+    }
+    // SAFETY: a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn shm_create(name: &str) -> Result<OwnedFd> {
+    let c = CString::new(name).map_err(|_| Error::new(ErrorKind::InvalidArgument, "NUL in segment name"))?;
+    // SAFETY: shm_open reads the NUL-terminated name.
+    let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o600) };
+    if fd < 0 {
+        return Err(Error::last_os_error(format!("unable to create arena segment <{name}>")));
+    }
+    // SAFETY: a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn shm_open_existing(name: &str) -> Result<OwnedFd> {
+    crate::shm::names::validate_shm_name(name)?;
+    let c = CString::new(name).map_err(|_| Error::new(ErrorKind::InvalidArgument, "NUL in segment name"))?;
+    // SAFETY: as above.
+    let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+    if fd < 0 {
+        let e = errno();
+        let mut err = Error::from_errno(e, format!("unable to open arena segment <{name}>"));
+        if e == libc::ENOENT {
+            err = err.context("the producer freed the segment or exited");
+        }
+        return Err(err);
+    }
+    // SAFETY: a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn unlink(name: &str) {
+    if let Ok(c) = CString::new(name) {
+        // SAFETY: shm_unlink reads the NUL-terminated name.
+        unsafe { libc::shm_unlink(c.as_ptr()) };
+    }
+}
+
+fn map(fd: RawFd, len: usize, what: &str) -> Result<*mut u8> {
+    // SAFETY: a new shared mapping of our descriptor; the kernel picks the address.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+    if p == libc::MAP_FAILED {
+        return Err(Error::last_os_error(format!("unable to mmap {len} bytes of <{what}>")));
+    }
+    Ok(p.cast())
+}
+
+fn random_u32() -> u32 {
+    let mut b = [0u8; 4];
+    // SAFETY: getrandom writes at most 4 bytes into our buffer.
+    unsafe { libc::getrandom(b.as_mut_ptr().cast(), 4, 0) };
+    u32::from_ne_bytes(b) ^ std::process::id().rotate_left(16)
+}

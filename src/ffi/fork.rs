@@ -1,0 +1,37 @@
+//! C API of fork safety: the pthread_atfork handlers that keep the
+//! library's process-wide locks from being inherited held by a child (see
+//! `fork_safe`). The library installs them itself on first use; they are
+//! exported for programs that fork with a raw clone(2), which runs no
+//! atfork handlers.
+
+use crate::fork_safe;
+
+/// Takes every process-wide lock of the library, waiting for threads that
+/// are inside the library to leave it. Installed as pthread_atfork's
+/// "prepare" handler on first use of the library; call it yourself only
+/// right before a fork done without fork(3), then call
+/// `ss_atfork_parent` in the parent and `ss_atfork_child` in the child.
+#[no_mangle]
+pub extern "C" fn ss_atfork_prepare() {
+    ffi_value!("ss_atfork_prepare", (), { fork_safe::before_fork() })
+}
+
+/// Releases what `ss_atfork_prepare` took, in the parent after the fork.
+#[no_mangle]
+pub extern "C" fn ss_atfork_parent() {
+    ffi_value!("ss_atfork_parent", (), { fork_safe::after_fork() })
+}
+
+/// Releases what `ss_atfork_prepare` took, in the child after the fork.
+#[no_mangle]
+pub extern "C" fn ss_atfork_child() {
+    ffi_value!("ss_atfork_child", (), { fork_safe::after_fork() })
+}
+
+/// Registers the three handlers above with pthread_atfork (called once).
+pub(crate) fn install_fork_handlers() {
+    // SAFETY: registers plain functions taking and returning nothing.
+    unsafe {
+        libc::pthread_atfork(Some(ss_atfork_prepare), Some(ss_atfork_parent), Some(ss_atfork_child));
+    }
+}

@@ -1,0 +1,255 @@
+//! C API of the key-value stores: `ss_store`.
+
+use super::args::{free_handle, handle, out_arg, str_arg, write_out};
+use super::status::ss_status;
+use crate::error::{Error, ErrorKind, Result};
+use crate::store::{FileStore, StoreRef, TcpStore, Timeout};
+use std::os::raw::c_int;
+use std::ffi::c_void;
+use std::os::raw::c_char;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A reference to a key-value store (c10d's "Store"), the medium of a
+/// symmetric-memory rendezvous. Each handle is one reference:
+/// `ss_store_free` drops it, and whoever else took a reference (a group,
+/// `ss_store_ref`) keeps the store alive.
+///
+/// Thread safety: a `const ss_store*` may be used from several threads at
+/// once; every operation may run concurrently with the others.
+pub struct SsStore {
+    store: StoreRef,
+}
+
+/// The store behind a handle, as a new shared reference (what a symmetric
+/// memory group keeps).
+///
+/// # Safety
+/// `p` is NULL or a live `ss_store` handle.
+pub unsafe fn store_ref(p: *const SsStore) -> Result<StoreRef> {
+    // SAFETY: per the contract above.
+    Ok(unsafe { handle(p, "store") }?.store.clone())
+}
+
+/// Hands a new handle to `store` out through `out` (checked by the caller).
+///
+/// # Safety
+/// `out` passed `out_arg` and is writable for one pointer.
+pub unsafe fn write_store(out: *mut *mut SsStore, store: StoreRef) {
+    // SAFETY: per the contract above.
+    unsafe { write_out(out, Box::into_raw(Box::new(SsStore { store }))) };
+}
+
+/// A `timeout_ms` argument: 0 waits forever, negative is invalid.
+pub fn timeout_arg(timeout_ms: i64) -> Result<Timeout> {
+    match timeout_ms {
+        0 => Ok(None),
+        t if t < 0 => Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!("timeout_ms is {t}: must be 0 (wait forever) or a positive number of milliseconds"),
+        )),
+        t => Ok(Some(Duration::from_millis(t as u64))),
+    }
+}
+
+/// Reads `n` bytes at `p` (NULL allowed when `n` is 0).
+///
+/// # Safety
+/// `p` is NULL or readable for `n` bytes.
+unsafe fn bytes_arg<'a>(p: *const c_void, n: usize, what: &str) -> Result<&'a [u8]> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(super::args::null(what));
+    }
+    // SAFETY: per the contract above.
+    Ok(unsafe { std::slice::from_raw_parts(p.cast(), n) })
+}
+
+/// Opens the store in folder `path` (created with its parents if missing),
+/// shared by the processes of one host that open the same path. Each key
+/// is a file written atomically (temporary file + rename), so a process
+/// killed mid-write never leaves half a value; `add` runs under `flock`.
+/// A path that is an existing regular file: `SS_ERR_INVALID_ARGUMENT`.
+/// Keys left by an earlier job stay: use a fresh folder per job.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_file_open(path: *const c_char, out: *mut *mut SsStore) -> ss_status {
+    ffi_status!("ss_store_file_open", {
+        out_arg(out, "out")?;
+        // SAFETY: NULL or a NUL-terminated string.
+        let path = unsafe { str_arg(path, "path") }?;
+        let store: StoreRef = Arc::new(FileStore::open(path)?);
+        // SAFETY: checked above.
+        unsafe { write_store(out, store) };
+        Ok(())
+    })
+}
+
+/// Joins (or, with `is_master`, serves) a PyTorch c10d `TCPStore` at
+/// `host:port`, speaking its wire protocol: the client sees the keys of
+/// `torch.distributed` ranks of the same job (PyTorch's `/` key prefix is
+/// added), and PyTorch clients can use our server. As
+/// `TCPStore(host, port, world_size, is_master, timeout)`: the master
+/// listens on `host:port` (port 0: a free port, see `ss_store_tcp_port`);
+/// with `world_size` > 0 every rank adds itself to the `init/` counter and
+/// the master returns once `world_size` ranks joined. `timeout_ms` (0:
+/// forever) bounds connecting (a client retries while nobody listens),
+/// the join and every reply. Errors name `host:port`: port in use
+/// `SS_ERR_BUSY`, no server in time `SS_ERR_TIMEOUT`, server gone
+/// `SS_ERR_PEER_GONE`, bad reply `SS_ERR_PROTOCOL`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_tcp_open(
+    host: *const c_char,
+    port: c_int,
+    is_master: bool,
+    world_size: c_int,
+    timeout_ms: i64,
+    out: *mut *mut SsStore,
+) -> ss_status {
+    ffi_status!("ss_store_tcp_open", {
+        out_arg(out, "out")?;
+        // SAFETY: NULL or a NUL-terminated string.
+        let host = unsafe { str_arg(host, "host") }?;
+        let port = u16::try_from(port)
+            .map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("port is {port}: must be 0..65535")))?;
+        if port == 0 && !is_master {
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("port 0 needs is_master (a client must name the server's port on {host})")));
+        }
+        let world = u32::try_from(world_size)
+            .map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("world_size is {world_size}: must be >= 0 (0: do not wait for ranks)")))?;
+        let store: StoreRef = Arc::new(TcpStore::open(host, port, is_master, world, timeout_arg(timeout_ms)?)?);
+        // SAFETY: checked above.
+        unsafe { write_store(out, store) };
+        Ok(())
+    })
+}
+
+/// The TCP port of a TCPStore (the one its server picked when opened with
+/// port 0). Another kind of store: `SS_ERR_UNSUPPORTED`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_tcp_port(s: *const SsStore, out_port: *mut c_int) -> ss_status {
+    ffi_status!("ss_store_tcp_port", {
+        out_arg(out_port, "out_port")?;
+        // SAFETY: NULL or a live handle.
+        let store = unsafe { handle(s, "store") }?;
+        let port = store.store.tcp_port().ok_or_else(|| {
+            Error::new(ErrorKind::Unsupported, format!("{} is not a TCPStore: it has no port", store.store.describe()))
+        })?;
+        // SAFETY: checked above.
+        unsafe { write_out(out_port, c_int::from(port)) };
+        Ok(())
+    })
+}
+
+/// A second reference to the same store (free both).
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_ref(s: *const SsStore, out: *mut *mut SsStore) -> ss_status {
+    ffi_status!("ss_store_ref", {
+        out_arg(out, "out")?;
+        // SAFETY: NULL or a live handle.
+        let store = unsafe { store_ref(s) }?;
+        // SAFETY: checked above.
+        unsafe { write_store(out, store) };
+        Ok(())
+    })
+}
+
+/// Sets `key` to the `len` bytes at `value` (NULL allowed when `len` is 0),
+/// replacing an earlier value and waking its waiters.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_set(s: *const SsStore, key: *const c_char, value: *const c_void, len: usize) -> ss_status {
+    ffi_status!("ss_store_set", {
+        // SAFETY: NULL or a live handle / a NUL-terminated string / readable bytes.
+        let store = unsafe { handle(s, "store") }?;
+        let key = unsafe { str_arg(key, "key") }?;
+        let value = unsafe { bytes_arg(value, len, "value") }?;
+        store.store.set(key, value)
+    })
+}
+
+/// Waits until `key` is set (`timeout_ms` 0 waits forever; expiry is
+/// `SS_ERR_TIMEOUT` naming the key) and copies its value into `buf` of
+/// `buf_len` bytes, its length to `out_len`. A value longer than `buf_len`:
+/// `SS_ERR_BUFFER_TOO_SMALL`, with the needed length written to `out_len`
+/// (call again with a larger buffer; `buf` may be NULL when `buf_len` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_get(
+    s: *const SsStore,
+    key: *const c_char,
+    timeout_ms: i64,
+    buf: *mut c_void,
+    buf_len: usize,
+    out_len: *mut usize,
+) -> ss_status {
+    ffi_status!("ss_store_get", {
+        out_arg(out_len, "out_len")?;
+        if buf.is_null() && buf_len > 0 {
+            return Err(super::args::null("buf"));
+        }
+        // SAFETY: NULL or a live handle / a NUL-terminated string.
+        let store = unsafe { handle(s, "store") }?;
+        let key = unsafe { str_arg(key, "key") }?;
+        let timeout = timeout_arg(timeout_ms)?;
+        let value = store.store.get(key, timeout)?;
+        // SAFETY: checked above.
+        unsafe { write_out(out_len, value.len()) };
+        if value.len() > buf_len {
+            return Err(Error::new(
+                ErrorKind::BufferTooSmall,
+                format!("value of key {key:?} is {} bytes but buf_len is {buf_len}", value.len()),
+            ));
+        }
+        // SAFETY: buf is writable for buf_len >= value.len() bytes (non-NULL when value is non-empty).
+        unsafe { std::ptr::copy_nonoverlapping(value.as_ptr(), buf.cast::<u8>(), value.len()) };
+        Ok(())
+    })
+}
+
+/// Adds `delta` to the integer under `key` (missing counts as 0; stored as
+/// decimal text, as c10d does) and writes the new value to `out_value`.
+/// A key holding something else: `SS_ERR_INVALID_ARGUMENT`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_add(s: *const SsStore, key: *const c_char, delta: i64, out_value: *mut i64) -> ss_status {
+    ffi_status!("ss_store_add", {
+        out_arg(out_value, "out_value")?;
+        // SAFETY: NULL or a live handle / a NUL-terminated string.
+        let store = unsafe { handle(s, "store") }?;
+        let key = unsafe { str_arg(key, "key") }?;
+        let v = store.store.add(key, delta)?;
+        // SAFETY: checked above.
+        unsafe { write_out(out_value, v) };
+        Ok(())
+    })
+}
+
+/// Waits until all `nkeys` keys are set (`timeout_ms` 0 waits forever;
+/// expiry is `SS_ERR_TIMEOUT` naming the keys still missing).
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_wait(s: *const SsStore, keys: *const *const c_char, nkeys: usize, timeout_ms: i64) -> ss_status {
+    ffi_status!("ss_store_wait", {
+        // SAFETY: NULL or a live handle.
+        let store = unsafe { handle(s, "store") }?;
+        if keys.is_null() && nkeys > 0 {
+            return Err(super::args::null("keys"));
+        }
+        let mut list = Vec::with_capacity(nkeys);
+        for i in 0..nkeys {
+            // SAFETY: keys is readable for nkeys pointers, each NULL or a string.
+            let k = unsafe { str_arg(*keys.add(i), &format!("keys[{i}]")) }?;
+            list.push(k);
+        }
+        let timeout = timeout_arg(timeout_ms)?;
+        store.store.wait(&list, timeout)
+    })
+}
+
+/// Drops this reference; the store closes with its last one. NULL is a
+/// no-op.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_free(s: *mut SsStore) {
+    ffi_value!("ss_store_free", (), {
+        // SAFETY: NULL or a handle of this library, not used afterwards.
+        unsafe { free_handle(s) }
+    })
+}

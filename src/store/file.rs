@@ -1,0 +1,390 @@
+//! The embedded store for one host: a folder shared by the ranks.
+//!
+//! Each key is one file (name from [`file_key::file_name`]) holding the raw
+//! value. A value is written to a temporary file in the same folder and
+//! renamed over the key's file, so a reader sees the whole old value or
+//! the whole new one, and a writer killed mid-write leaves only a stray
+//! temporary file (swept by the next `open` once its writer is dead),
+//! never half a value. `set` and `add` serialise their final step on an
+//! `flock` of `.lock`, so an add's read-modify-write is never interleaved
+//! with another write; the kernel drops the lock of a killed process.
+//! A wait sleeps on an inotify watch of the folder, so it wakes as soon
+//! as a key file is renamed into place; where inotify is unavailable it
+//! polls with a backoff (50 µs doubling to 5 ms).
+//!
+//! The path must be a folder (created, with its parents, if missing). An
+//! existing regular file is refused with `InvalidArgument`: it is not a
+//! store we can share safely, and silently using a folder beside it would
+//! split ranks that name the same path. The folder is not cleaned up: give
+//! each job a fresh one (old keys would otherwise be seen by the new job).
+
+use super::deadline::{deadline, expired, remaining, timeout_error, Backoff};
+use super::dir_watch::DirWatch;
+use super::file_key::file_name;
+use super::{Store, Timeout};
+use crate::error::{Error, ErrorKind, Result};
+use std::fs::{File, OpenOptions};
+use std::io::{ErrorKind as IoKind, Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+const LOCK_FILE: &str = ".lock";
+const TMP_PREFIX: &str = ".tmp.";
+const POLL_START: Duration = Duration::from_micros(50);
+const POLL_CAP: Duration = Duration::from_millis(5);
+/// Longest sleep on the watch before looking again anyway (a safety net
+/// for file systems whose changes inotify does not see).
+const WATCH_CAP: Duration = Duration::from_millis(100);
+
+/// A store in a folder, shared by processes on one host.
+pub struct FileStore {
+    dir: PathBuf,
+    lock: File,
+    tmp_seq: AtomicU64,
+    /// Idle inotify watches of the folder, reused by waits.
+    watches: Mutex<Vec<DirWatch>>,
+}
+
+fn io_error(e: std::io::Error, context: impl std::fmt::Display) -> Error {
+    match e.raw_os_error() {
+        Some(errno) => Error::from_errno(errno, context),
+        None => Error::new(ErrorKind::Io, format!("{context}: {e}")),
+    }
+}
+
+impl FileStore {
+    /// Opens (creating if needed) the store in folder `path`.
+    pub fn open(path: impl AsRef<Path>) -> Result<FileStore> {
+        let dir = path.as_ref().to_path_buf();
+        if dir.as_os_str().is_empty() {
+            return Err(Error::new(ErrorKind::InvalidArgument, "file store path is empty"));
+        }
+        match std::fs::metadata(&dir) {
+            Ok(m) if !m.is_dir() => {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("file store <{}> exists and is not a folder (a store is a folder of key files)", dir.display()),
+                ))
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == IoKind::NotFound => std::fs::create_dir_all(&dir)
+                .map_err(|e| io_error(e, format_args!("unable to create file store folder <{}>", dir.display())))?,
+            Err(e) => return Err(io_error(e, format_args!("unable to open file store <{}>", dir.display()))),
+        }
+        let lock_path = dir.join(LOCK_FILE);
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(|e| io_error(e, format_args!("unable to open <{}>", lock_path.display())))?;
+        let store = FileStore { dir, lock, tmp_seq: AtomicU64::new(0), watches: Mutex::new(Vec::new()) };
+        store.sweep_dead_temps();
+        Ok(store)
+    }
+
+    /// The folder.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Removes temporary files whose writer process is gone (killed
+    /// mid-write). Best effort: a file we cannot judge stays.
+    fn sweep_dead_temps(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else { return };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(TMP_PREFIX)) else { continue };
+            let Some(pid) = rest.split('.').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
+            // SAFETY: kill with signal 0 only checks that the process exists.
+            let gone = pid > 0 && unsafe { libc::kill(pid, 0) } != 0 && crate::error::errno() == libc::ESRCH;
+            if gone {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+
+    fn key_path(&self, key: &str) -> PathBuf {
+        self.dir.join(file_name(key))
+    }
+
+    /// The value of `key` if it is set now.
+    fn read_now(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        let path = self.key_path(key);
+        let mut file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == IoKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_error(e, format_args!("unable to read key {key:?} in {}", self.describe()))),
+        };
+        let mut value = Vec::new();
+        file.read_to_end(&mut value)
+            .map_err(|e| io_error(e, format_args!("unable to read key {key:?} in {}", self.describe())))?;
+        Ok(Some(value))
+    }
+
+    /// Writes `value` to a new temporary file in the folder; the caller
+    /// renames it into place.
+    fn write_temp(&self, key: &str, value: &[u8]) -> Result<PathBuf> {
+        let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::syscall(libc::SYS_gettid) };
+        let tmp = self.dir.join(format!("{TMP_PREFIX}{}.{tid}.{seq}", std::process::id()));
+        let context = || format!("unable to write key {key:?} in {}", self.describe());
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(|e| io_error(e, context()))?;
+        if let Err(e) = file.write_all(value) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io_error(e, context()));
+        }
+        Ok(tmp)
+    }
+
+    /// Renames a finished temporary file over `key`'s file.
+    fn publish(&self, tmp: &Path, key: &str) -> Result<()> {
+        std::fs::rename(tmp, self.key_path(key)).map_err(|e| {
+            let _ = std::fs::remove_file(tmp);
+            io_error(e, format_args!("unable to write key {key:?} in {}", self.describe()))
+        })
+    }
+
+    /// Runs `f` holding the folder's exclusive lock.
+    fn locked<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let _guard = FlockGuard::lock(&self.lock).map_err(|e| e.context(format!("unable to lock {}", self.describe())))?;
+        f()
+    }
+}
+
+/// An exclusive `flock`, released on drop (or by the kernel if we die).
+struct FlockGuard<'a>(&'a File);
+
+impl<'a> FlockGuard<'a> {
+    fn lock(file: &'a File) -> Result<FlockGuard<'a>> {
+        loop {
+            // SAFETY: flock on a descriptor we own; no memory is involved.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                return Ok(FlockGuard(file));
+            }
+            let errno = crate::error::errno();
+            if errno != libc::EINTR {
+                return Err(Error::from_errno(errno, "flock"));
+            }
+        }
+    }
+}
+
+impl Drop for FlockGuard<'_> {
+    fn drop(&mut self) {
+        // SAFETY: as in `lock`.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+impl Store for FileStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let tmp = self.write_temp(key, value)?;
+        self.locked(|| self.publish(&tmp, key)).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            e
+        })
+    }
+
+    fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>> {
+        if let Some(v) = self.read_now(key)? {
+            return Ok(v);
+        }
+        let end = deadline(timeout);
+        let mut sleeper = Sleeper::new(&self.dir, &self.watches);
+        loop {
+            // The watch exists before this check: a set after it wakes us.
+            if let Some(v) = self.read_now(key)? {
+                return Ok(v);
+            }
+            if expired(end) {
+                return Err(timeout_error(timeout, &[key], &self.describe()));
+            }
+            sleeper.sleep(end);
+        }
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.locked(|| {
+            let old = match self.read_now(key)? {
+                None => 0,
+                Some(bytes) => parse_counter(&bytes).ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::InvalidArgument,
+                        format!("key {key:?} in {} does not hold an integer, cannot add to it", self.describe()),
+                    )
+                })?,
+            };
+            let new = old.checked_add(delta).ok_or_else(|| {
+                Error::new(ErrorKind::InvalidArgument, format!("adding {delta} to key {key:?} (= {old}) overflows in {}", self.describe()))
+            })?;
+            let tmp = self.write_temp(key, new.to_string().as_bytes())?;
+            self.publish(&tmp, key)?;
+            Ok(new)
+        })
+    }
+
+    fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()> {
+        let end = deadline(timeout);
+        let mut missing: Vec<&str> = keys.iter().copied().filter(|k| !self.key_path(k).exists()).collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let mut sleeper = Sleeper::new(&self.dir, &self.watches);
+        loop {
+            let mut still = Vec::with_capacity(missing.len());
+            for k in missing {
+                if !self.key_path(k).exists() {
+                    still.push(k);
+                }
+            }
+            missing = still;
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if expired(end) {
+                return Err(timeout_error(timeout, &missing, &self.describe()));
+            }
+            sleeper.sleep(end);
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!("file store <{}>", self.dir.display())
+    }
+}
+
+/// How a waiting call sleeps: on an inotify watch of the folder (taken
+/// from the store's pool, returned after), else by polling with a backoff.
+enum Sleeper<'a> {
+    Watch(Option<DirWatch>, &'a Mutex<Vec<DirWatch>>),
+    Poll(Backoff),
+}
+
+impl<'a> Sleeper<'a> {
+    fn new(dir: &Path, pool: &'a Mutex<Vec<DirWatch>>) -> Sleeper<'a> {
+        let pooled = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        match pooled.or_else(|| DirWatch::new(dir)) {
+            Some(w) => {
+                w.drain();
+                Sleeper::Watch(Some(w), pool)
+            }
+            None => Sleeper::Poll(Backoff::new(POLL_START, POLL_CAP)),
+        }
+    }
+
+    fn sleep(&mut self, end: Option<std::time::Instant>) {
+        match self {
+            Sleeper::Watch(Some(w), _) => w.wait(remaining(end).map_or(WATCH_CAP, |r| r.min(WATCH_CAP))),
+            Sleeper::Watch(None, _) => {}
+            Sleeper::Poll(b) => b.sleep(end),
+        }
+    }
+}
+
+impl Drop for Sleeper<'_> {
+    fn drop(&mut self) {
+        if let Sleeper::Watch(w, pool) = self {
+            if let Some(w) = w.take() {
+                pool.lock().unwrap_or_else(|p| p.into_inner()).push(w);
+            }
+        }
+    }
+}
+
+/// A counter as `add` stores it (decimal text, optional sign).
+fn parse_counter(bytes: &[u8]) -> Option<i64> {
+    std::str::from_utf8(bytes).ok()?.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_store(tag: &str) -> (FileStore, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("ss-filestore-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        (FileStore::open(&dir).unwrap(), dir)
+    }
+
+    #[test]
+    fn set_get_add_wait() {
+        let (s, dir) = temp_store("basic");
+        s.set("a/b", b"hello").unwrap();
+        assert_eq!(s.get("a/b", Some(Duration::from_millis(10))).unwrap(), b"hello");
+        s.set("a/b", b"").unwrap();
+        assert_eq!(s.get("a/b", None).unwrap(), b"");
+        assert_eq!(s.add("n", 5).unwrap(), 5);
+        assert_eq!(s.add("n", -7).unwrap(), -2);
+        assert_eq!(s.get("n", None).unwrap(), b"-2");
+        s.wait(&["a/b", "n"], Some(Duration::from_millis(10))).unwrap();
+        let e = s.wait(&["a/b", "x", "y/z"], Some(Duration::from_millis(20))).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Timeout);
+        assert!(e.message().contains("\"x\", \"y/z\""), "{}", e.message());
+        assert!(!e.message().contains("a/b"), "{}", e.message());
+        let e = s.get("late", Some(Duration::from_millis(5))).unwrap_err();
+        assert!(e.message().contains("\"late\"") && e.message().contains(&dir.display().to_string()), "{}", e.message());
+        // Nothing but key files and the lock file: no temporaries left.
+        let mut names: Vec<String> =
+            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        names.sort();
+        assert_eq!(names, [".lock", "k.a%2Fb", "k.n"]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn add_refuses_non_integers_and_overflow() {
+        let (s, dir) = temp_store("addbad");
+        s.set("t", b"text").unwrap();
+        assert_eq!(s.add("t", 1).unwrap_err().kind(), ErrorKind::InvalidArgument);
+        s.add("m", i64::MAX).unwrap();
+        let e = s.add("m", 1).unwrap_err();
+        assert!(e.message().contains("overflows"), "{}", e.message());
+        assert_eq!(s.get("m", None).unwrap(), i64::MAX.to_string().as_bytes());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn refuses_a_regular_file_and_sweeps_dead_temps() {
+        let (s, dir) = temp_store("file");
+        let f = dir.join("plain");
+        std::fs::write(&f, b"x").unwrap();
+        let e = FileStore::open(&f).err().unwrap();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(e.message().contains("not a folder"), "{}", e.message());
+        // A temporary of a process that no longer exists is removed on open;
+        // one of a live process (ours) stays.
+        let dead = dir.join(".tmp.2147483600.1.0");
+        let live = dir.join(format!(".tmp.{}.1.0", std::process::id()));
+        std::fs::write(&dead, b"half").unwrap();
+        std::fs::write(&live, b"half").unwrap();
+        drop(s);
+        let _s = FileStore::open(&dir).unwrap();
+        assert!(!dead.exists());
+        assert!(live.exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn get_waits_for_a_later_set_from_another_thread() {
+        let (s, dir) = temp_store("wait");
+        let s = std::sync::Arc::new(s);
+        let s2 = s.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            s2.set("k", b"v").unwrap();
+        });
+        assert_eq!(s.get("k", Some(Duration::from_secs(10))).unwrap(), b"v");
+        t.join().unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,84 @@
+//! File names for the keys of a [`super::file::FileStore`]: any key (with
+//! `/`, `..`, spaces, any UTF-8) becomes one safe name inside the folder,
+//! so no key can reach outside it or collide with the store's own files.
+
+/// Longest name we produce; file systems allow 255 bytes.
+const MAX_NAME: usize = 200;
+/// How much of a long key's encoding stays readable before its hash.
+const LONG_PREFIX: usize = 64;
+
+/// The file name holding `key`.
+///
+/// Bytes outside `[A-Za-z0-9._-]` become `%XX`; the name starts with `k.`
+/// (so it is never `.`, `..` or one of the store's dot files). An encoding
+/// longer than 200 bytes becomes `h.` + its first 64 bytes + `.` + a
+/// 128-bit hash of the whole key, unique for all practical purposes.
+pub fn file_name(key: &str) -> String {
+    let mut enc = String::with_capacity(key.len() + 2);
+    for b in key.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-') {
+            enc.push(b as char);
+        } else {
+            enc.push_str(&format!("%{b:02X}"));
+        }
+    }
+    if enc.len() + 2 <= MAX_NAME {
+        return format!("k.{enc}");
+    }
+    // Cut at a byte that does not split a %XX escape (all ASCII here).
+    let mut cut = LONG_PREFIX;
+    while enc.as_bytes()[cut - 1] == b'%' || enc.as_bytes()[cut - 2] == b'%' {
+        cut -= 1;
+    }
+    format!("h.{}.{:016x}{:016x}", &enc[..cut], fnv1a(key, 0xcbf2_9ce4_8422_2325), fnv1a(key, 0x6c62_272e_07bb_0142))
+}
+
+/// FNV-1a over the key's bytes from `basis`: stable across builds and
+/// machines (unlike std's hasher), so every process finds the same file.
+fn fnv1a(key: &str, basis: u64) -> u64 {
+    key.bytes().fold(basis, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn safe(name: &str) -> bool {
+        !name.contains('/') && name != "." && name != ".." && !name.starts_with('.') && name.len() <= 255
+    }
+
+    #[test]
+    fn plain_and_escaped() {
+        assert_eq!(file_name("rank_0"), "k.rank_0");
+        assert_eq!(file_name("symm/3/1"), "k.symm%2F3%2F1");
+        assert_eq!(file_name(""), "k.");
+        assert_eq!(file_name(".."), "k...");
+        assert_eq!(file_name("../../etc/passwd"), "k...%2F..%2Fetc%2Fpasswd");
+        assert_eq!(file_name("a b%"), "k.a%20b%25");
+        assert_eq!(file_name("é"), "k.%C3%A9");
+    }
+
+    #[test]
+    fn distinct_keys_distinct_names() {
+        let keys = ["a/b", "a%2Fb", "a_b", "a.b", "A/b", "a//b", ""];
+        let names: std::collections::HashSet<_> = keys.iter().map(|k| file_name(k)).collect();
+        assert_eq!(names.len(), keys.len());
+        for k in keys {
+            assert!(safe(&file_name(k)), "{k}");
+        }
+    }
+
+    #[test]
+    fn long_keys_hash_and_stay_short() {
+        let a = "x/".repeat(300);
+        let b = format!("{}y", &a[..a.len() - 1]);
+        let (na, nb) = (file_name(&a), file_name(&b));
+        assert!(na.starts_with("h.x%2Fx"), "{na}");
+        assert_ne!(na, nb);
+        assert!(safe(&na) && na.len() < MAX_NAME, "{na}");
+        assert_eq!(na, file_name(&a));
+        let exact = "z".repeat(MAX_NAME - 2);
+        assert_eq!(file_name(&exact), format!("k.{exact}"));
+        assert!(file_name(&format!("{exact}z")).starts_with("h."));
+    }
+}

@@ -1,0 +1,340 @@
+//! The wire format of PyTorch's c10d `TCPStore` (see
+//! docs/tcpstore-protocol.md for every fact and how it was checked):
+//! requests and replies as bytes, with no I/O, so the parser can be fuzzed.
+//!
+//! A request is one query-type byte followed by its fields; integers are
+//! little-endian, a string or byte field is a `u64` length then the bytes,
+//! a key list is a `u64` count then that many strings.
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// The number a client sends with `VALIDATE` right after connecting.
+pub const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
+/// What PyTorch's client puts before every user key.
+pub const KEY_PREFIX: &str = "/";
+/// The counter every rank adds 1 to when it joins (no key prefix).
+pub const INIT_KEY: &str = "init/";
+/// Longest key or value we accept (a bound, so a bad length cannot make
+/// us wait for or allocate terabytes).
+pub const MAX_FIELD: u64 = 1 << 31;
+/// Most keys in one key list.
+pub const MAX_KEYS: u64 = 1 << 20;
+
+/// `CHECK` replies.
+pub const CHECK_READY: u8 = 0;
+pub const CHECK_NOT_READY: u8 = 1;
+/// `WAIT` / `CANCEL_WAIT` replies.
+pub const WAIT_STOP_WAITING: u8 = 0;
+pub const WAIT_CANCELED: u8 = 1;
+
+/// The query-type byte of each request.
+pub mod query {
+    pub const VALIDATE: u8 = 0;
+    pub const SET: u8 = 1;
+    pub const COMPARE_SET: u8 = 2;
+    pub const GET: u8 = 3;
+    pub const ADD: u8 = 4;
+    pub const CHECK: u8 = 5;
+    pub const WAIT: u8 = 6;
+    pub const GETNUMKEYS: u8 = 7;
+    pub const DELETE_KEY: u8 = 8;
+    pub const APPEND: u8 = 9;
+    pub const MULTI_GET: u8 = 10;
+    pub const MULTI_SET: u8 = 11;
+    pub const CANCEL_WAIT: u8 = 12;
+    pub const PING: u8 = 13;
+}
+
+/// One request, keys as raw bytes (prefix included, as on the wire).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    Validate(u32),
+    Set { key: Vec<u8>, value: Vec<u8> },
+    CompareSet { key: Vec<u8>, expected: Vec<u8>, desired: Vec<u8> },
+    Get(Vec<u8>),
+    Add { key: Vec<u8>, delta: i64 },
+    Check(Vec<Vec<u8>>),
+    Wait(Vec<Vec<u8>>),
+    GetNumKeys,
+    DeleteKey(Vec<u8>),
+    Append { key: Vec<u8>, value: Vec<u8> },
+    MultiGet(Vec<Vec<u8>>),
+    MultiSet(Vec<(Vec<u8>, Vec<u8>)>),
+    CancelWait,
+    Ping(u32),
+}
+
+fn put_u64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    put_u64(out, b.len() as u64);
+    out.extend_from_slice(b);
+}
+
+fn put_keys(out: &mut Vec<u8>, keys: &[Vec<u8>]) {
+    put_u64(out, keys.len() as u64);
+    for k in keys {
+        put_bytes(out, k);
+    }
+}
+
+impl Request {
+    /// Appends the request's bytes to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        use query::*;
+        match self {
+            Request::Validate(m) => {
+                out.push(VALIDATE);
+                out.extend_from_slice(&m.to_le_bytes());
+            }
+            Request::Set { key, value } => {
+                out.push(SET);
+                put_bytes(out, key);
+                put_bytes(out, value);
+            }
+            Request::CompareSet { key, expected, desired } => {
+                out.push(COMPARE_SET);
+                put_bytes(out, key);
+                put_bytes(out, expected);
+                put_bytes(out, desired);
+            }
+            Request::Get(key) => {
+                out.push(GET);
+                put_bytes(out, key);
+            }
+            Request::Add { key, delta } => {
+                out.push(ADD);
+                put_bytes(out, key);
+                out.extend_from_slice(&delta.to_le_bytes());
+            }
+            Request::Check(keys) => {
+                out.push(CHECK);
+                put_keys(out, keys);
+            }
+            Request::Wait(keys) => {
+                out.push(WAIT);
+                put_keys(out, keys);
+            }
+            Request::GetNumKeys => out.push(GETNUMKEYS),
+            Request::DeleteKey(key) => {
+                out.push(DELETE_KEY);
+                put_bytes(out, key);
+            }
+            Request::Append { key, value } => {
+                out.push(APPEND);
+                put_bytes(out, key);
+                put_bytes(out, value);
+            }
+            Request::MultiGet(keys) => {
+                out.push(MULTI_GET);
+                put_keys(out, keys);
+            }
+            Request::MultiSet(pairs) => {
+                out.push(MULTI_SET);
+                put_u64(out, pairs.len() as u64);
+                for (k, v) in pairs {
+                    put_bytes(out, k);
+                    put_bytes(out, v);
+                }
+            }
+            Request::CancelWait => out.push(CANCEL_WAIT),
+            Request::Ping(n) => {
+                out.push(PING);
+                out.extend_from_slice(&n.to_le_bytes());
+            }
+        }
+    }
+
+    /// The request's bytes.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.encode(&mut out);
+        out
+    }
+}
+
+/// Reads fields from a buffer that may end early: `Ok(None)` means "wait
+/// for more bytes", an error means the bytes can never become a request.
+struct Cursor<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+fn bad(what: impl std::fmt::Display) -> Error {
+    Error::new(ErrorKind::Protocol, what.to_string())
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.at.checked_add(n)?;
+        let s = self.buf.get(self.at..end)?;
+        self.at = end;
+        Some(s)
+    }
+
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4).map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+    }
+
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8).map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+    }
+
+    fn bytes(&mut self, what: &str) -> Result<Option<Vec<u8>>> {
+        let Some(len) = self.u64() else { return Ok(None) };
+        if len > MAX_FIELD {
+            return Err(bad(format!("{what} length {len} is over the limit of {MAX_FIELD} bytes")));
+        }
+        Ok(self.take(len as usize).map(<[u8]>::to_vec))
+    }
+
+    fn count(&mut self, what: &str) -> Result<Option<u64>> {
+        let Some(n) = self.u64() else { return Ok(None) };
+        if n > MAX_KEYS {
+            return Err(bad(format!("{what} count {n} is over the limit of {MAX_KEYS}")));
+        }
+        Ok(Some(n))
+    }
+
+    fn keys(&mut self) -> Result<Option<Vec<Vec<u8>>>> {
+        let Some(n) = self.count("key")? else { return Ok(None) };
+        let mut keys = Vec::new();
+        for _ in 0..n {
+            let Some(k) = self.bytes("key")? else { return Ok(None) };
+            keys.push(k);
+        }
+        Ok(Some(keys))
+    }
+}
+
+/// Parses the request at the start of `buf`: `Ok(Some((request, bytes
+/// used)))`, `Ok(None)` when `buf` holds only part of one, or a
+/// `Protocol` error for an unknown query type or an over-long field.
+pub fn parse_request(buf: &[u8]) -> Result<Option<(Request, usize)>> {
+    let mut c = Cursor { buf, at: 0 };
+    let req = match parse_fields(&mut c)? {
+        Some(r) => r,
+        None => return Ok(None),
+    };
+    Ok(Some((req, c.at)))
+}
+
+fn parse_fields(c: &mut Cursor<'_>) -> Result<Option<Request>> {
+    use query::*;
+    macro_rules! get {
+        ($e:expr) => {
+            match $e {
+                Some(v) => v,
+                None => return Ok(None),
+            }
+        };
+    }
+    let Some(kind) = c.u8() else { return Ok(None) };
+    let req = match kind {
+        VALIDATE => Request::Validate(get!(c.u32())),
+        SET => Request::Set { key: get!(c.bytes("key")?), value: get!(c.bytes("value")?) },
+        COMPARE_SET => Request::CompareSet {
+            key: get!(c.bytes("key")?),
+            expected: get!(c.bytes("expected value")?),
+            desired: get!(c.bytes("desired value")?),
+        },
+        GET => Request::Get(get!(c.bytes("key")?)),
+        ADD => {
+            let key = get!(c.bytes("key")?);
+            Request::Add { key, delta: get!(c.u64()) as i64 }
+        }
+        CHECK => Request::Check(get!(c.keys()?)),
+        WAIT => Request::Wait(get!(c.keys()?)),
+        GETNUMKEYS => Request::GetNumKeys,
+        DELETE_KEY => Request::DeleteKey(get!(c.bytes("key")?)),
+        APPEND => Request::Append { key: get!(c.bytes("key")?), value: get!(c.bytes("value")?) },
+        MULTI_GET => Request::MultiGet(get!(c.keys()?)),
+        MULTI_SET => {
+            let n = get!(c.count("key-value pair")?);
+            let mut pairs = Vec::new();
+            for _ in 0..n {
+                let k = get!(c.bytes("key")?);
+                pairs.push((k, get!(c.bytes("value")?)));
+            }
+            Request::MultiSet(pairs)
+        }
+        CANCEL_WAIT => Request::CancelWait,
+        PING => Request::Ping(get!(c.u32())),
+        other => return Err(bad(format!("unknown or unsupported query type {other}"))),
+    };
+    Ok(Some(req))
+}
+
+/// A reply holding bytes: `u64` length then the bytes.
+pub fn encode_bytes_reply(out: &mut Vec<u8>, b: &[u8]) {
+    put_bytes(out, b);
+}
+
+/// The value an `ADD` stores, parsed as C++ `std::stoll` does (leading
+/// spaces, a sign, then digits; anything after them ignored). `None` when
+/// there are no digits or the number does not fit.
+pub fn parse_counter(bytes: &[u8]) -> Option<i64> {
+    let text = std::str::from_utf8(bytes).ok()?;
+    let t = text.trim_start_matches([' ', '\t', '\n', '\r', '\x0b', '\x0c']);
+    let (sign, rest) = match t.as_bytes().first() {
+        Some(b'-') => ("-", &t[1..]),
+        Some(b'+') => ("", &t[1..]),
+        _ => ("", t),
+    };
+    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    if digits == 0 {
+        return None;
+    }
+    format!("{sign}{}", &rest[..digits]).parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_match_a_captured_pytorch_exchange() {
+        // Captured from torch 2.15's client (docs/tcpstore-protocol.md).
+        let set = Request::Set { key: b"/k".to_vec(), value: b"v".to_vec() };
+        assert_eq!(set.to_bytes(), b"\x01\x02\0\0\0\0\0\0\0/k\x01\0\0\0\0\0\0\0v");
+        let wait = Request::Wait(vec![b"/k".to_vec()]);
+        assert_eq!(wait.to_bytes(), b"\x06\x01\0\0\0\0\0\0\0\x02\0\0\0\0\0\0\0/k");
+        let add = Request::Add { key: b"/n".to_vec(), delta: -2 };
+        assert_eq!(add.to_bytes(), b"\x04\x02\0\0\0\0\0\0\0/n\xfe\xff\xff\xff\xff\xff\xff\xff");
+        let hello = [Request::Validate(VALIDATION_MAGIC).to_bytes(), Request::Ping(0x2e22).to_bytes()].concat();
+        assert_eq!(hello, b"\x00\xce\xf7\x85\x3c\x0d\x22\x2e\x00\x00");
+    }
+
+    #[test]
+    fn partial_input_waits_and_bad_input_fails() {
+        let bytes = Request::MultiSet(vec![(b"/a".to_vec(), b"1".to_vec()), (b"/b".to_vec(), vec![])]).to_bytes();
+        for cut in 0..bytes.len() {
+            assert_eq!(parse_request(&bytes[..cut]).unwrap(), None, "cut at {cut}");
+        }
+        let (req, used) = parse_request(&bytes).unwrap().unwrap();
+        assert_eq!(used, bytes.len());
+        assert!(matches!(req, Request::MultiSet(p) if p.len() == 2));
+        assert_eq!(parse_request(&[0x7f]).unwrap_err().kind(), ErrorKind::Protocol);
+        let mut huge = vec![query::GET];
+        huge.extend_from_slice(&(1u64 << 40).to_le_bytes());
+        let e = parse_request(&huge).unwrap_err();
+        assert!(e.message().contains("over the limit"), "{}", e.message());
+    }
+
+    #[test]
+    fn counters_parse_like_stoll() {
+        assert_eq!(parse_counter(b"12"), Some(12));
+        assert_eq!(parse_counter(b" -7"), Some(-7));
+        assert_eq!(parse_counter(b"12x"), Some(12));
+        assert_eq!(parse_counter(b"+3"), Some(3));
+        assert_eq!(parse_counter(b"x"), None);
+        assert_eq!(parse_counter(b""), None);
+        assert_eq!(parse_counter(b"99999999999999999999"), None);
+    }
+}

@@ -1,0 +1,291 @@
+//! A c10d `TCPStore` server: what a master rank runs so plain C/Go ranks
+//! need no Python, and PyTorch clients can join it. One thread accepts,
+//! one thread per connection reads its requests; waits are parked in the
+//! shared state and answered by whichever request sets their last key.
+
+use super::protocol::{self, parse_request, Request, VALIDATION_MAGIC};
+use crate::error::{Error, ErrorKind, Result};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+/// How long one reply may take to write before the connection is dropped.
+const WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Where a reply goes: one connection's write side.
+type Out = Arc<Mutex<TcpStream>>;
+
+struct Waiter {
+    conn: u64,
+    missing: Vec<Vec<u8>>,
+    out: Out,
+}
+
+#[derive(Default)]
+struct State {
+    data: HashMap<Vec<u8>, Vec<u8>>,
+    waiters: Vec<Waiter>,
+    /// Every open connection, to shut down when the server stops.
+    conns: HashMap<u64, TcpStream>,
+    next_conn: u64,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    stopping: AtomicBool,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A running server; stops (closing every connection) when dropped.
+pub struct TcpServer {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    accept: Option<JoinHandle<()>>,
+}
+
+fn send(out: &Out, bytes: &[u8]) -> std::io::Result<()> {
+    out.lock().unwrap_or_else(|p| p.into_inner()).write_all(bytes)
+}
+
+impl TcpServer {
+    /// Listens on `host:port` (port 0: any free port, see [`Self::port`]).
+    /// A port already in use is `ErrorKind::Busy`.
+    pub fn start(host: &str, port: u16) -> Result<TcpServer> {
+        let name = format!("{host}:{port}");
+        let addrs: Vec<SocketAddr> = (host, port)
+            .to_socket_addrs()
+            .map_err(|e| Error::new(ErrorKind::InvalidArgument, format!("cannot resolve TCPStore host {name}: {e}")))?
+            .collect();
+        let mut last = None;
+        let mut listener = None;
+        for a in &addrs {
+            match TcpListener::bind(a) {
+                Ok(l) => {
+                    listener = Some(l);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let listener = listener.ok_or_else(|| match last {
+            Some(e) if e.raw_os_error() == Some(libc::EADDRINUSE) => Error::new(
+                ErrorKind::Busy,
+                format!("cannot serve a TCPStore on {name}: the port is in use by another server"),
+            ),
+            Some(e) => {
+                let kind = e.raw_os_error().map_or(ErrorKind::Io, crate::error::kind_of_errno);
+                Error::new(kind, format!("cannot serve a TCPStore on {name}: {e}"))
+            }
+            None => Error::new(ErrorKind::InvalidArgument, format!("TCPStore host {name} resolves to no address")),
+        })?;
+        let addr = listener.local_addr().map_err(|e| Error::new(ErrorKind::Io, format!("{name}: {e}")))?;
+        let shared = Arc::new(Shared { state: Mutex::new(State::default()), stopping: AtomicBool::new(false) });
+        let s2 = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("ss-tcpstore-accept".into())
+            .spawn(move || accept_loop(listener, s2))
+            .map_err(|e| Error::new(ErrorKind::Io, format!("cannot start the TCPStore server thread: {e}")))?;
+        Ok(TcpServer { shared, addr, accept: Some(accept) })
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+}
+
+impl Drop for TcpServer {
+    fn drop(&mut self) {
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        // Wake the blocking accept with a connection of our own.
+        let mut wake = self.addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(if wake.is_ipv4() { [127, 0, 0, 1].into() } else { std::net::Ipv6Addr::LOCALHOST.into() });
+        }
+        let _ = TcpStream::connect(wake);
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+        for (_, c) in self.shared.lock().conns.drain() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    for stream in listener.incoming() {
+        if shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(stream) = stream else { continue };
+        let _ = stream.set_nodelay(true);
+        // A client that stops reading its replies must not stall everyone
+        // (replies are written under the state lock): give up on it.
+        let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
+        let (Ok(out), Ok(keep)) = (stream.try_clone(), stream.try_clone()) else { continue };
+        let id = {
+            let mut st = shared.lock();
+            st.next_conn += 1;
+            let id = st.next_conn;
+            st.conns.insert(id, keep);
+            id
+        };
+        let s2 = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ss-tcpstore-conn".into())
+            .spawn(move || serve(stream, Arc::new(Mutex::new(out)), id, &s2));
+        if spawned.is_err() {
+            shared.lock().conns.remove(&id);
+        }
+    }
+}
+
+/// Reads and answers one connection's requests until it closes or breaks
+/// the protocol (then we close it, as PyTorch's servers do).
+fn serve(mut stream: TcpStream, out: Out, id: u64, shared: &Shared) {
+    let mut buf: Vec<u8> = Vec::with_capacity(4096);
+    let mut chunk = vec![0u8; 64 * 1024];
+    let mut validated = false;
+    'conn: loop {
+        match stream.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+        let mut used = 0;
+        loop {
+            match parse_request(&buf[used..]) {
+                Ok(Some((req, n))) => {
+                    used += n;
+                    if !validated {
+                        if req != Request::Validate(VALIDATION_MAGIC) {
+                            break 'conn;
+                        }
+                        validated = true;
+                        continue;
+                    }
+                    if handle(req, &out, id, shared).is_err() {
+                        break 'conn;
+                    }
+                }
+                Ok(None) => break,
+                Err(_) => break 'conn,
+            }
+        }
+        buf.drain(..used);
+    }
+    let mut st = shared.lock();
+    st.waiters.retain(|w| w.conn != id);
+    st.conns.remove(&id);
+    drop(st);
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// Marks `key` as set for every waiter; answers those now complete.
+fn wake(st: &mut State, key: &[u8]) {
+    let mut i = 0;
+    while i < st.waiters.len() {
+        let w = &mut st.waiters[i];
+        w.missing.retain(|k| k != key);
+        if w.missing.is_empty() {
+            let w = st.waiters.swap_remove(i);
+            let _ = send(&w.out, &[protocol::WAIT_STOP_WAITING]);
+        } else {
+            i += 1;
+        }
+    }
+}
+
+fn set_key(st: &mut State, key: Vec<u8>, value: Vec<u8>) {
+    let k = key.clone();
+    st.data.insert(key, value);
+    wake(st, &k);
+}
+
+/// Answers one request; an error closes the connection.
+fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Result<(), ()> {
+    let mut reply = Vec::new();
+    let mut st = shared.lock();
+    match req {
+        Request::Validate(_) => return Err(()),
+        Request::Ping(n) => reply.extend_from_slice(&n.to_le_bytes()),
+        Request::Set { key, value } => set_key(&mut st, key, value),
+        Request::CompareSet { key, expected, desired } => {
+            let answer = match st.data.get(&key) {
+                None if expected.is_empty() => {
+                    set_key(&mut st, key, desired.clone());
+                    desired
+                }
+                None => expected,
+                Some(cur) if *cur == expected => {
+                    set_key(&mut st, key, desired.clone());
+                    desired
+                }
+                Some(cur) => cur.clone(),
+            };
+            protocol::encode_bytes_reply(&mut reply, &answer);
+        }
+        // A missing key: PyTorch's libuv server answers an empty value,
+        // its classic one closes the connection; clients WAIT first.
+        Request::Get(key) => match st.data.get(&key) {
+            Some(v) => protocol::encode_bytes_reply(&mut reply, v),
+            None => return Err(()),
+        },
+        Request::Add { key, delta } => {
+            let old = match st.data.get(&key) {
+                None => 0,
+                Some(v) => protocol::parse_counter(v).ok_or(())?,
+            };
+            let new = old.wrapping_add(delta);
+            set_key(&mut st, key, new.to_string().into_bytes());
+            reply.extend_from_slice(&new.to_le_bytes());
+        }
+        Request::Check(keys) => {
+            let ready = keys.iter().all(|k| st.data.contains_key(k));
+            reply.push(if ready { protocol::CHECK_READY } else { protocol::CHECK_NOT_READY });
+        }
+        Request::Wait(keys) => {
+            let missing: Vec<Vec<u8>> = keys.into_iter().filter(|k| !st.data.contains_key(k)).collect();
+            if missing.is_empty() {
+                reply.push(protocol::WAIT_STOP_WAITING);
+            } else {
+                st.waiters.push(Waiter { conn: id, missing, out: out.clone() });
+            }
+        }
+        Request::CancelWait => {
+            st.waiters.retain(|w| w.conn != id);
+            reply.push(protocol::WAIT_CANCELED);
+        }
+        Request::GetNumKeys => reply.extend_from_slice(&(st.data.len() as i64).to_le_bytes()),
+        Request::DeleteKey(key) => {
+            let n: i64 = st.data.remove(&key).is_some().into();
+            reply.extend_from_slice(&n.to_le_bytes());
+        }
+        Request::Append { key, value } => {
+            let mut cur = st.data.remove(&key).unwrap_or_default();
+            cur.extend_from_slice(&value);
+            set_key(&mut st, key, cur);
+        }
+        Request::MultiGet(keys) => {
+            for k in &keys {
+                protocol::encode_bytes_reply(&mut reply, st.data.get(k).ok_or(())?);
+            }
+        }
+        Request::MultiSet(pairs) => {
+            for (k, v) in pairs {
+                set_key(&mut st, k, v);
+            }
+        }
+    }
+    if !reply.is_empty() {
+        send(out, &reply).map_err(|_| ())?;
+    }
+    Ok(())
+}

@@ -1,0 +1,58 @@
+//! What a symmetric-memory backend provides, so the CPU backend here and a
+//! CUDA backend (a later issue) plug into the same registry, allocation
+//! table and rendezvous.
+
+use super::DeviceType;
+use crate::error::Result;
+use crate::store::Timeout;
+use std::os::fd::OwnedFd;
+
+/// Where the parts of one block lie; equal on every rank of a rendezvous.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Bytes of the whole block (signal pad, padding, buffer, rounding).
+    pub block_size: usize,
+    /// Bytes the caller asked for: the usable buffer.
+    pub buffer_size: usize,
+    /// Offset of the buffer from the block's start (the pad is at 0).
+    pub buffer_offset: usize,
+    /// Bytes of the signal pad at the block's start.
+    pub signal_pad_size: usize,
+}
+
+/// Makes blocks for one device type; registered by backend name.
+pub trait SymmAllocator: Send + Sync {
+    /// The backend name (`"CPU"`; PyTorch's are `"CUDA"`, `"NVSHMEM"`, `"NCCL"`).
+    fn name(&self) -> &str;
+    fn device_type(&self) -> DeviceType;
+    /// A new block whose buffer holds `size` bytes, its signal pad zeroed.
+    fn alloc(&self, size: usize, device_idx: i32) -> Result<Box<dyn SymmBlock>>;
+}
+
+/// One rank's block, before and after rendezvous.
+pub trait SymmBlock: Send + Sync {
+    /// The buffer's address (what `alloc` hands the caller).
+    fn buffer_ptr(&self) -> *mut u8;
+    fn device_idx(&self) -> i32;
+    fn layout(&self) -> Layout;
+    /// A descriptor that another process can map (sent with SCM_RIGHTS).
+    fn export(&self) -> Result<OwnedFd>;
+    /// Maps the peers' blocks from their descriptors (`None` at `rank`,
+    /// this block) and returns access to all of them.
+    fn import(&self, rank: usize, peers: Vec<Option<OwnedFd>>) -> Result<Box<dyn PeerAccess>>;
+}
+
+/// Access to every rank's block after a rendezvous. Arguments are already
+/// checked by [`super::handle::SymmetricMemory`] (ranks in range, channel
+/// within the pad).
+pub trait PeerAccess: Send + Sync {
+    fn buffer_ptr(&self, rank: usize) -> *mut u8;
+    fn signal_pad_ptr(&self, rank: usize) -> *mut u8;
+    /// Signals `dst` on `channel`. `stream` is the caller's stream (a CUDA
+    /// stream; the CPU backend ignores it).
+    fn put_signal(&self, dst: usize, channel: usize, timeout: Timeout, stream: usize) -> Result<()>;
+    /// Waits for and consumes the signal of `src` on `channel`.
+    fn wait_signal(&self, src: usize, channel: usize, timeout: Timeout, stream: usize) -> Result<()>;
+    /// Signals every other rank on `channel`, then waits for each of them.
+    fn barrier(&self, channel: usize, timeout: Timeout, stream: usize) -> Result<()>;
+}

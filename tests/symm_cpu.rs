@@ -1,0 +1,659 @@
+//! Symmetric memory on the CPU backend across real processes: each rank is
+//! this test binary run again as a child (`child_role`), the ranks meet
+//! through a file store in the test's own folder, and that folder is also
+//! the children's TMPDIR (where the descriptor sockets live).
+
+mod common;
+
+use common::{child_command, my_role, pattern};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use storage_sharing::store::{FileStore, StoreRef};
+use storage_sharing::symm::{self, group, registry, DeviceType, SymmetricMemory};
+use storage_sharing::ErrorKind;
+
+const MS: u64 = 1;
+
+fn test_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ss-symm-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Starts `ws` ranks of `role` (or the ranks in `only`), each with
+/// arguments [dir, rank, ws, extra...].
+fn spawn_ranks(role: &str, dir: &Path, ws: usize, only: &[usize], extra: &[&str]) -> Vec<(usize, Child)> {
+    let ranks: Vec<usize> = if only.is_empty() { (0..ws).collect() } else { only.to_vec() };
+    ranks
+        .into_iter()
+        .map(|r| {
+            let (d, rs, wss) = (dir.to_str().unwrap().to_string(), r.to_string(), ws.to_string());
+            let mut args = vec![d.as_str(), rs.as_str(), wss.as_str()];
+            args.extend_from_slice(extra);
+            let mut cmd = child_command(role, &args);
+            cmd.env("TMPDIR", dir).stdout(Stdio::piped()).stderr(Stdio::piped());
+            (r, cmd.spawn().expect("spawn rank"))
+        })
+        .collect()
+}
+
+fn finish(children: Vec<(usize, Child)>) -> Vec<(usize, Output)> {
+    children.into_iter().map(|(r, c)| (r, c.wait_with_output().unwrap())).collect()
+}
+
+fn assert_all_ok(outs: &[(usize, Output)]) {
+    for (r, o) in outs {
+        assert!(
+            o.status.success(),
+            "rank {r} failed: {}\nstdout:\n{}\nstderr:\n{}",
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
+
+fn run_ranks(role: &str, tag: &str, ws: usize, extra: &[&str]) -> Vec<(usize, Output)> {
+    let dir = test_dir(tag);
+    let outs = finish(spawn_ranks(role, &dir, ws, &[], extra));
+    assert_all_ok(&outs);
+    assert_no_sockets_left(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    outs
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// No `symm_mem-<pid>` socket may outlive a rendezvous.
+fn assert_no_sockets_left(dir: &Path) {
+    let left: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("symm_mem-"))
+        .collect();
+    assert!(left.is_empty(), "sockets left in {}: {left:?}", dir.display());
+}
+
+// ---------------------------------------------------------------- children
+
+/// This rank's view: dir, rank, world size, extra arguments.
+struct Rank {
+    dir: PathBuf,
+    rank: usize,
+    ws: usize,
+    extra: Vec<String>,
+    store: StoreRef,
+}
+
+impl Rank {
+    fn from_args(args: Vec<String>) -> Rank {
+        let dir = PathBuf::from(&args[0]);
+        let store: StoreRef = Arc::new(FileStore::open(dir.join("store")).unwrap());
+        Rank { rank: args[1].parse().unwrap(), ws: args[2].parse().unwrap(), extra: args[3..].to_vec(), dir, store }
+    }
+
+    fn join(&self, name: &str) {
+        group::set_group_info(name, self.rank as i64, self.ws as i64, self.store.clone()).unwrap();
+    }
+
+    /// A block of `size` bytes in group `name`, rendezvoused.
+    fn block(&self, name: &str, size: usize) -> (*mut u8, Arc<SymmetricMemory>) {
+        let p = symm::alloc(DeviceType::Cpu, 0, size, Some(name)).unwrap();
+        let h = symm::rendezvous(p, None, Some(Duration::from_secs(30))).unwrap();
+        (p, h)
+    }
+}
+
+fn t(ms: u64) -> Option<Duration> {
+    Some(Duration::from_millis(ms * MS))
+}
+
+fn pad_is_zero(h: &SymmetricMemory, rank: usize) -> bool {
+    let p = h.signal_pad_ptr(rank as i64).unwrap();
+    // SAFETY: the pad is mapped for signal_pad_size bytes; read as bytes.
+    let pad = unsafe { std::slice::from_raw_parts(p, h.signal_pad_size()) };
+    pad.iter().all(|&b| b == 0)
+}
+
+fn buffer<'a>(h: &SymmetricMemory, rank: usize) -> &'a mut [u8] {
+    let p = h.buffer_ptr(rank as i64).unwrap();
+    // SAFETY: every rank's buffer is mapped for buffer_size bytes; the
+    // roles below only write their own buffer between barriers.
+    unsafe { std::slice::from_raw_parts_mut(p, h.buffer_size()) }
+}
+
+fn role_exchange(me: Rank) {
+    me.join("world");
+    let size: usize = me.extra[0].parse().unwrap();
+    let (p, h) = me.block("world", size);
+    assert_eq!((h.rank(), h.world_size(), h.buffer_size()), (me.rank, me.ws, size));
+    assert_eq!(h.buffer_ptr(me.rank as i64).unwrap(), p, "own buffer is the allocation");
+    buffer(&h, me.rank).copy_from_slice(&pattern(size, me.rank as u8));
+    h.barrier(0, t(20_000), 0).unwrap();
+    for peer in 0..me.ws {
+        assert!(buffer(&h, peer) == &pattern(size, peer as u8)[..], "rank {} read a wrong buffer of rank {peer}", me.rank);
+    }
+    // Write into the next rank's buffer through its peer pointer.
+    let next = (me.rank + 1) % me.ws;
+    h.barrier(0, t(20_000), 0).unwrap();
+    buffer(&h, next)[..8].copy_from_slice(&(1000 + me.rank as u64).to_ne_bytes());
+    h.barrier(1, t(20_000), 0).unwrap();
+    let prev = (me.rank + me.ws - 1) % me.ws;
+    assert_eq!(u64::from_ne_bytes(buffer(&h, me.rank)[..8].try_into().unwrap()), 1000 + prev as u64);
+    h.barrier(0, t(20_000), 0).unwrap();
+    // Peers may still be consuming our last signals; our own pad is final.
+    assert!(pad_is_zero(&h, me.rank), "pad of rank {} not zero after clean syncs", me.rank);
+    let again = symm::rendezvous(p, Some("world"), t(1000)).unwrap();
+    assert!(Arc::ptr_eq(&again, &h), "second rendezvous must return the same object");
+    assert_eq!(symm::get_alloc_size(p).unwrap(), size);
+    symm::free(p).unwrap();
+    println!("rank {} ok", me.rank);
+}
+
+fn role_ordering(me: Rank) {
+    me.join("world");
+    let (_p, h) = me.block("world", 64 * me.ws);
+    for round in 1..=500u64 {
+        buffer(&h, me.rank)[..8].copy_from_slice(&round.to_ne_bytes());
+        h.barrier(0, t(20_000), 0).unwrap();
+        for peer in 0..me.ws {
+            let seen = u64::from_ne_bytes(buffer(&h, peer)[..8].try_into().unwrap());
+            assert_eq!(seen, round, "rank {} saw round {seen} of rank {peer} in round {round}", me.rank);
+        }
+        h.barrier(1, t(20_000), 0).unwrap();
+    }
+    println!("rank {} ok", me.rank);
+}
+
+fn role_signals(me: Rank) {
+    me.join("pair");
+    let (_p, h) = me.block("pair", 4096);
+    let max = h.max_channel();
+    let channels = [0usize, 3, 7, max];
+    if me.rank == 0 {
+        for (i, &c) in channels.iter().enumerate() {
+            buffer(&h, 1)[c * 8 % 4096..][..8].copy_from_slice(&(77 + i as u64).to_ne_bytes());
+            h.put_signal(1, c as i64, t(20_000), 0).unwrap();
+        }
+        h.wait_signal(1, 5, t(20_000), 0).unwrap();
+    } else {
+        // Waits in the reverse order: each channel is its own slot.
+        for (i, &c) in channels.iter().enumerate().rev() {
+            h.wait_signal(0, c as i64, t(20_000), 0).unwrap();
+            let v = u64::from_ne_bytes(buffer(&h, 1)[c * 8 % 4096..][..8].try_into().unwrap());
+            assert_eq!(v, 77 + i as u64, "channel {c}");
+        }
+        h.put_signal(0, 5, t(20_000), 0).unwrap();
+    }
+    h.barrier(0, t(20_000), 0).unwrap();
+    assert!(pad_is_zero(&h, me.rank));
+    println!("rank {} ok max_channel={max}", me.rank);
+}
+
+fn role_timeouts(me: Rank) {
+    me.join("pair");
+    let (_p, h) = me.block("pair", 64);
+    if me.rank == 0 {
+        let start = Instant::now();
+        let e = h.wait_signal(1, 2, t(200), 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Timeout);
+        assert!(start.elapsed() >= Duration::from_millis(200));
+        assert!(e.message().contains("rank 0 failed to receive signal from rank 1 on channel 2 after 200 ms"), "{}", e.message());
+        let e = h.barrier(3, t(150), 0).unwrap_err();
+        assert!(e.message().contains("barrier: rank 0 failed to receive signal from rank 1 on channel 3"), "{}", e.message());
+        // Our barrier put a signal into rank 1's pad: a full slot makes the
+        // next put wait, and time out.
+        let e = h.put_signal(1, 3, t(100), 0).unwrap_err();
+        assert!(e.message().contains("rank 0 failed to send signal to rank 1 on channel 3 after 100 ms"), "{}", e.message());
+        assert!(pad_is_zero(&h, 0), "a timed-out wait leaves no mark");
+        me.store.set("timeouts/done", b"1").unwrap();
+    } else {
+        me.store.wait(&["timeouts/done"], t(30_000)).unwrap();
+        // Consume the signal rank 0's failed barrier left, so the pads are
+        // clean again, and finish with a good barrier.
+        h.wait_signal(0, 3, t(1000), 0).unwrap();
+    }
+    h.barrier(0, t(20_000), 0).unwrap();
+    assert!(pad_is_zero(&h, me.rank));
+    println!("rank {} ok", me.rank);
+}
+
+fn role_kill9(me: Rank) {
+    me.join("trio");
+    let (_p, h) = me.block("trio", 4096);
+    h.barrier(0, t(20_000), 0).unwrap();
+    if me.rank == 2 {
+        println!("rank 2 in barrier");
+        // Blocks for good: ranks 0 and 1 enter only after it is killed.
+        h.barrier(1, None, 0).unwrap();
+        h.barrier(1, None, 0).unwrap();
+        unreachable!("rank 2 passed a barrier the others never entered");
+    }
+    me.store.wait(&["kill9/dead"], t(30_000)).unwrap();
+    let mut outcome = Ok(());
+    for _ in 0..2 {
+        outcome = h.barrier(1, t(500), 0);
+        if outcome.is_err() {
+            break;
+        }
+    }
+    let e = outcome.expect_err("a barrier with a dead rank must time out");
+    assert_eq!(e.kind(), ErrorKind::Timeout);
+    // Rank 2 had put its signals before it died: the first barrier may pass;
+    // then either our signal to it stays unconsumed or its signal is missing.
+    let m = e.message();
+    assert!(m.contains(&format!("rank {} failed to ", me.rank)) && m.contains("rank 2 on channel 1"), "{m}");
+    println!("rank {} timed out: {}", me.rank, e.message());
+}
+
+fn role_mismatch(me: Rank) {
+    me.join("world");
+    let size = 4096 * (me.rank + 1);
+    let p = symm::alloc(DeviceType::Cpu, 0, size, Some("world")).unwrap();
+    let e = symm::rendezvous(p, None, t(20_000)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::SizeMismatch, "{}", e.message());
+    assert!(e.message().contains("rank 1 allocated 8192 bytes") && e.message().contains("rank 0 allocated 4096 bytes"), "{}", e.message());
+    println!("rank {} mismatch: {}", me.rank, e.message());
+}
+
+fn role_missing(me: Rank) {
+    me.join("world");
+    let p = symm::alloc(DeviceType::Cpu, 0, 64, Some("world")).unwrap();
+    let e = symm::rendezvous(p, None, t(400)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{}", e.message());
+    assert!(e.message().contains("rank(s) 2 never arrived"), "{}", e.message());
+    println!("rank {} missing: {}", me.rank, e.message());
+}
+
+/// Enters a rendezvous whose rank 2 never comes, and is killed there.
+fn role_waits_to_be_killed(me: Rank) {
+    me.join("world");
+    let p = symm::alloc(DeviceType::Cpu, 0, 64, Some("world")).unwrap();
+    println!("entering");
+    let _ = symm::rendezvous(p, None, t(60_000));
+    unreachable!("the rendezvous cannot complete without rank 2");
+}
+
+fn role_two_groups(me: Rank) {
+    // Group "all" has every rank; group "low" only ranks 0 and 1, which
+    // rendezvous in it first, so with one sequence for all groups rank 2's
+    // keys in "all" would not match theirs.
+    let in_low = me.rank < 2;
+    group::set_group_info("all", me.rank as i64, me.ws as i64, me.store.clone()).unwrap();
+    if in_low {
+        group::set_group_info("low", me.rank as i64, 2, me.store.clone()).unwrap();
+    }
+    let mut low = None;
+    if in_low {
+        let (p, h) = me.block("low", 256);
+        buffer(&h, me.rank)[0] = 10 + me.rank as u8;
+        h.barrier(0, t(20_000), 0).unwrap();
+        assert_eq!(buffer(&h, 1 - me.rank)[0], 11 - me.rank as u8);
+        low = Some((p, h));
+    }
+    let (_pa, all) = me.block("all", 512);
+    buffer(&all, me.rank)[0] = 20 + me.rank as u8;
+    all.barrier(0, t(20_000), 0).unwrap();
+    for r in 0..me.ws {
+        assert_eq!(buffer(&all, r)[0], 20 + r as u8);
+    }
+    if let Some((_p, h)) = &low {
+        // A second block in "low" after "all": the sequences stay apart.
+        let (_p2, h2) = me.block("low", 128);
+        h2.barrier(0, t(20_000), 0).unwrap();
+        h.barrier(0, t(20_000), 0).unwrap();
+    }
+    all.barrier(0, t(20_000), 0).unwrap();
+    println!("rank {} ok", me.rank);
+}
+
+fn role_persistent(me: Rank) {
+    me.join("solo");
+    let p = symm::alloc_persistent(DeviceType::Cpu, 0, 100, Some("solo"), 7).unwrap();
+    let h = symm::rendezvous(p, None, t(10_000)).unwrap();
+    let e = symm::alloc_persistent(DeviceType::Cpu, 0, 100, Some("solo"), 7).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Busy);
+    assert_eq!(
+        e.message(),
+        "ss_symm_alloc_persistent: can not allocate with alloc_id == 7 because a previous allocation with the same alloc_id is still active."
+    );
+    symm::free(p).unwrap();
+    assert_eq!(symm::get_alloc_size(p).unwrap_err().kind(), ErrorKind::NotFound);
+    let e = symm::alloc_persistent(DeviceType::Cpu, 0, 200, Some("solo"), 7).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::SizeMismatch);
+    assert_eq!(
+        e.message(),
+        "ss_symm_alloc_persistent: requested allocation size (200) is different from the size of a previous allocation with the same alloc_id 100"
+    );
+    let q = symm::alloc_persistent(DeviceType::Cpu, 0, 100, None, 7).unwrap();
+    assert_eq!(q, p, "same alloc_id gives the same block");
+    let h2 = symm::rendezvous(q, None, t(10_000)).unwrap();
+    assert!(Arc::ptr_eq(&h, &h2), "rendezvous is cached per block and group");
+    let other = symm::alloc_persistent(DeviceType::Cpu, 0, 100, None, 8).unwrap();
+    assert_ne!(other, p);
+    symm::free(q).unwrap();
+    assert_eq!(symm::free(q).unwrap_err().kind(), ErrorKind::NotFound, "double free");
+    println!("ok");
+}
+
+fn role_registry(me: Rank) {
+    let e = registry::set_backend("NVSHMEM").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    assert_eq!(e.message(), "SymmetricMemory does not find allocation backend NVSHMEM");
+    registry::set_backend("CPU").unwrap();
+    assert_eq!(registry::get_backend().as_deref(), Some("CPU"));
+    assert!(registry::has_allocator(DeviceType::Cpu));
+    assert!(!registry::has_allocator(DeviceType::Cuda));
+    let e = symm::alloc(DeviceType::Cuda, 0, 64, None).unwrap_err();
+    if me.extra.first().map(String::as_str) == Some("bad-env") {
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert_eq!(e.message(), "TORCH_SYMMMEM environment variable must be one of 'CUDA', 'NVSHMEM', 'NCCL'.");
+    } else {
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        assert!(e.message().contains("the CUDA symmetric-memory backend is not built yet"), "{}", e.message());
+    }
+    let p = symm::alloc(DeviceType::Cpu, 0, 64, None).unwrap();
+    let e = registry::set_backend("CPU").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Busy);
+    assert_eq!(e.message(), "Backend can not be changed after use.");
+    assert!(!registry::is_finalizing());
+    symm::free(p).unwrap();
+    let _ = me.dir;
+    println!("ok");
+}
+
+fn role_bad_args(me: Rank) {
+    let e = group::get_group_info("nope").err().unwrap();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    assert_eq!(e.message(), "get_group_info: no group info associated with the group name nope");
+    me.join("solo");
+    let dup = group::set_group_info("solo", 0, 1, me.store.clone()).unwrap_err();
+    assert_eq!(dup.kind(), ErrorKind::AlreadyExists);
+    for (rank, ws) in [(1, 1), (-1, 2), (0, 0)] {
+        let e = group::set_group_info("bad", rank, ws, me.store.clone()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "rank {rank} ws {ws}");
+    }
+    let info = group::get_group_info("solo").unwrap();
+    assert_eq!((info.rank, info.world_size), (0, 1));
+
+    assert_eq!(symm::alloc(DeviceType::Cpu, 3, 64, None).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(symm::alloc(DeviceType::Cpu, 0, usize::MAX - 10, None).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    let p = symm::alloc(DeviceType::Cpu, 0, 1000, None).unwrap();
+    let e = symm::rendezvous(p, None, t(1000)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.message().contains("`group_name` is neither specified during allocation nor passed to rendezvous()"));
+    assert_eq!(symm::rendezvous(p, Some("nope"), t(1000)).unwrap_err().kind(), ErrorKind::NotFound);
+    // SAFETY: 1 byte past the start of a live 1000-byte buffer.
+    let inside = unsafe { p.add(1) };
+    assert_eq!(symm::rendezvous(inside, Some("solo"), t(1000)).unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(symm::free(inside).unwrap_err().kind(), ErrorKind::NotFound);
+
+    let h = symm::rendezvous(p, Some("solo"), t(10_000)).unwrap();
+    for bad in [1i64, -1, 99] {
+        let e = h.buffer_ptr(bad).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(e.message().starts_with(&format!("Invalid peer rank: {bad}")), "{}", e.message());
+        assert!(h.signal_pad_ptr(bad).is_err() && h.put_signal(bad, 0, t(10), 0).is_err() && h.wait_signal(bad, 0, t(10), 0).is_err());
+    }
+    let e = h.get_buffer(0, 1001, 0).unwrap_err();
+    assert_eq!(e.message(), "SymmetricMemory::get_buffer: the requested size (1001 bytes) exceeds the allocated size (1000 bytes)");
+    let e = h.get_buffer(0, 10, 995).unwrap_err();
+    assert_eq!(e.message(), "SymmetricMemory::get_buffer: the requested size (1005 bytes) exceeds the allocated size (1000 bytes)");
+    assert_eq!(h.get_buffer(0, usize::MAX, 2).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    // SAFETY: offset 990 of a 1000-byte buffer.
+    assert_eq!(h.get_buffer(0, 10, 990).unwrap(), unsafe { p.add(990) });
+    assert_eq!(h.get_buffer(0, 0, 1000).unwrap(), unsafe { p.add(1000) });
+
+    let max = h.max_channel();
+    assert_eq!(max, h.signal_pad_size() / 4 - 1, "one rank: one slot per channel");
+    let e = h.barrier(max as i64 + 1, t(10), 0).unwrap_err();
+    assert_eq!(e.message(), format!("The maximum supported channel for barrier(), put_signal() and wait_signal() is {max} (got {})", max + 1));
+    let e = h.put_signal(0, -1, t(10), 0).unwrap_err();
+    assert!(e.message().contains("must not be negative (got -1)"), "{}", e.message());
+    // One rank: put to itself and wait for itself on the last channel.
+    h.put_signal(0, max as i64, t(1000), 0).unwrap();
+    h.wait_signal(0, max as i64, t(1000), 0).unwrap();
+    h.barrier(0, t(1000), 0).unwrap();
+    symm::free(p).unwrap();
+    println!("ok");
+}
+
+fn role_c_api(me: Rank) {
+    use std::ffi::c_void;
+    use std::ptr::{null, null_mut};
+    use storage_sharing::ffi::ss_status::*;
+    use storage_sharing::ffi::symm::*;
+    let dir = std::ffi::CString::new(me.dir.join("store").to_str().unwrap()).unwrap();
+    let mut store = null_mut();
+    // SAFETY (all calls below): valid strings, out-pointers to locals, NULLs
+    // where the test checks that NULL is refused.
+    unsafe {
+        assert_eq!(storage_sharing::ffi::store::ss_store_file_open(dir.as_ptr(), &mut store), SS_OK);
+        assert_eq!(ss_symm_set_group_info(c"capi".as_ptr(), 0, 1, null()), SS_ERR_NULL_POINTER);
+        assert_eq!(ss_symm_set_group_info(null(), 0, 1, store), SS_ERR_NULL_POINTER);
+        assert_eq!(ss_symm_set_group_info(c"capi".as_ptr(), 0, 1, store), SS_OK);
+        assert_eq!(ss_symm_set_group_info(c"capi".as_ptr(), 0, 1, store), SS_ERR_ALREADY_EXISTS);
+        storage_sharing::ffi::store::ss_store_free(store); // the group keeps its own
+        let (mut r, mut ws) = (-1, -1);
+        assert_eq!(ss_symm_get_group_info(c"capi".as_ptr(), &mut r, &mut ws), SS_OK);
+        assert_eq!((r, ws), (0, 1));
+        assert_eq!(ss_symm_get_group_info(c"other".as_ptr(), &mut r, &mut ws), SS_ERR_NOT_FOUND);
+        assert_eq!(ss_symm_get_group_info(c"capi".as_ptr(), null_mut(), &mut ws), SS_ERR_NULL_POINTER);
+
+        let mut p: *mut c_void = null_mut();
+        assert_eq!(ss_symm_alloc(7, 0, 64, null(), &mut p), SS_ERR_INVALID_ARGUMENT);
+        assert_eq!(ss_symm_alloc(SS_DEVICE_CUDA, 0, 64, null(), &mut p), SS_ERR_UNSUPPORTED);
+        assert_eq!(ss_symm_alloc(SS_DEVICE_CPU, 0, 64, null(), null_mut()), SS_ERR_NULL_POINTER);
+        assert!(p.is_null(), "out written only on success");
+        assert_eq!(ss_symm_alloc(SS_DEVICE_CPU, 0, 64, c"capi".as_ptr(), &mut p), SS_OK);
+        let mut n = 0usize;
+        assert_eq!(ss_symm_get_alloc_size(p, &mut n), SS_OK);
+        assert_eq!(n, 64);
+        let mut h = null_mut();
+        assert_eq!(ss_symm_rendezvous(p, null(), -5, &mut h), SS_ERR_INVALID_ARGUMENT);
+        assert_eq!(ss_symm_rendezvous(null_mut(), null(), 1000, &mut h), SS_ERR_NULL_POINTER);
+        assert_eq!(ss_symm_rendezvous(p, null(), 10_000, &mut h), SS_OK);
+        let mut h2 = null_mut();
+        assert_eq!(ss_symm_rendezvous(p, c"capi".as_ptr(), 10_000, &mut h2), SS_OK);
+        assert_eq!(h, h2, "same block and group: same handle");
+        assert_eq!((ss_symm_mem_rank(h), ss_symm_mem_world_size(h), ss_symm_mem_buffer_size(h)), (0, 1, 64));
+        assert_eq!(ss_symm_mem_signal_pad_size(h), 9216);
+        assert_eq!((ss_symm_mem_rank(null()), ss_symm_mem_world_size(null()), ss_symm_mem_buffer_size(null())), (-1, -1, 0));
+        let mut q: *mut c_void = null_mut();
+        assert_eq!(ss_symm_mem_buffer_ptr(h, 0, &mut q), SS_OK);
+        assert_eq!(q, p);
+        assert_eq!(ss_symm_mem_buffer_ptr(h, 1, &mut q), SS_ERR_INVALID_ARGUMENT);
+        assert_eq!(ss_symm_mem_signal_pad_ptr(h, 0, &mut q), SS_OK);
+        assert_eq!(q as usize + 12288, p as usize, "layout [pad | buffer], buffer on its own page");
+        assert_eq!(ss_symm_mem_get_buffer(h, 0, 65, 0, &mut q), SS_ERR_INVALID_ARGUMENT);
+        assert_eq!(ss_symm_mem_get_buffer(null(), 0, 1, 0, &mut q), SS_ERR_NULL_POINTER);
+        assert_eq!(ss_symm_mem_barrier(h, 0, -1, null_mut()), SS_ERR_INVALID_ARGUMENT);
+        assert_eq!(ss_symm_mem_barrier(h, 0, 0, null_mut()), SS_OK, "one rank: nothing to wait for");
+        assert_eq!(ss_symm_mem_put_signal(h, 0, 1, 100, null_mut()), SS_OK);
+        assert_eq!(ss_symm_mem_put_signal(h, 0, 1, 30, null_mut()), SS_ERR_TIMEOUT, "slot still full");
+        assert_eq!(ss_symm_mem_wait_signal(h, 0, 1, 100, null_mut()), SS_OK);
+        assert_eq!(ss_symm_mem_wait_signal(h, 0, 1, 30, null_mut()), SS_ERR_TIMEOUT);
+        assert_eq!(ss_symm_set_backend(c"CPU".as_ptr()), SS_ERR_BUSY);
+        assert_eq!(ss_symm_free(null_mut()), SS_OK);
+        assert_eq!(ss_symm_free(p), SS_OK);
+        assert_eq!(ss_symm_free(p), SS_ERR_NOT_FOUND);
+        assert_eq!(ss_symm_get_alloc_size(p, &mut n), SS_ERR_NOT_FOUND);
+    }
+    println!("ok");
+}
+
+#[test]
+#[ignore]
+fn child_role() {
+    let Some((role, args)) = my_role() else { return };
+    let me = Rank::from_args(args);
+    match role.as_str() {
+        "exchange" => role_exchange(me),
+        "ordering" => role_ordering(me),
+        "signals" => role_signals(me),
+        "timeouts" => role_timeouts(me),
+        "kill9" => role_kill9(me),
+        "mismatch" => role_mismatch(me),
+        "missing" => role_missing(me),
+        "waits_to_be_killed" => role_waits_to_be_killed(me),
+        "two_groups" => role_two_groups(me),
+        "persistent" => role_persistent(me),
+        "registry" => role_registry(me),
+        "bad_args" => role_bad_args(me),
+        "c_api" => role_c_api(me),
+        other => panic!("unknown role {other}"),
+    }
+}
+
+// ------------------------------------------------------------------- tests
+
+#[test]
+fn two_ranks_read_each_others_buffers() {
+    run_ranks("exchange", "exchange2", 2, &["65536"]);
+}
+
+#[test]
+fn four_ranks_read_each_others_buffers() {
+    run_ranks("exchange", "exchange4", 4, &["10000"]);
+}
+
+#[test]
+fn barrier_orders_writes_on_three_ranks() {
+    run_ranks("ordering", "ordering3", 3, &[]);
+}
+
+/// More ranks than this machine may have cores: ranks sleep on the futex
+/// and are woken by their peers' puts.
+#[test]
+fn barrier_orders_writes_on_five_ranks() {
+    run_ranks("ordering", "ordering5", 5, &[]);
+}
+
+#[test]
+fn signals_on_several_channels() {
+    let outs = run_ranks("signals", "signals", 2, &[]);
+    // 9216-byte pad, 2 ranks: 2304 slots, 1152 channels (0..=1151).
+    assert!(stdout(&outs[0].1).contains("max_channel=1151"), "{}", stdout(&outs[0].1));
+}
+
+#[test]
+fn timeouts_name_rank_peer_and_channel() {
+    run_ranks("timeouts", "timeouts", 2, &[]);
+}
+
+#[test]
+fn size_mismatch_fails_on_every_rank() {
+    let dir = test_dir("mismatch");
+    let outs = finish(spawn_ranks("mismatch", &dir, 2, &[], &[]));
+    assert_all_ok(&outs);
+    assert_no_sockets_left(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn missing_rank_times_out_naming_it() {
+    let dir = test_dir("missing");
+    let outs = finish(spawn_ranks("missing", &dir, 3, &[0, 1], &[]));
+    assert_all_ok(&outs);
+    assert_no_sockets_left(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rank killed with -9 while it waits in a rendezvous leaves no
+/// `symm_mem-<pid>` socket behind (found in review: the socket was bound
+/// for the whole wait, so a kill left it in the temporary folder).
+#[test]
+fn rank_killed_while_waiting_in_rendezvous_leaves_no_socket() {
+    use std::io::BufRead;
+    let dir = test_dir("killed-waiting");
+    let mut killed = spawn_ranks("waits_to_be_killed", &dir, 3, &[1], &[]);
+    let mut line = String::new();
+    let mut out = std::io::BufReader::new(killed[0].1.stdout.take().unwrap());
+    while !line.contains("entering") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "rank 1 ended before its rendezvous");
+    }
+    std::thread::sleep(Duration::from_millis(300)); // inside the rendezvous, waiting
+    killed[0].1.kill().unwrap();
+    killed[0].1.wait().unwrap();
+    assert_no_sockets_left(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_groups_interleaved_keep_their_own_sequence() {
+    run_ranks("two_groups", "groups", 3, &[]);
+}
+
+#[test]
+fn persistent_allocation_rules() {
+    run_ranks("persistent", "persistent", 1, &[]);
+}
+
+#[test]
+fn registry_rules_and_messages() {
+    run_ranks("registry", "registry", 1, &[]);
+    // A fresh process with a TORCH_SYMMMEM that PyTorch would reject.
+    let dir = test_dir("registry-env");
+    let mut cmd = child_command("registry", &[dir.to_str().unwrap(), "0", "1", "bad-env"]);
+    cmd.env("TMPDIR", &dir).env("TORCH_SYMMMEM", "bogus");
+    common::run_ok(cmd);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_ranks_channels_sizes_offsets_and_groups() {
+    run_ranks("bad_args", "bad", 1, &[]);
+}
+
+#[test]
+fn c_api_statuses() {
+    run_ranks("c_api", "capi", 1, &[]);
+}
+
+fn shm_entries() -> Vec<String> {
+    std::fs::read_dir("/dev/shm").unwrap().filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect()
+}
+
+#[test]
+fn rank_killed_mid_barrier_makes_the_others_time_out() {
+    let dir = test_dir("kill9");
+    let before = shm_entries();
+    let mut children = spawn_ranks("kill9", &dir, 3, &[], &[]);
+    let pids: Vec<u32> = children.iter().map(|(_, c)| c.id()).collect();
+    // Wait until rank 2 is inside its barrier, then kill it.
+    let (_, victim) = children.iter_mut().find(|(r, _)| *r == 2).unwrap();
+    let mut out = victim.stdout.take().unwrap();
+    let mut seen = String::new();
+    let end = Instant::now() + Duration::from_secs(60);
+    while !seen.contains("rank 2 in barrier") {
+        let mut buf = [0u8; 256];
+        let n = std::io::Read::read(&mut out, &mut buf).unwrap();
+        assert!(n > 0 && Instant::now() < end, "rank 2 ended early: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let store = FileStore::open(dir.join("store")).unwrap();
+    storage_sharing::store::Store::set(&store, "kill9/dead", b"1").unwrap();
+    let outs = finish(children.into_iter().filter(|(r, _)| *r != 2).collect());
+    assert_all_ok(&outs);
+    for (_, o) in &outs {
+        assert!(stdout(o).contains("rank 2 on channel 1 after 500 ms"), "{}", stdout(o));
+    }
+    let new: Vec<String> = shm_entries()
+        .into_iter()
+        .filter(|n| !before.contains(n))
+        .filter(|n| n.contains("symm") || pids.iter().any(|p| n.contains(&p.to_string())))
+        .collect();
+    assert!(new.is_empty(), "left in /dev/shm: {new:?}");
+    assert_no_sockets_left(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}

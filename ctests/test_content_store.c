@@ -118,11 +118,45 @@ static void bad_inputs(const char *dir) {
     ss_content_reader_free(r);
 }
 
+/* The PyTorch format: SHA-1 names, read back mapped, format detected. */
+static void torch_format(const char *parent) {
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s/torch", parent);
+    int16_t v[6] = {1, -2, 3, -4, 5, -6};
+    int64_t shape[2] = {2, 2}, stride[2] = {1, 2};
+    ss_content_writer *w = NULL;
+    CHECK_OK(ss_content_writer_open(dir, SS_CONTENT_FORMAT_TORCH, &w));
+    CHECK_OK(ss_content_write_tensor(w, "deep/er/t", v, sizeof v, SS_DTYPE_INT16, 1, 2, shape, stride));
+    ss_content_writer_free(w);
+    /* a native writer refuses a PyTorch store */
+    CHECK_STATUS(ss_content_writer_open(dir, SS_CONTENT_FORMAT_NATIVE, &w), SS_ERR_INVALID_ARGUMENT);
+
+    ss_content_reader *r = NULL;
+    CHECK_OK(ss_content_reader_open(dir, &r));
+    CHECK(ss_content_reader_format(r) == SS_CONTENT_FORMAT_TORCH);
+    CHECK_OK(ss_content_reader_set_verify(r, true));
+    ss_content_tensor *t = NULL;
+    CHECK_OK(ss_content_read_tensor(r, "deep/er/t", &t));
+    char sha1[SS_HASH_HEX_MAX];
+    CHECK_OK(ss_hash_bytes(v, sizeof v, SS_HASH_STABLE, sha1, sizeof sha1));
+    CHECK(strcmp(ss_content_tensor_storage_hash(t), sha1) == 0);
+    CHECK(ss_content_tensor_dtype(t) == SS_DTYPE_INT16 && ss_content_tensor_offset(t) == 1);
+    CHECK(ss_content_tensor_nbytes(t) == sizeof v && memcmp(ss_content_tensor_data(t), v, sizeof v) == 0);
+    CHECK(ss_content_tensor_stride(t)[1] == 2);
+    ss_content_list *problems = NULL;
+    CHECK_OK(ss_content_verify(r, NULL, &problems));
+    CHECK(ss_content_list_len(problems) == 0);
+    ss_content_list_free(problems);
+    ss_content_tensor_free(t);
+    ss_content_reader_free(r);
+}
+
 int main(void) {
     char dir[] = "/tmp/ss-content-ctest-XXXXXX";
     CHECK(mkdtemp(dir) != NULL);
     example(dir);
     bad_inputs(dir);
+    torch_format(dir);
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     CHECK(system(cmd) == 0);

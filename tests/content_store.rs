@@ -96,6 +96,11 @@ fn round_trip_every_dtype_and_view_native() {
 }
 
 #[test]
+fn round_trip_every_dtype_and_view_torch() {
+    round_trip(Format::Torch);
+}
+
+#[test]
 fn dedup_counts_reopen_and_second_writer() {
     let root = temp_store("dedup");
     let _c = Cleanup(root.clone());
@@ -273,6 +278,52 @@ fn damaged_and_hostile_stores_are_refused_by_the_reader() {
         let _ = std::fs::remove_file(&p);
         let _ = std::fs::remove_dir_all(&p);
     }
+}
+
+#[test]
+fn damaged_torch_format_files_are_refused() {
+    let root = temp_store("torch-damaged");
+    let _c = Cleanup(root.clone());
+    let w = Writer::open(&root, Format::Torch).unwrap();
+    let data = common::pattern(4000, 5);
+    let hash = w.write_tensor("t", &data, Dtype::Float32, 0, &[1000], &[1]).unwrap();
+    assert_eq!(hash.len(), 40);
+    w.write_tensor("small", &data[..400], Dtype::Float32, 0, &[100], &[1]).unwrap();
+    drop(w);
+    let r = Reader::open(&root).unwrap();
+    assert_eq!(r.format(), Format::Torch);
+    assert_eq!(r.read_tensor("t").unwrap().storage.bytes(), &data[..]);
+    let entry = std::fs::read(root.join("tensors/t")).unwrap();
+    let storage_path = root.join("storages").join(&hash);
+    let storage = std::fs::read(&storage_path).unwrap();
+
+    // Truncated entry and storage files, and junk in their place.
+    for cut in [1, entry.len() / 2, entry.len() - 1] {
+        std::fs::write(root.join("tensors/t"), &entry[..cut]).unwrap();
+        let e = r.read_tensor("t").err().unwrap();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "cut {cut}: {}", e.message());
+    }
+    std::fs::write(root.join("tensors/t"), &entry).unwrap();
+    for cut in [10, storage.len() / 2, storage.len() - 30] {
+        std::fs::write(&storage_path, &storage[..cut]).unwrap();
+        drop(r.read_storage(&hash).err());
+        let fresh = Reader::open(&root).unwrap();
+        let e = fresh.read_tensor("t").err().unwrap();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "cut {cut}: {}", e.message());
+    }
+    // An entry naming a storage smaller than its view.
+    std::fs::write(&storage_path, &storage).unwrap();
+    let small_hash = Reader::open(&root).unwrap().read_meta("small").unwrap().storage_hash;
+    let big_view = content_store::TensorMeta { dtype: Dtype::Float32, storage_hash: small_hash, offset: 0, shape: vec![1000], stride: vec![1] };
+    let crafted = storage_sharing::content_store::torch_format::tensor_file(&big_view);
+    std::fs::write(root.join("tensors/crafted"), crafted).unwrap();
+    let e = Reader::open(&root).unwrap().read_tensor("crafted").err().unwrap();
+    assert_eq!(e.kind(), ErrorKind::Corrupt);
+    assert!(e.message().contains("needs 4000 bytes but storage"), "{}", e.message());
+    // verify lists exactly the crafted entry.
+    let report = content_store::verify(&Reader::open(&root).unwrap(), &mut |_, _| {}).unwrap();
+    let objects: Vec<&str> = report.problems.iter().map(|p| p.object.as_str()).collect();
+    assert_eq!(objects, ["tensors/crafted"]);
 }
 
 #[test]

@@ -70,9 +70,6 @@ impl Writer {
                 format.hash_mode()
             }
         };
-        if format == Format::Torch {
-            torch_glue::check_available()?;
-        }
         fsio::make_dirs(path, &[layout::STORAGES])?;
         fsio::make_dirs(path, &[layout::TENSORS])?;
         let lock = shared_lock(path)?;

@@ -4,3 +4,4 @@
 
 pub mod dtype;
 pub mod meta;
+pub mod torch_format;

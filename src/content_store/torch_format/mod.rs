@@ -1,0 +1,293 @@
+//! PyTorch's on-disk encoding of content-store files: a storage file is
+//! `torch.save(untyped_storage)` and a tensor entry is
+//! `torch.save((dtype, hash, offset, torch.Size(shape), stride, {}))`, as
+//! `torch.utils._content_store` writes and reads them. We write both
+//! byte for byte as torch 2.x does (save for the archive folder name and
+//! the serialization id), and read them back without running anything:
+//! a checked zip reader and a restricted unpickler.
+//! The facts this relies on, and how each was checked, are in
+//! docs/torch-save-format.md.
+
+pub mod pickle;
+pub mod unpickle;
+pub mod zip;
+
+use std::io::{self, Write};
+use std::ops::Range;
+
+use self::pickle::Pickler;
+use self::unpickle::{Allow, Global, Value};
+use self::zip::{ZipEntry, ZipWriter};
+use super::dtype::Dtype;
+use super::meta::TensorMeta;
+use crate::error::{Error, ErrorKind, Result};
+
+/// The folder every record of our files sits in; torch.save uses this name
+/// when it writes to a stream (from a path it uses the file's stem), and
+/// torch.load accepts any.
+const ARCHIVE: &str = "archive";
+
+/// The serialization format version torch.save writes in `version`.
+const VERSION_RECORD: &[u8] = b"3\n";
+/// `.format_version` "1": storages may be located by offset arithmetic.
+const FORMAT_VERSION_RECORD: &[u8] = b"1";
+const ALIGNMENT_RECORD: &[u8] = b"64";
+const BYTEORDER_RECORD: &[u8] = b"little";
+
+/// Longest storage hash accepted in a tensor entry (hex digits).
+const MAX_HASH_LEN: usize = 128;
+
+/// Writes `torch.save(storage)` for a CPU UntypedStorage holding `data`.
+/// The data is written once, in place, aligned to 64 bytes in the file.
+pub fn write_storage_file(w: &mut impl Write, data: &[u8]) -> io::Result<()> {
+    let pkl = storage_pickle(data.len() as u64);
+    let id = serialization_id(&[&pkl, data]);
+    write_archive(w, &pkl, Some(data), &id)
+}
+
+/// The bytes of [`write_storage_file`].
+pub fn storage_file(data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(data.len() + 1024);
+    write_storage_file(&mut out, data).expect("writing to a Vec cannot fail");
+    out
+}
+
+/// The bytes of `torch.save((dtype, hash, offset, torch.Size(shape),
+/// stride, {}))`, the tensor entry ContentStoreWriter writes for a tensor
+/// with neither the conjugate nor the negative bit set.
+pub fn tensor_file(meta: &TensorMeta) -> Vec<u8> {
+    debug_assert_eq!(meta.shape.len(), meta.stride.len(), "shape and stride of one tensor");
+    let pkl = tensor_pickle(meta);
+    let id = serialization_id(&[&pkl]);
+    let mut out = Vec::with_capacity(1024);
+    write_archive(&mut out, &pkl, None, &id).expect("writing to a Vec cannot fail");
+    out
+}
+
+/// The records in the order torch.save writes them.
+fn write_archive(w: &mut impl Write, pkl: &[u8], data: Option<&[u8]>, id: &str) -> io::Result<()> {
+    let mut z = ZipWriter::new(w);
+    z.add(&format!("{ARCHIVE}/data.pkl"), pkl)?;
+    z.add(&format!("{ARCHIVE}/.format_version"), FORMAT_VERSION_RECORD)?;
+    z.add(&format!("{ARCHIVE}/.storage_alignment"), ALIGNMENT_RECORD)?;
+    z.add(&format!("{ARCHIVE}/byteorder"), BYTEORDER_RECORD)?;
+    if let Some(data) = data {
+        z.add(&format!("{ARCHIVE}/data/0"), data)?;
+    }
+    z.add(&format!("{ARCHIVE}/version"), VERSION_RECORD)?;
+    z.add(&format!("{ARCHIVE}/.data/serialization_id"), id.as_bytes())?;
+    z.finish()?;
+    Ok(())
+}
+
+/// torch writes 40 decimal digits of its own choosing that nothing in
+/// torch.load reads; ours come from the records' CRC-32s and sizes, so
+/// the same content always gives the same file.
+fn serialization_id(records: &[&[u8]]) -> String {
+    let mut crc = crc32fast::Hasher::new();
+    let mut len = 0u64;
+    for r in records {
+        crc.update(r);
+        len += r.len() as u64;
+    }
+    let first = crc32fast::hash(records[0]) as u64;
+    format!("{:020}{:020}", (first << 32) | crc.finalize() as u64, len)
+}
+
+/// `('storage', torch.storage.UntypedStorage, '0', 'cpu', nbytes)` as a
+/// persistent id: what torch.save pickles for an untyped storage.
+fn storage_pickle(nbytes: u64) -> Vec<u8> {
+    let mut p = Pickler::new();
+    p.persistent_id(|p| {
+        p.tuple(5, |p| {
+            p.str("storage");
+            p.global("torch.storage", "UntypedStorage");
+            p.str("0");
+            p.str("cpu");
+            p.int(nbytes as i64);
+        })
+    });
+    p.finish()
+}
+
+fn tensor_pickle(meta: &TensorMeta) -> Vec<u8> {
+    let mut p = Pickler::new();
+    p.tuple(6, |p| {
+        p.global("torch", meta.dtype.torch_name());
+        p.str(&meta.storage_hash);
+        p.int(meta.offset);
+        p.reduce(|p| p.global("torch", "Size"), 1, |p| p.int_tuple(&meta.shape));
+        p.int_tuple(&meta.stride);
+        p.str_bool_dict(&[]);
+    });
+    p.finish()
+}
+
+fn corrupt(what: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Corrupt, what.into())
+}
+
+/// A parsed torch.save archive: its records and their common folder.
+struct Archive<'a> {
+    file: &'a [u8],
+    prefix: String,
+    entries: Vec<ZipEntry>,
+}
+
+impl<'a> Archive<'a> {
+    fn parse(file: &'a [u8]) -> Result<Self> {
+        let entries = zip::read_entries(file)?;
+        let first = entries.first().ok_or_else(|| corrupt("not a torch.save zip: it has no records"))?;
+        let prefix = match first.name.split_once('/') {
+            Some((p, _)) if !p.is_empty() => format!("{p}/"),
+            _ => return Err(corrupt(format!("not a torch.save zip: record {} is not in an archive folder", first.name))),
+        };
+        if let Some(e) = entries.iter().find(|e| !e.name.starts_with(&prefix)) {
+            return Err(corrupt(format!("not a torch.save zip: record {} is outside the folder {prefix}", e.name)));
+        }
+        let archive = Archive { file, prefix, entries };
+        if let Some(order) = archive.record("byteorder") {
+            let text = &file[order.data.clone()];
+            if text != BYTEORDER_RECORD {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!("torch.save file has byte order {:?}; only little-endian files are read", String::from_utf8_lossy(text)),
+                ));
+            }
+        }
+        Ok(archive)
+    }
+
+    fn record(&self, name: &str) -> Option<&ZipEntry> {
+        let full = format!("{}{name}", self.prefix);
+        self.entries.iter().find(|e| e.name == full)
+    }
+
+    /// The unpickled `data.pkl`, whose CRC must match.
+    fn pickle(&self, allow: Allow) -> Result<Value> {
+        let rec = self.record("data.pkl").ok_or_else(|| corrupt(format!("torch.save zip has no {}data.pkl", self.prefix)))?;
+        if !rec.crc_ok(self.file) {
+            return Err(corrupt(format!("{} does not match its CRC-32", rec.name)));
+        }
+        unpickle::unpickle(&self.file[rec.data.clone()], allow)
+            .map_err(|e| e.context(format!("{}", rec.name)))
+    }
+}
+
+/// The byte range of the storage data inside a `torch.save(storage)` file
+/// (ours or PyTorch's), for slicing a mapping of the file without a copy.
+/// Checks the zip structure, that nothing is compressed, and that
+/// `data.pkl` names one untyped storage `0` of exactly that many bytes.
+/// The data's own CRC is not read here (the content hash covers it).
+pub fn storage_data_range(file: &[u8]) -> Result<Range<usize>> {
+    let archive = Archive::parse(file)?;
+    let storage = match archive.pickle(Allow::StorageFile)? {
+        Value::Storage(s) => s,
+        other => {
+            return Err(corrupt(format!(
+                "storage file pickles {}, not a torch.storage.UntypedStorage",
+                other.describe()
+            )))
+        }
+    };
+    if storage.key != "0" {
+        return Err(corrupt(format!("storage file names storage key {:?}, not \"0\"", storage.key)));
+    }
+    let rec = archive
+        .record("data/0")
+        .ok_or_else(|| corrupt(format!("storage file has no {}data/0 record", archive.prefix)))?;
+    if rec.data.len() as u64 != storage.nbytes {
+        return Err(corrupt(format!(
+            "storage file's pickle says {} bytes but {} holds {}",
+            storage.nbytes,
+            rec.name,
+            rec.data.len()
+        )));
+    }
+    Ok(rec.data.clone())
+}
+
+/// Reads a tensor entry written by ContentStoreWriter (or by
+/// [`tensor_file`]) through the restricted unpickler.
+pub fn parse_tensor_file(file: &[u8]) -> Result<TensorMeta> {
+    let archive = Archive::parse(file)?;
+    let value = archive.pickle(Allow::TensorEntry)?;
+    tensor_meta(&value).map_err(|e| e.context("tensor entry"))
+}
+
+fn tensor_meta(value: &Value) -> Result<TensorMeta> {
+    let items = value
+        .as_tuple()
+        .filter(|t| t.len() == 6)
+        .ok_or_else(|| corrupt(format!("pickle holds {}, not (dtype, hash, offset, shape, stride, metadata)", value.describe())))?;
+    let dtype = match &items[0] {
+        Value::Global(Global::Dtype(d)) => *d,
+        other => return Err(corrupt(format!("dtype is {}, not a torch dtype", other.describe()))),
+    };
+    let storage_hash = match &items[1] {
+        Value::Str(s) if is_hash(s) => s.to_string(),
+        other => return Err(corrupt(format!("storage hash is {}, not 1 to {MAX_HASH_LEN} lowercase hex digits", other.describe()))),
+    };
+    let offset = match &items[2] {
+        Value::Int(v) if *v >= 0 => *v,
+        other => return Err(corrupt(format!("storage offset is {}, not an int >= 0", other.describe()))),
+    };
+    let shape = match &items[3] {
+        Value::Size(dims) => dims.to_vec(),
+        t @ Value::Tuple(_) => ints(t, "shape")?,
+        other => return Err(corrupt(format!("shape is {}, not a torch.Size", other.describe()))),
+    };
+    let stride = ints(&items[4], "stride")?;
+    if shape.len() != stride.len() {
+        return Err(corrupt(format!("shape has {} dims but stride has {}", shape.len(), stride.len())));
+    }
+    if let Some(d) = shape.iter().find(|d| **d < 0) {
+        return Err(corrupt(format!("shape has a negative size {d}")));
+    }
+    if let Some(s) = stride.iter().find(|s| **s < 0) {
+        return Err(corrupt(format!("stride has a negative step {s}")));
+    }
+    check_metadata(&items[5])?;
+    Ok(TensorMeta { dtype, storage_hash, offset, shape, stride })
+}
+
+fn ints(v: &Value, what: &str) -> Result<Vec<i64>> {
+    let items = v.as_tuple().ok_or_else(|| corrupt(format!("{what} is {}, not a tuple", v.describe())))?;
+    items
+        .iter()
+        .map(|i| match i {
+            Value::Int(x) => Ok(*x),
+            other => Err(corrupt(format!("{what} holds {}, not an int", other.describe()))),
+        })
+        .collect()
+}
+
+fn is_hash(s: &str) -> bool {
+    (1..=MAX_HASH_LEN).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The metadata dict holds the tensor's conjugate and negative bits when
+/// set; a view with either set is not a plain strided view of the
+/// storage's bytes, so it is refused rather than read wrongly.
+fn check_metadata(v: &Value) -> Result<()> {
+    let pairs = match v {
+        Value::Dict(d) => &d.pairs,
+        other => return Err(corrupt(format!("metadata is {}, not a dict", other.describe()))),
+    };
+    for (k, v) in pairs {
+        match (k, v) {
+            (Value::Str(k), Value::Bool(false)) if matches!(&**k, "conj" | "neg") => {}
+            (Value::Str(k), Value::Bool(true)) if matches!(&**k, "conj" | "neg") => {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!("tensor has the {k} bit set (a lazy {} view); only plain views are supported", if &**k == "conj" { "conjugate" } else { "negated" }),
+                ))
+            }
+            (k, v) => return Err(corrupt(format!("metadata has {} = {}, not a conj or neg bit", k.describe(), v.describe()))),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -18,7 +18,6 @@ use std::ops::Range;
 use self::pickle::Pickler;
 use self::unpickle::{Allow, Global, Value};
 use self::zip::{ZipEntry, ZipWriter};
-use super::dtype::Dtype;
 use super::meta::TensorMeta;
 use crate::error::{Error, ErrorKind, Result};
 

@@ -6,6 +6,7 @@
 use super::pickle::{op, Pickler};
 use super::unpickle::{unpickle, Allow};
 use super::*;
+use crate::content_store::dtype::Dtype;
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/torch_content_store/");
 

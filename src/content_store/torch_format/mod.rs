@@ -169,7 +169,7 @@ impl<'a> Archive<'a> {
             return Err(corrupt(format!("{} does not match its CRC-32", rec.name)));
         }
         unpickle::unpickle(&self.file[rec.data.clone()], allow)
-            .map_err(|e| e.context(format!("{}", rec.name)))
+            .map_err(|e| e.context(&rec.name))
     }
 }
 

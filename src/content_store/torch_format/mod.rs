@@ -18,7 +18,6 @@ use std::ops::Range;
 use self::pickle::Pickler;
 use self::unpickle::{Allow, Global, Value};
 use self::zip::{ZipEntry, ZipWriter};
-use super::dtype::Dtype;
 use super::meta::TensorMeta;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -170,7 +169,7 @@ impl<'a> Archive<'a> {
             return Err(corrupt(format!("{} does not match its CRC-32", rec.name)));
         }
         unpickle::unpickle(&self.file[rec.data.clone()], allow)
-            .map_err(|e| e.context(format!("{}", rec.name)))
+            .map_err(|e| e.context(&rec.name))
     }
 }
 

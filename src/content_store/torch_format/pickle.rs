@@ -204,7 +204,7 @@ mod tests {
         assert_eq!(enc(-1), [op::BININT, 0xff, 0xff, 0xff, 0xff, op::STOP]);
         assert_eq!(enc(1 << 31), [op::LONG1, 5, 0, 0, 0, 0x80, 0, op::STOP]);
         assert_eq!(enc(1 << 32), [op::LONG1, 5, 0, 0, 0, 0, 1, op::STOP]);
-        assert_eq!(enc(-(1 << 31) - 1), [op::LONG1, 4, 0xff, 0xff, 0xff, 0x7f, op::STOP]);
+        assert_eq!(enc(-(1 << 31) - 1), [op::LONG1, 5, 0xff, 0xff, 0xff, 0x7f, 0xff, op::STOP]);
         assert_eq!(enc(i64::MAX)[..2], [op::LONG1, 8]);
     }
 

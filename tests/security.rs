@@ -130,6 +130,57 @@ fn manager_folder_is_0700_and_other_uids_cannot_connect() {
 }
 
 #[test]
+fn manager_refuses_a_peer_of_another_uid_even_root() {
+    // root passes any 0700 folder, so the manager also checks SO_PEERCRED:
+    // run it as nobody and connect as root.
+    // SAFETY: geteuid has no side effects.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("manager_refuses_a_peer_of_another_uid_even_root: skipped: not root, cannot switch uid");
+        return;
+    }
+    let tmp = std::env::temp_dir().join(format!("ss-peercred-{}", std::process::id()));
+    std::fs::create_dir(&tmp).unwrap();
+    std::os::unix::fs::chown(&tmp, Some(65534), Some(65534)).unwrap();
+    let mut cmd = std::process::Command::new(manager_bin());
+    cmd.env("TMPDIR", &tmp)
+        .env("SS_SHM_MANAGER_LOG", "1")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    // SAFETY: only async-signal-safe syscalls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut first_line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut first_line).unwrap();
+    let socket = first_line.trim().to_string();
+    if !socket.starts_with('/') {
+        let out = child.wait_with_output().unwrap();
+        std::fs::remove_dir_all(&tmp).unwrap();
+        println!("manager_refuses_a_peer_of_another_uid_even_root: skipped: the manager cannot run as nobody here: {first_line} {}", String::from_utf8_lossy(&out.stderr));
+        return;
+    }
+    let mut stream = std::os::unix::net::UnixStream::connect(&socket).expect("root passes the 0700 folder");
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+    let mut byte = [0u8; 1];
+    let n = std::io::Read::read(&mut stream, &mut byte).expect("the manager closes the connection, it does not leave it open");
+    assert_eq!(n, 0, "the manager sent data to a refused peer");
+    drop(stream);
+    // With no client left the daemon exits on its own after its idle time.
+    let out = child.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    std::fs::remove_dir_all(&tmp).unwrap();
+    assert!(log.contains("refused a client of uid 0"), "manager log: {log}");
+    assert!(!log.contains("client 0 connected"), "manager log: {log}");
+}
+
+#[test]
 fn garbage_in_a_segment_header_gives_typed_errors_and_frees_nothing_in_use() {
     let name = new_process_wide_shm_handle();
     let a = RefcountedMapAllocator::open(&name, SHAREDMEM | EXCLUSIVE, 4096).unwrap();

@@ -65,6 +65,8 @@ pub struct Server {
     /// Abandoned names still in use somewhere: re-checked on each tick.
     watch: HashSet<String>,
     log: bool,
+    /// The only uid whose clients are served (this process's own).
+    uid: libc::uid_t,
 }
 
 impl Server {
@@ -90,6 +92,8 @@ impl Server {
             tracked: HashSet::new(),
             watch: HashSet::new(),
             log: std::env::var_os("SS_SHM_MANAGER_LOG").is_some_and(|v| v != "0"),
+            // SAFETY: geteuid cannot fail and has no side effects.
+            uid: unsafe { libc::geteuid() },
         };
         // On failure dropping `server` removes the socket and its folder.
         server.listener.set_nonblocking(true).map_err(|e| {
@@ -173,7 +177,13 @@ impl Server {
                     if stream.set_nonblocking(true).is_err() {
                         continue;
                     }
-                    let peer_pid = peer_pid(&stream);
+                    let (peer_pid, peer_uid) = peer_credentials(&stream);
+                    // The 0700 folder keeps other users out, but not root;
+                    // a peer of another uid could free this user's names.
+                    if peer_uid != self.uid {
+                        self.note(format!("refused a client of uid {peer_uid} (pid {peer_pid}): this manager serves uid {} only", self.uid));
+                        continue;
+                    }
                     let id = self.next_id;
                     self.next_id += 1;
                     self.note(format!("client {id} connected (pid {peer_pid})"));
@@ -330,7 +340,9 @@ fn shm_exists(name: &str) -> bool {
     std::fs::symlink_metadata(shm_path(name)).is_ok()
 }
 
-fn peer_pid(stream: &UnixStream) -> i32 {
+/// The peer's pid and uid as the kernel saw them at connect time; uid
+/// `u32::MAX` (never a real one) when the kernel will not tell.
+fn peer_credentials(stream: &UnixStream) -> (i32, libc::uid_t) {
     // SAFETY: ucred is plain data; getsockopt writes at most `len` bytes.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -338,9 +350,9 @@ fn peer_pid(stream: &UnixStream) -> i32 {
         libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
     };
     if rc == 0 {
-        cred.pid
+        (cred.pid, cred.uid)
     } else {
-        -1
+        (-1, libc::uid_t::MAX)
     }
 }
 

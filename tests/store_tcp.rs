@@ -275,6 +275,21 @@ fn pytorch_client_against_our_server() {
     wait_ok(child);
 }
 
+#[test]
+fn pytorch_client_queues_list_keys_and_barrier_against_our_server() {
+    if !torch_available("pytorch_client_queues_list_keys_and_barrier_against_our_server") {
+        return;
+    }
+    let port = free_port();
+    let _server = TcpStore::open("127.0.0.1", port, true, 0, T).unwrap();
+    let child = Command::new(python())
+        .args([&peer_script(), "extended", &port.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_ok(child);
+}
+
 fn arb_bytes() -> impl Strategy<Value = Vec<u8>> {
     proptest::collection::vec(any::<u8>(), 0..40)
 }
@@ -296,6 +311,11 @@ fn arb_request() -> impl Strategy<Value = Request> {
         proptest::collection::vec((arb_bytes(), arb_bytes()), 0..4).prop_map(Request::MultiSet),
         Just(Request::CancelWait),
         any::<u32>().prop_map(Request::Ping),
+        (arb_bytes(), arb_bytes()).prop_map(|(key, value)| Request::QueuePush { key, value }),
+        arb_bytes().prop_map(Request::QueuePop),
+        arb_bytes().prop_map(Request::QueueLen),
+        Just(Request::ListKeys),
+        (arb_bytes(), any::<i64>()).prop_map(|(key, world_size)| Request::Barrier { key, world_size }),
     ]
 }
 

@@ -5,6 +5,10 @@ usage: tcpstore_peer.py server <use_libuv 0|1>
          exchange below against our client.
        tcpstore_peer.py client <port>
          PyTorch's client joins our server (world size 2) and plays it.
+       tcpstore_peer.py extended <port>
+         PyTorch's client uses the queue, list_keys and barrier requests
+         against our server (world size 1); a forked second client joins
+         the two-rank barrier.
 """
 import sys
 from datetime import timedelta
@@ -37,6 +41,55 @@ def exchange(store):
     print("PY_OK", flush=True)
 
 
+def expect_error(call, what):
+    try:
+        call()
+    except dist.DistError:
+        return
+    raise AssertionError(what)
+
+
+def extended(port):
+    store = dist.TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=30))
+    store.queue_push("q", "a")
+    store.queue_push("q", b"bb")
+    assert store.queue_len("q") == 2, store.queue_len("q")
+    assert store.check(["q"])
+    assert store.queue_pop("q") == b"a"
+    assert store.queue_pop("q", block=False) == b"bb"
+    assert store.queue_len("q") == 0 and not store.check(["q"])
+    expect_error(lambda: store.queue_pop("q", block=False), "pop of an empty queue returned")
+    assert store.queue_len("never_pushed") == 0
+    store.set_timeout(timedelta(milliseconds=200))
+    expect_error(lambda: store.queue_pop("q"), "blocking pop of an empty queue returned")
+    store.set_timeout(timedelta(seconds=30))
+    # A queue and a key of one name live side by side.
+    store.set("both", "key")
+    store.queue_push("both", "queued")
+    assert store.get("both") == b"key" and store.queue_pop("both") == b"queued"
+    store.set("lk1", "1")
+    store.set("lk2", "2")
+    store.queue_push("only_a_queue", "x")
+    keys = set(store.list_keys())
+    assert {"lk1", "lk2", "both"} <= keys and "only_a_queue" not in keys, keys
+    store.barrier("b1", 1)
+    store.barrier("b1", 1)
+    assert store.get("b1") == b"2"
+    expect_error(lambda: store.barrier("b2", 2, timedelta(milliseconds=200)), "a barrier of 2 passed with 1")
+    import os
+    pid = os.fork()
+    if pid == 0:
+        other = dist.TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=30))
+        other.barrier("b3", 2)
+        other.queue_push("from_child", "done")
+        os._exit(0)
+    store.barrier("b3", 2)
+    assert store.queue_pop("from_child") == b"done"
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, status
+    print("PY_OK", flush=True)
+
+
 def main():
     role = sys.argv[1]
     if role == "server":
@@ -45,6 +98,8 @@ def main():
         print("PORT", store.port, flush=True)
         exchange(store)
         store.wait(["c_done"], timedelta(seconds=30))
+    elif role == "extended":
+        extended(int(sys.argv[2]))
     else:
         store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, False, timedelta(seconds=30))
         exchange(store)

@@ -43,6 +43,11 @@ pub mod query {
     pub const MULTI_SET: u8 = 11;
     pub const CANCEL_WAIT: u8 = 12;
     pub const PING: u8 = 13;
+    pub const QUEUE_PUSH: u8 = 14;
+    pub const QUEUE_POP: u8 = 15;
+    pub const QUEUE_LEN: u8 = 16;
+    pub const LIST_KEYS: u8 = 17;
+    pub const BARRIER: u8 = 18;
 }
 
 /// One request, keys as raw bytes (prefix included, as on the wire).
@@ -62,6 +67,18 @@ pub enum Request {
     MultiSet(Vec<(Vec<u8>, Vec<u8>)>),
     CancelWait,
     Ping(u32),
+    /// Appends `value` to the queue `key` (no reply).
+    QueuePush { key: Vec<u8>, value: Vec<u8> },
+    /// Takes the oldest value of queue `key`: replies the queue's length
+    /// before the pop (`u64`), then the value when that length is not 0.
+    QueuePop(Vec<u8>),
+    /// Replies the queue's length (`i64`; 0 for a missing queue).
+    QueueLen(Vec<u8>),
+    /// Replies every key (not the queues): a `u64` count, then the keys.
+    ListKeys,
+    /// Adds 1 to the counter `key`; replies `u8 0` once it reaches
+    /// `world_size` (at once if it already has).
+    Barrier { key: Vec<u8>, world_size: i64 },
 }
 
 fn put_u64(out: &mut Vec<u8>, v: u64) {
@@ -143,6 +160,25 @@ impl Request {
             Request::Ping(n) => {
                 out.push(PING);
                 out.extend_from_slice(&n.to_le_bytes());
+            }
+            Request::QueuePush { key, value } => {
+                out.push(QUEUE_PUSH);
+                put_bytes(out, key);
+                put_bytes(out, value);
+            }
+            Request::QueuePop(key) => {
+                out.push(QUEUE_POP);
+                put_bytes(out, key);
+            }
+            Request::QueueLen(key) => {
+                out.push(QUEUE_LEN);
+                put_bytes(out, key);
+            }
+            Request::ListKeys => out.push(LIST_KEYS),
+            Request::Barrier { key, world_size } => {
+                out.push(BARRIER);
+                put_bytes(out, key);
+                out.extend_from_slice(&world_size.to_le_bytes());
             }
         }
     }
@@ -266,6 +302,14 @@ fn parse_fields(c: &mut Cursor<'_>) -> Result<Option<Request>> {
         }
         CANCEL_WAIT => Request::CancelWait,
         PING => Request::Ping(get!(c.u32())),
+        QUEUE_PUSH => Request::QueuePush { key: get!(c.bytes("queue key")?), value: get!(c.bytes("value")?) },
+        QUEUE_POP => Request::QueuePop(get!(c.bytes("queue key")?)),
+        QUEUE_LEN => Request::QueueLen(get!(c.bytes("queue key")?)),
+        LIST_KEYS => Request::ListKeys,
+        BARRIER => {
+            let key = get!(c.bytes("barrier key")?);
+            Request::Barrier { key, world_size: get!(c.u64()) as i64 }
+        }
         other => return Err(bad(format!("unknown or unsupported query type {other}"))),
     };
     Ok(Some(req))

@@ -5,7 +5,7 @@
 
 use super::protocol::{self, parse_request, Request, VALIDATION_MAGIC};
 use crate::error::{Error, ErrorKind, Result};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,13 +20,25 @@ type Out = Arc<Mutex<TcpStream>>;
 
 struct Waiter {
     conn: u64,
-    missing: Vec<Vec<u8>>,
+    until: Until,
     out: Out,
+}
+
+/// What a parked request waits for.
+enum Until {
+    /// `WAIT` (and a blocking queue pop): these keys, each set or a
+    /// non-empty queue.
+    Present(Vec<Vec<u8>>),
+    /// `BARRIER`: the counter at this key reaching `world_size`.
+    Count { key: Vec<u8>, world_size: i64 },
 }
 
 #[derive(Default)]
 struct State {
     data: HashMap<Vec<u8>, Vec<u8>>,
+    /// Queues live beside the keys: not counted or listed as keys, but a
+    /// non-empty one satisfies `CHECK` and `WAIT` on its name.
+    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
     waiters: Vec<Waiter>,
     /// Every open connection, to shut down when the server stops.
     conns: HashMap<u64, TcpStream>,
@@ -188,19 +200,48 @@ fn serve(mut stream: TcpStream, out: Out, id: u64, shared: &Shared) {
     let _ = stream.shutdown(Shutdown::Both);
 }
 
-/// Marks `key` as set for every waiter; answers those now complete.
+impl State {
+    /// A key is present when it is set or names a non-empty queue.
+    fn present(&self, key: &[u8]) -> bool {
+        self.data.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
+    }
+
+    fn counter(&self, key: &[u8]) -> Option<i64> {
+        self.data.get(key).and_then(|v| protocol::parse_counter(v))
+    }
+}
+
+/// `key` was set (or its queue filled): answers every waiter now complete.
 fn wake(st: &mut State, key: &[u8]) {
+    let count = st.counter(key);
     let mut i = 0;
     while i < st.waiters.len() {
-        let w = &mut st.waiters[i];
-        w.missing.retain(|k| k != key);
-        if w.missing.is_empty() {
+        let done = match &mut st.waiters[i].until {
+            Until::Present(missing) => {
+                missing.retain(|k| k != key);
+                missing.is_empty()
+            }
+            Until::Count { key: k, world_size } => k == key && count.is_some_and(|c| c >= *world_size),
+        };
+        if done {
             let w = st.waiters.swap_remove(i);
             let _ = send(&w.out, &[protocol::WAIT_STOP_WAITING]);
         } else {
             i += 1;
         }
     }
+}
+
+/// Adds `delta` to the counter at `key` (a missing key counts as 0); `None`
+/// when the value there is not a number.
+fn add_to_counter(st: &mut State, key: Vec<u8>, delta: i64) -> Option<i64> {
+    let old = match st.data.get(&key) {
+        None => 0,
+        Some(v) => protocol::parse_counter(v)?,
+    };
+    let new = old.wrapping_add(delta);
+    set_key(st, key, new.to_string().into_bytes());
+    Some(new)
 }
 
 fn set_key(st: &mut State, key: Vec<u8>, value: Vec<u8>) {
@@ -239,24 +280,19 @@ fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Res
             None => return Err(()),
         },
         Request::Add { key, delta } => {
-            let old = match st.data.get(&key) {
-                None => 0,
-                Some(v) => protocol::parse_counter(v).ok_or(())?,
-            };
-            let new = old.wrapping_add(delta);
-            set_key(&mut st, key, new.to_string().into_bytes());
+            let new = add_to_counter(&mut st, key, delta).ok_or(())?;
             reply.extend_from_slice(&new.to_le_bytes());
         }
         Request::Check(keys) => {
-            let ready = keys.iter().all(|k| st.data.contains_key(k));
+            let ready = keys.iter().all(|k| st.present(k));
             reply.push(if ready { protocol::CHECK_READY } else { protocol::CHECK_NOT_READY });
         }
         Request::Wait(keys) => {
-            let missing: Vec<Vec<u8>> = keys.into_iter().filter(|k| !st.data.contains_key(k)).collect();
+            let missing: Vec<Vec<u8>> = keys.into_iter().filter(|k| !st.present(k)).collect();
             if missing.is_empty() {
                 reply.push(protocol::WAIT_STOP_WAITING);
             } else {
-                st.waiters.push(Waiter { conn: id, missing, out: out.clone() });
+                st.waiters.push(Waiter { conn: id, until: Until::Present(missing), out: out.clone() });
             }
         }
         Request::CancelWait => {
@@ -281,6 +317,40 @@ fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Res
         Request::MultiSet(pairs) => {
             for (k, v) in pairs {
                 set_key(&mut st, k, v);
+            }
+        }
+        Request::QueuePush { key, value } => {
+            st.queues.entry(key.clone()).or_default().push_back(value);
+            wake(&mut st, &key);
+        }
+        // PyTorch's client WAITs on the queue's name before a blocking pop.
+        Request::QueuePop(key) => {
+            let queue = st.queues.get_mut(&key);
+            let len = queue.as_ref().map_or(0, |q| q.len());
+            reply.extend_from_slice(&(len as u64).to_le_bytes());
+            if let Some(value) = queue.and_then(|q| q.pop_front()) {
+                protocol::encode_bytes_reply(&mut reply, &value);
+            }
+            if st.queues.get(&key).is_some_and(|q| q.is_empty()) {
+                st.queues.remove(&key);
+            }
+        }
+        Request::QueueLen(key) => {
+            let len = st.queues.get(&key).map_or(0, |q| q.len()) as i64;
+            reply.extend_from_slice(&len.to_le_bytes());
+        }
+        Request::ListKeys => {
+            reply.extend_from_slice(&(st.data.len() as u64).to_le_bytes());
+            for k in st.data.keys() {
+                protocol::encode_bytes_reply(&mut reply, k);
+            }
+        }
+        Request::Barrier { key, world_size } => {
+            let count = add_to_counter(&mut st, key.clone(), 1).ok_or(())?;
+            if count >= world_size {
+                reply.push(protocol::WAIT_STOP_WAITING);
+            } else {
+                st.waiters.push(Waiter { conn: id, until: Until::Count { key, world_size }, out: out.clone() });
             }
         }
     }

@@ -349,14 +349,23 @@ fn role_registry(me: Rank) {
     registry::set_backend("CPU").unwrap();
     assert_eq!(registry::get_backend().as_deref(), Some("CPU"));
     assert!(registry::has_allocator(DeviceType::Cpu));
-    assert!(!registry::has_allocator(DeviceType::Cuda));
-    let e = symm::alloc(DeviceType::Cuda, 0, 64, None).unwrap_err();
+    assert!(registry::has_allocator(DeviceType::Cuda), "the CUDA backend is registered");
+    let cuda = symm::alloc(DeviceType::Cuda, 0, 64, None);
     if me.extra.first().map(String::as_str) == Some("bad-env") {
+        let e = cuda.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
         assert_eq!(e.message(), "TORCH_SYMMMEM environment variable must be one of 'CUDA', 'NVSHMEM', 'NCCL'.");
     } else {
-        assert_eq!(e.kind(), ErrorKind::Unsupported);
-        assert!(e.message().contains("the CUDA symmetric-memory backend is not built yet"), "{}", e.message());
+        match storage_sharing::cuda::check_available() {
+            // No driver or device here: the allocation says so, with the reason.
+            Err(why) => {
+                let e = cuda.unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::CudaUnavailable);
+                assert_eq!(e.message(), why.message());
+                assert!(e.message().starts_with("CUDA is not available: "), "{}", e.message());
+            }
+            Ok(()) => symm::free(cuda.unwrap()).unwrap(),
+        }
     }
     let p = symm::alloc(DeviceType::Cpu, 0, 64, None).unwrap();
     let e = registry::set_backend("CPU").unwrap_err();
@@ -448,7 +457,11 @@ fn role_c_api(me: Rank) {
 
         let mut p: *mut c_void = null_mut();
         assert_eq!(ss_symm_alloc(7, 0, 64, null(), &mut p), SS_ERR_INVALID_ARGUMENT);
-        assert_eq!(ss_symm_alloc(SS_DEVICE_CUDA, 0, 64, null(), &mut p), SS_ERR_UNSUPPORTED);
+        if storage_sharing::cuda::check_available().is_err() {
+            assert_eq!(ss_symm_alloc(SS_DEVICE_CUDA, 0, 64, null(), &mut p), SS_ERR_CUDA_UNAVAILABLE);
+            let msg = std::ffi::CStr::from_ptr(storage_sharing::ffi::errors::ss_last_error_message()).to_string_lossy().into_owned();
+            assert!(msg.contains("CUDA is not available: "), "{msg}");
+        }
         assert_eq!(ss_symm_alloc(SS_DEVICE_CPU, 0, 64, null(), null_mut()), SS_ERR_NULL_POINTER);
         assert!(p.is_null(), "out written only on success");
         assert_eq!(ss_symm_alloc(SS_DEVICE_CPU, 0, 64, c"capi".as_ptr(), &mut p), SS_OK);

@@ -1,7 +1,7 @@
-//! What a symmetric-memory backend provides, so the CPU backend here and a
-//! CUDA backend (a later issue) plug into the same registry, allocation
-//! table and rendezvous.
+//! What a symmetric-memory backend provides, so the CPU and CUDA backends
+//! plug into the same registry, allocation table and rendezvous.
 
+use super::request::RendezvousRequest;
 use super::DeviceType;
 use crate::error::Result;
 use crate::store::Timeout;
@@ -35,11 +35,22 @@ pub trait SymmBlock: Send + Sync {
     fn buffer_ptr(&self) -> *mut u8;
     fn device_idx(&self) -> i32;
     fn layout(&self) -> Layout;
+    /// Whether this block's device could join a multicast object (the
+    /// `has_multicast_support` of the rendezvous request).
+    fn multicast_capable(&self) -> bool {
+        false
+    }
+    /// Backend rules on the gathered requests, checked on every rank before
+    /// any descriptor moves (CUDA: one device per rank unless allowed).
+    fn check_requests(&self, _requests: &[RendezvousRequest], _group: &str) -> Result<()> {
+        Ok(())
+    }
     /// A descriptor that another process can map (sent with SCM_RIGHTS).
     fn export(&self) -> Result<OwnedFd>;
     /// Maps the peers' blocks from their descriptors (`None` at `rank`,
-    /// this block) and returns access to all of them.
-    fn import(&self, rank: usize, peers: Vec<Option<OwnedFd>>) -> Result<Box<dyn PeerAccess>>;
+    /// this block) and returns access to all of them; `requests` are every
+    /// rank's rendezvous requests.
+    fn import(&self, rank: usize, peers: Vec<Option<OwnedFd>>, requests: &[RendezvousRequest]) -> Result<Box<dyn PeerAccess>>;
 }
 
 /// Access to every rank's block after a rendezvous. Arguments are already
@@ -48,6 +59,13 @@ pub trait SymmBlock: Send + Sync {
 pub trait PeerAccess: Send + Sync {
     fn buffer_ptr(&self, rank: usize) -> *mut u8;
     fn signal_pad_ptr(&self, rank: usize) -> *mut u8;
+    /// An array of world_size buffer addresses (as mapped here) that the
+    /// device can read: device memory for CUDA, host memory for the CPU.
+    fn buffer_ptrs_dev(&self) -> Result<*mut u8>;
+    /// The same for the signal pads.
+    fn signal_pad_ptrs_dev(&self) -> Result<*mut u8>;
+    /// The multicast address of the block, or why there is none.
+    fn multicast_ptr(&self) -> std::result::Result<*mut u8, String>;
     /// Signals `dst` on `channel`. `stream` is the caller's stream (a CUDA
     /// stream; the CPU backend ignores it).
     fn put_signal(&self, dst: usize, channel: usize, timeout: Timeout, stream: usize) -> Result<()>;

@@ -12,6 +12,7 @@
 
 use super::backend::SymmAllocator;
 use super::cpu_backend::CpuAllocator;
+use super::cuda_backend::CudaSymmAllocator;
 use super::DeviceType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fork_safe::ForkSafeMutex;
@@ -34,7 +35,7 @@ static REGISTRY: Lazy<ForkSafeMutex<Registry>> = Lazy::new(|| {
     // Statics are never dropped: mark finalizing at exit instead. The exit
     // hook is an `extern "C"` function, so it lives in the C API module.
     crate::ffi::symm::finalize_at_exit();
-    ForkSafeMutex::new(Registry { allocators: vec![Arc::new(CpuAllocator)], chosen: None, used: false })
+    ForkSafeMutex::new(Registry { allocators: vec![Arc::new(CpuAllocator), Arc::new(CudaSymmAllocator)], chosen: None, used: false })
 });
 
 static FINALIZING: AtomicBool = AtomicBool::new(false);
@@ -118,7 +119,7 @@ fn no_allocator(device_type: DeviceType, wanted: &str) -> Error {
             ErrorKind::Unsupported,
             format!(
                 "SymmetricMemory does not support device type {device_type} with backend {wanted}: \
-                 the CUDA symmetric-memory backend is not built yet"
+                 this library has the CUDA backend only (TORCH_SYMMMEM=CUDA, the default)"
             ),
         ),
         DeviceType::Cpu => Error::new(ErrorKind::Unsupported, format!("SymmetricMemory does not support device type {device_type}")),

@@ -19,7 +19,8 @@ pub fn run(block: &dyn SymmBlock, backend: &str, group: &GroupInfo, timeout: Tim
     let deadline = timeout.map(|t| Instant::now() + t);
     let layout = block.layout();
     let prefix = exchange::prefix(group, backend);
-    let mine = RendezvousRequest::new(block.device_idx(), &layout);
+    let mut mine = RendezvousRequest::new(block.device_idx(), &layout);
+    mine.has_multicast_support = block.multicast_capable();
     let gathered = exchange::all_gather(group, &prefix, &mine.to_bytes(), timeout)?;
     let requests = gathered
         .iter()
@@ -28,6 +29,7 @@ pub fn run(block: &dyn SymmBlock, backend: &str, group: &GroupInfo, timeout: Tim
         .collect::<Result<Vec<_>>>()
         .map_err(|e| e.context(format!("rendezvous of group {}", group.name)))?;
     check_requests(&requests, group)?;
+    block.check_requests(&requests, &group.name)?;
 
     // Bound only now, after the long wait for the peers: a rank killed
     // while it waits leaves no socket file behind. A peer that sends
@@ -39,7 +41,7 @@ pub fn run(block: &dyn SymmBlock, backend: &str, group: &GroupInfo, timeout: Tim
     let fds = channel
         .all_gather(own.as_raw_fd(), group.rank, &pids, deadline)
         .map_err(|e| e.context(format!("rendezvous of group {} on rank {}", group.name, group.rank)))?;
-    let peers = block.import(group.rank, fds)?;
+    let peers = block.import(group.rank, fds, &requests)?;
     let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
     exchange::barrier(group, &prefix, left)?;
     drop(channel);
@@ -66,7 +68,7 @@ fn check_requests(requests: &[RendezvousRequest], group: &GroupInfo) -> Result<(
             return Err(Error::new(
                 ErrorKind::Unsupported,
                 format!(
-                    "rendezvous of group {}: rank {r} runs on host {} but rank 0 on {}; the CPU backend needs every rank on one host",
+                    "rendezvous of group {}: rank {r} runs on host {} but rank 0 on {}; symmetric memory needs every rank on one host",
                     group.name,
                     req.host(),
                     first.host()

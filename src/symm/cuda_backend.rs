@@ -1,0 +1,622 @@
+//! The CUDA backend of symmetric memory (PyTorch's `CUDASymmetricMemory`,
+//! ATEN_COMPAT 9.3–9.5), on the driver API loaded at run time:
+//!
+//! - a block is one `cuMemCreate` allocation (pinned, on the device,
+//!   shareable as a POSIX file descriptor), its size rounded up to the
+//!   recommended granularity, reserved and mapped with `cuMemAddressReserve`
+//!   + `cuMemMap` + `cuMemSetAccess`, laid out `[signal pad | buffer]` with
+//!   the pad zeroed (see [`super::cuda_plan::layout`]);
+//! - the rendezvous exports it with `cuMemExportToShareableHandle`, the
+//!   descriptors travel round the same datagram-socket ring as the CPU
+//!   backend's, and every peer's block is imported and mapped here;
+//! - put_signal / wait_signal / barrier are PTX kernels (`cuda_signals.ptx`,
+//!   JIT-compiled by the driver) launched on the caller's stream; a kernel
+//!   that times out writes a record into host-mapped memory and ends, and
+//!   the next call on the same object reports it as `SS_ERR_TIMEOUT`.
+//!
+//! Without a driver or device every call fails with `CudaUnavailable` and
+//! the reason (from [`crate::cuda::driver`]).
+
+use super::backend::{Layout, PeerAccess, SymmAllocator, SymmBlock};
+use super::cuda_plan::{self as plan, Multicast, Undo, VmmProgress};
+use super::registry::is_finalizing;
+use super::request::RendezvousRequest;
+use super::DeviceType;
+use crate::cuda::driver::{check, symm_driver, Driver, SymmFeatures};
+use crate::error::{Error, ErrorKind, Result};
+use crate::store::Timeout;
+use cudarc::driver::sys::{
+    self, CUdeviceptr, CUmemAccess_flags_enum, CUmemAllocationGranularity_flags_enum, CUmemAllocationHandleType_enum,
+    CUmemAllocationType_enum, CUmemGenericAllocationHandle, CUmemLocationType_enum,
+};
+use std::ffi::c_void;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// The signal kernels, NUL-terminated for `cuModuleLoadData`.
+pub const SIGNAL_PTX: &str = concat!(include_str!("cuda_signals.ptx"), "\0");
+/// Kernel names in the PTX, in [`Op`] order.
+pub const KERNELS: [&str; 3] = ["ss_symm_put_signal", "ss_symm_wait_signal", "ss_symm_barrier"];
+
+#[derive(Clone, Copy)]
+enum Op {
+    Put = 0,
+    Wait = 1,
+    Barrier = 2,
+}
+
+/// The CUDA allocator, registered by the library under PyTorch's name "CUDA".
+pub struct CudaSymmAllocator;
+
+impl SymmAllocator for CudaSymmAllocator {
+    fn name(&self) -> &str {
+        "CUDA"
+    }
+
+    fn device_type(&self) -> DeviceType {
+        DeviceType::Cuda
+    }
+
+    fn alloc(&self, size: usize, device_idx: i32) -> Result<Box<dyn SymmBlock>> {
+        let (d, features) = symm_driver()?;
+        let pad = super::registry::signal_pad_size();
+        let block = d.with_device(device_idx, || CudaBlock::new(d, features, size, device_idx, pad))?;
+        Ok(Box::new(block))
+    }
+}
+
+fn alloc_prop(device: i32) -> sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct; all-zero is valid (enum fields 0 = INVALID)
+    // and every field that matters is set below.
+    let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    p.type_ = CUmemAllocationType_enum::CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.requestedHandleTypes = CUmemAllocationHandleType_enum::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    p.location.type_ = CUmemLocationType_enum::CU_MEM_LOCATION_TYPE_DEVICE;
+    p.location.id = device;
+    p
+}
+
+/// Runs `f` with `device`'s context current, for teardown: errors are
+/// dropped (nothing can be done about them in a destructor), and nothing
+/// runs while the process is finalizing.
+fn teardown(device: i32, f: impl FnOnce()) {
+    if is_finalizing() {
+        return;
+    }
+    if let Ok(d) = crate::cuda::driver::driver() {
+        let _ = d.with_device(device, || {
+            f();
+            Ok(())
+        });
+    }
+}
+
+/// One mapped allocation (ours or a peer's): the handle, its address range
+/// and how far they were made, so a failure half-way undoes exactly that.
+struct Vmm {
+    device: i32,
+    handle: CUmemGenericAllocationHandle,
+    va: CUdeviceptr,
+    size: usize,
+    progress: VmmProgress,
+}
+
+impl Vmm {
+    /// A new allocation of `size` bytes on `device` (context current).
+    fn create(device: i32, size: usize, prop: &sys::CUmemAllocationProp) -> Result<Vmm> {
+        let mut v = Vmm { device, handle: 0, va: 0, size, progress: VmmProgress::default() };
+        // SAFETY: out-pointer ours; prop is a valid property struct.
+        check(unsafe { sys::cuMemCreate(&mut v.handle, size, prop, 0) }, || {
+            format!("cuMemCreate of {size} bytes on device {device}")
+        })?;
+        v.progress.handle = true;
+        Ok(v)
+    }
+
+    /// A peer's allocation from the descriptor it sent (context current).
+    fn import(device: i32, size: usize, fd: &OwnedFd, rank: usize) -> Result<Vmm> {
+        let mut v = Vmm { device, handle: 0, va: 0, size, progress: VmmProgress::default() };
+        // SAFETY: for POSIX descriptors the driver takes the fd's value in
+        // the pointer argument; the descriptor stays open during the call.
+        check(
+            unsafe {
+                sys::cuMemImportFromShareableHandle(
+                    &mut v.handle,
+                    fd.as_raw_fd() as usize as *mut c_void,
+                    CUmemAllocationHandleType_enum::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                )
+            },
+            || format!("cuMemImportFromShareableHandle of the block of rank {rank}"),
+        )?;
+        v.progress.handle = true;
+        Ok(v)
+    }
+
+    /// Reserves an address range, maps the handle there and gives `device`
+    /// read-write access.
+    fn map(&mut self, alignment: usize, what: &str) -> Result<()> {
+        let size = self.size;
+        // SAFETY: out-pointer ours; no fixed address asked.
+        check(unsafe { sys::cuMemAddressReserve(&mut self.va, size, alignment, 0, 0) }, || {
+            format!("cuMemAddressReserve of {size} bytes for {what}")
+        })?;
+        self.progress.reserved = true;
+        // SAFETY: range and handle are ours, both of `size` bytes.
+        check(unsafe { sys::cuMemMap(self.va, size, 0, self.handle, 0) }, || format!("cuMemMap of {what}"))?;
+        self.progress.mapped = true;
+        // SAFETY: a plain C struct; every field set.
+        let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        access.location.type_ = CUmemLocationType_enum::CU_MEM_LOCATION_TYPE_DEVICE;
+        access.location.id = self.device;
+        access.flags = CUmemAccess_flags_enum::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: the range was mapped above; one descriptor.
+        check(unsafe { sys::cuMemSetAccess(self.va, size, &access, 1) }, || format!("cuMemSetAccess of {what}"))
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        let steps = plan::undo_steps(self.progress, false);
+        let (va, size, handle) = (self.va, self.size, self.handle);
+        teardown(self.device, || {
+            for step in steps {
+                // SAFETY: each step undoes what `progress` says was made.
+                unsafe {
+                    match step {
+                        Undo::Unmap => sys::cuMemUnmap(va, size),
+                        Undo::AddressFree => sys::cuMemAddressFree(va, size),
+                        Undo::Release => sys::cuMemRelease(handle),
+                    };
+                }
+            }
+        });
+    }
+}
+
+/// One rank's block.
+pub struct CudaBlock {
+    own: Arc<Vmm>,
+    layout: Layout,
+    device: i32,
+    granularity: usize,
+    multicast_capable: bool,
+}
+
+// SAFETY: the fields are plain numbers (driver handles and addresses).
+unsafe impl Send for Vmm {}
+// SAFETY: as above; a Vmm is never changed after construction.
+unsafe impl Sync for Vmm {}
+
+impl CudaBlock {
+    /// Runs with `device`'s context current.
+    fn new(d: &Driver, features: &SymmFeatures, size: usize, device: i32, pad: usize) -> Result<CudaBlock> {
+        for (attr, what) in [
+            (plan::ATTR_VMM_SUPPORTED, "virtual memory management (cuMemCreate)"),
+            (plan::ATTR_POSIX_FD_SUPPORTED, "POSIX file-descriptor handles for cuMemCreate memory"),
+        ] {
+            if d.device_attribute(device, attr)? == 0 {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!("CUDA device {device} does not support {what}, which CUDA symmetric memory needs"),
+                ));
+            }
+        }
+        let mut prop = alloc_prop(device);
+        if d.device_attribute(device, plan::ATTR_RDMA_WITH_VMM).unwrap_or(0) != 0 {
+            prop.allocFlags.gpuDirectRDMACapable = 1;
+        }
+        let mut granularity = 0usize;
+        // SAFETY: out-pointer ours; prop valid.
+        check(
+            unsafe {
+                sys::cuMemGetAllocationGranularity(
+                    &mut granularity,
+                    &prop,
+                    CUmemAllocationGranularity_flags_enum::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+                )
+            },
+            || format!("cuMemGetAllocationGranularity on device {device}"),
+        )?;
+        let layout = plan::layout(size, pad, granularity)?;
+        let mut own = Vmm::create(device, layout.block_size, &prop)?;
+        own.map(granularity, "a symmetric block")?;
+        // SAFETY: the pad lies at the start of the mapping just made.
+        check(unsafe { sys::cuMemsetD8_v2(own.va, 0, pad) }, || "zeroing the signal pad".to_string())?;
+        // SAFETY: plain driver call; the memset must be done before any
+        // peer can see the block.
+        check(unsafe { sys::cuCtxSynchronize() }, || "cuCtxSynchronize after zeroing the signal pad".to_string())?;
+        let multicast_capable = features.multicast_missing.is_none()
+            && d.version >= plan::MULTICAST_MIN_DRIVER
+            && d.device_attribute(device, plan::ATTR_MULTICAST_SUPPORTED).unwrap_or(0) != 0;
+        Ok(CudaBlock { own: Arc::new(own), layout, device, granularity, multicast_capable })
+    }
+}
+
+impl Drop for CudaBlock {
+    fn drop(&mut self) {
+        // PyTorch's order: synchronise the device, then unmap and release
+        // (the Vmm's own drop, once the last rendezvous object let go).
+        teardown(self.device, || {
+            // SAFETY: plain driver call.
+            unsafe { sys::cuCtxSynchronize() };
+        });
+    }
+}
+
+impl SymmBlock for CudaBlock {
+    fn buffer_ptr(&self) -> *mut u8 {
+        (self.own.va as usize + self.layout.buffer_offset) as *mut u8
+    }
+
+    fn device_idx(&self) -> i32 {
+        self.device
+    }
+
+    fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    fn multicast_capable(&self) -> bool {
+        self.multicast_capable
+    }
+
+    fn check_requests(&self, requests: &[RendezvousRequest], group: &str) -> Result<()> {
+        plan::check_devices(requests, group, plan::env_flag(plan::ALLOW_OVERLAPPING_ENV)).map(|_| ())
+    }
+
+    fn export(&self) -> Result<OwnedFd> {
+        let (d, _) = symm_driver()?;
+        let handle = self.own.handle;
+        d.with_device(self.device, || {
+            let mut fd: libc::c_int = -1;
+            // SAFETY: for POSIX descriptors the driver writes an int.
+            check(
+                unsafe {
+                    sys::cuMemExportToShareableHandle(
+                        (&mut fd as *mut libc::c_int).cast(),
+                        handle,
+                        CUmemAllocationHandleType_enum::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                        0,
+                    )
+                },
+                || "cuMemExportToShareableHandle of a symmetric block".to_string(),
+            )?;
+            if fd < 0 {
+                return Err(Error::new(ErrorKind::CudaError, "cuMemExportToShareableHandle gave no descriptor"));
+            }
+            // SAFETY: the driver handed us this new descriptor.
+            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        })
+    }
+
+    fn import(&self, rank: usize, peers: Vec<Option<OwnedFd>>, requests: &[RendezvousRequest]) -> Result<Box<dyn PeerAccess>> {
+        let (d, features) = symm_driver()?;
+        let ws = peers.len();
+        let layout = self.layout;
+        let device = self.device;
+        d.with_device(device, || {
+            let mut mapped: Vec<Option<Vmm>> = Vec::with_capacity(ws);
+            let mut bases = Vec::with_capacity(ws);
+            for (r, fd) in peers.into_iter().enumerate() {
+                if r == rank {
+                    mapped.push(None);
+                    bases.push(self.own.va);
+                    continue;
+                }
+                let fd = fd.ok_or_else(|| Error::new(ErrorKind::Protocol, format!("no block descriptor from rank {r}")))?;
+                let mut v = Vmm::import(device, layout.block_size, &fd, r)?;
+                drop(fd); // the imported handle keeps the memory alive
+                v.map(self.granularity, &format!("the block of rank {r}"))?;
+                bases.push(v.va);
+                mapped.push(Some(v));
+            }
+            let buffers: Vec<u64> = bases.iter().map(|b| b + layout.buffer_offset as u64).collect();
+            let buffer_ptrs = DeviceArray::new(device, &buffers, "the buffer pointer array")?;
+            let pad_ptrs = DeviceArray::new(device, &bases, "the signal pad pointer array")?;
+            let module = Module::load(device)?;
+            let records = HostRecords::new(device)?;
+            let overlapping = plan::overlapping_devices(requests).is_some();
+            let multicast = match plan::multicast_plan(
+                requests,
+                overlapping,
+                plan::env_flag(plan::DISABLE_MULTICAST_ENV),
+                d.version,
+                features.multicast_missing.as_deref(),
+            ) {
+                Multicast::Off(why) => why,
+                Multicast::On => "every rank's device supports multicast, but this backend does not bind multicast \
+                                  objects yet"
+                    .to_string(),
+            };
+            Ok(Box::new(CudaPeers {
+                rank,
+                ws,
+                device,
+                layout,
+                bases,
+                records,
+                module,
+                buffer_ptrs,
+                pad_ptrs,
+                peers: mapped,
+                _own: self.own.clone(),
+                launches: AtomicU64::new(0),
+                multicast_off: multicast,
+            }) as Box<dyn PeerAccess>)
+        })
+    }
+}
+
+/// A small device array of u64 (the pointer arrays kernels take).
+struct DeviceArray {
+    device: i32,
+    ptr: CUdeviceptr,
+}
+
+impl DeviceArray {
+    fn new(device: i32, values: &[u64], what: &str) -> Result<DeviceArray> {
+        let bytes = std::mem::size_of_val(values);
+        let mut ptr = 0;
+        // SAFETY: out-pointer ours.
+        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(8)) }, || format!("cuMemAlloc for {what}"))?;
+        let a = DeviceArray { device, ptr };
+        // SAFETY: `bytes` from our slice into the allocation just made.
+        check(unsafe { sys::cuMemcpyHtoD_v2(a.ptr, values.as_ptr().cast(), bytes) }, || format!("copying {what} to the device"))?;
+        Ok(a)
+    }
+}
+
+impl Drop for DeviceArray {
+    fn drop(&mut self) {
+        let ptr = self.ptr;
+        // SAFETY: our allocation.
+        teardown(self.device, || unsafe {
+            sys::cuMemFree_v2(ptr);
+        });
+    }
+}
+
+/// The signal kernels loaded in a device's primary context.
+struct Module {
+    device: i32,
+    module: usize,
+    functions: [usize; 3],
+}
+
+impl Module {
+    fn load(device: i32) -> Result<Module> {
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: NUL-terminated PTX text; out-pointer ours.
+        check(unsafe { sys::cuModuleLoadData(&mut module, SIGNAL_PTX.as_ptr().cast()) }, || {
+            format!("cuModuleLoadData of the signal kernels (PTX JIT) on device {device}")
+        })?;
+        let mut m = Module { device, module: module as usize, functions: [0; 3] };
+        for (i, name) in KERNELS.iter().enumerate() {
+            let c = std::ffi::CString::new(*name).expect("kernel names have no NUL");
+            let mut f: sys::CUfunction = std::ptr::null_mut();
+            // SAFETY: live module, NUL-terminated name, out-pointer ours.
+            check(unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) }, || format!("cuModuleGetFunction({name})"))?;
+            m.functions[i] = f as usize;
+        }
+        Ok(m)
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        let module = self.module as sys::CUmodule;
+        // SAFETY: our module; no launch of it is pending (synchronised first).
+        teardown(self.device, || unsafe {
+            sys::cuModuleUnload(module);
+        });
+    }
+}
+
+/// The host-mapped timeout records (see `cuda_signals.ptx`).
+struct HostRecords {
+    device: i32,
+    host: usize,
+    dev: CUdeviceptr,
+}
+
+impl HostRecords {
+    fn new(device: i32) -> Result<HostRecords> {
+        let bytes = plan::RECORDS * plan::RECORD_BYTES;
+        let mut host: *mut c_void = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: out-pointer ours.
+        check(unsafe { sys::cuMemHostAlloc(&mut host, bytes, flags) }, || "cuMemHostAlloc for the timeout records".to_string())?;
+        let mut r = HostRecords { device, host: host as usize, dev: 0 };
+        // SAFETY: `bytes` of pinned host memory just allocated.
+        unsafe { std::ptr::write_bytes(host.cast::<u8>(), 0, bytes) };
+        // SAFETY: mapped pinned memory; out-pointer ours.
+        check(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut r.dev, host, 0) }, || {
+            "cuMemHostGetDevicePointer for the timeout records".to_string()
+        })?;
+        Ok(r)
+    }
+
+    fn word(&self, record: usize, index: usize) -> *mut u32 {
+        (self.host + record * plan::RECORD_BYTES + index * 4) as *mut u32
+    }
+
+    /// The first timeout a kernel recorded, clearing its record.
+    fn take(&self) -> Option<plan::DeviceTimeout> {
+        for rec in 0..plan::RECORDS {
+            // SAFETY: inside the records; the device writes them, so reads
+            // are volatile; the state is written last (release) on the device.
+            let state = unsafe { std::ptr::read_volatile(self.word(rec, 0)) };
+            if state != plan::RECORD_WRITTEN {
+                continue;
+            }
+            fence(Ordering::Acquire);
+            let mut words = [0u32; 8];
+            for (i, w) in words.iter_mut().enumerate() {
+                // SAFETY: as above.
+                *w = unsafe { std::ptr::read_volatile(self.word(rec, i)) };
+            }
+            // SAFETY: as above; the kernel that wrote it has ended.
+            unsafe { std::ptr::write_volatile(self.word(rec, 0), 0) };
+            return plan::parse_record(words);
+        }
+        None
+    }
+}
+
+impl Drop for HostRecords {
+    fn drop(&mut self) {
+        let host = self.host as *mut c_void;
+        // SAFETY: our allocation; no kernel uses it any more.
+        teardown(self.device, || unsafe {
+            sys::cuMemFreeHost(host);
+        });
+    }
+}
+
+/// Every rank's block mapped here, the pointer arrays, the kernels.
+struct CudaPeers {
+    rank: usize,
+    ws: usize,
+    device: i32,
+    layout: Layout,
+    bases: Vec<CUdeviceptr>,
+    // Dropped in this order, after `Drop::drop` synchronised the device.
+    records: HostRecords,
+    module: Module,
+    buffer_ptrs: DeviceArray,
+    pad_ptrs: DeviceArray,
+    peers: Vec<Option<Vmm>>,
+    /// Our own block stays mapped while this object lives.
+    _own: Arc<Vmm>,
+    /// Launches so far: picks each launch's timeout record.
+    launches: AtomicU64,
+    /// Why there is no multicast.
+    multicast_off: String,
+}
+
+// SAFETY: driver handles and addresses only; the records are touched with
+// volatile accesses, and `launches` is atomic.
+unsafe impl Send for CudaPeers {}
+// SAFETY: as above.
+unsafe impl Sync for CudaPeers {}
+
+impl Drop for CudaPeers {
+    fn drop(&mut self) {
+        // Kernels of ours may still be queued: let them end before the
+        // mappings, kernels and records go.
+        teardown(self.device, || {
+            // SAFETY: plain driver call.
+            unsafe { sys::cuCtxSynchronize() };
+        });
+        self.peers.clear();
+    }
+}
+
+impl CudaPeers {
+    /// Reports a timeout an earlier kernel recorded, then enqueues `op`.
+    fn launch(&self, op: Op, peer: usize, channel: usize, timeout: Timeout, stream: usize) -> Result<()> {
+        if let Some(t) = self.records.take() {
+            return Err(Error::new(ErrorKind::Timeout, t.message()));
+        }
+        let (d, _) = symm_driver()?;
+        let slot = (self.launches.fetch_add(1, Ordering::Relaxed) % plan::RECORDS as u64) as u32;
+        let mut pads: u64 = self.pad_ptrs.ptr;
+        let mut status: u64 = self.records.dev;
+        let mut timeout_ns: u64 = plan::timeout_ns(timeout);
+        let mut rank = self.rank as u32;
+        let mut ws = self.ws as u32;
+        let mut channel = channel as u32;
+        let mut peer = peer as u32;
+        let mut slot = slot;
+        let mut params: [*mut c_void; 8] = [
+            (&mut pads as *mut u64).cast(),
+            (&mut status as *mut u64).cast(),
+            (&mut timeout_ns as *mut u64).cast(),
+            (&mut rank as *mut u32).cast(),
+            (&mut ws as *mut u32).cast(),
+            (&mut channel as *mut u32).cast(),
+            (&mut peer as *mut u32).cast(),
+            (&mut slot as *mut u32).cast(),
+        ];
+        let threads = match op {
+            Op::Barrier => plan::barrier_threads(self.ws),
+            Op::Put | Op::Wait => 1,
+        };
+        let f = self.module.functions[op as usize] as sys::CUfunction;
+        d.with_device(self.device, || {
+            // SAFETY: `f` is a kernel of our live module whose parameters
+            // are exactly these eight values (see cuda_signals.ptx); the
+            // driver copies them before returning.
+            check(
+                unsafe {
+                    sys::cuLaunchKernel(
+                        f,
+                        1,
+                        1,
+                        1,
+                        threads,
+                        1,
+                        1,
+                        0,
+                        stream as sys::CUstream,
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                },
+                || format!("cuLaunchKernel({})", KERNELS[op as usize]),
+            )
+        })
+    }
+}
+
+impl PeerAccess for CudaPeers {
+    fn buffer_ptr(&self, rank: usize) -> *mut u8 {
+        (self.bases[rank] as usize + self.layout.buffer_offset) as *mut u8
+    }
+
+    fn signal_pad_ptr(&self, rank: usize) -> *mut u8 {
+        self.bases[rank] as usize as *mut u8
+    }
+
+    fn buffer_ptrs_dev(&self) -> Result<*mut u8> {
+        Ok(self.buffer_ptrs.ptr as usize as *mut u8)
+    }
+
+    fn signal_pad_ptrs_dev(&self) -> Result<*mut u8> {
+        Ok(self.pad_ptrs.ptr as usize as *mut u8)
+    }
+
+    fn multicast_ptr(&self) -> std::result::Result<*mut u8, String> {
+        Err(self.multicast_off.clone())
+    }
+
+    fn put_signal(&self, dst: usize, channel: usize, timeout: Timeout, stream: usize) -> Result<()> {
+        self.launch(Op::Put, dst, channel, timeout, stream)
+    }
+
+    fn wait_signal(&self, src: usize, channel: usize, timeout: Timeout, stream: usize) -> Result<()> {
+        self.launch(Op::Wait, src, channel, timeout, stream)
+    }
+
+    fn barrier(&self, channel: usize, timeout: Timeout, stream: usize) -> Result<()> {
+        self.launch(Op::Barrier, 0, channel, timeout, stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ptx_is_embedded_with_every_kernel_and_a_nul() {
+        assert!(SIGNAL_PTX.ends_with('\0'));
+        assert_eq!(SIGNAL_PTX.matches('\0').count(), 1);
+        for k in KERNELS {
+            assert!(SIGNAL_PTX.contains(&format!(".visible .entry {k}(")), "{k}");
+        }
+        // The three kernels take the eight parameters `launch` passes.
+        assert_eq!(SIGNAL_PTX.matches(".param .u32 p_slot").count(), 3);
+        assert_eq!(SIGNAL_PTX.matches(".param .u64 p_pads").count(), 3);
+    }
+}

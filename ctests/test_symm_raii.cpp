@@ -63,6 +63,10 @@ static void errors() {
         std::exit(1);
     }
     expect_error([&] { mem.buffer_ptr(1); }, SS_ERR_INVALID_ARGUMENT);
+    CHECK(mem.buffer_ptrs_dev()[0] == mem.buffer_ptr(0)); /* a CPU block: a host array */
+    CHECK(mem.signal_pad_ptrs_dev()[0] == static_cast<void *>(mem.signal_pad_ptr(0)));
+    CHECK(!mem.has_multicast());
+    expect_error([&] { mem.multicast_ptr(); }, SS_ERR_UNSUPPORTED);
     ss::Error e = expect_error([&] { mem.get_buffer(0, 60, 50); }, SS_ERR_INVALID_ARGUMENT);
     CHECK(std::strstr(e.what(), "the requested size (110 bytes) exceeds the allocated size (100 bytes)") != nullptr);
     expect_error([&] { mem.barrier(-1, 10); }, SS_ERR_INVALID_ARGUMENT);

@@ -485,6 +485,19 @@ fn role_c_api(me: Rank) {
         assert_eq!(ss_symm_mem_signal_pad_ptr(h, 0, &mut q), SS_OK);
         assert_eq!(q as usize + 12288, p as usize, "layout [pad | buffer], buffer on its own page");
         assert_eq!(ss_symm_mem_get_buffer(h, 0, 65, 0, &mut q), SS_ERR_INVALID_ARGUMENT);
+        // The pointer arrays of a CPU block are host arrays of world_size entries.
+        let mut arr: *mut c_void = null_mut();
+        assert_eq!(ss_symm_mem_buffer_ptrs_dev(h, &mut arr), SS_OK);
+        assert_eq!(*(arr as *const usize), p as usize);
+        assert_eq!(ss_symm_mem_signal_pad_ptrs_dev(h, &mut arr), SS_OK);
+        assert_eq!(*(arr as *const usize) + 12288, p as usize);
+        assert_eq!(ss_symm_mem_buffer_ptrs_dev(null(), &mut arr), SS_ERR_NULL_POINTER);
+        assert_eq!(ss_symm_mem_signal_pad_ptrs_dev(h, null_mut()), SS_ERR_NULL_POINTER);
+        assert!(!ss_symm_mem_has_multicast(h));
+        assert!(!ss_symm_mem_has_multicast(null()));
+        assert_eq!(ss_symm_mem_multicast_ptr(h, &mut arr), SS_ERR_UNSUPPORTED);
+        let msg = std::ffi::CStr::from_ptr(storage_sharing::ffi::errors::ss_last_error_message()).to_string_lossy().into_owned();
+        assert!(msg.contains("has no multicast: the CPU backend has no multicast"), "{msg}");
         assert_eq!(ss_symm_mem_get_buffer(null(), 0, 1, 0, &mut q), SS_ERR_NULL_POINTER);
         assert_eq!(ss_symm_mem_barrier(h, 0, -1, null_mut()), SS_ERR_INVALID_ARGUMENT);
         assert_eq!(ss_symm_mem_barrier(h, 0, 0, null_mut()), SS_OK, "one rank: nothing to wait for");

@@ -3,8 +3,8 @@
 //!
 //! - a block is one `cuMemCreate` allocation (pinned, on the device,
 //!   shareable as a POSIX file descriptor), its size rounded up to the
-//!   recommended granularity, reserved and mapped with `cuMemAddressReserve`
-//!   + `cuMemMap` + `cuMemSetAccess`, laid out `[signal pad | buffer]` with
+//!   recommended granularity, reserved and mapped with `cuMemAddressReserve`,
+//!   `cuMemMap` and `cuMemSetAccess`, laid out `[signal pad | buffer]` with
 //!   the pad zeroed (see [`super::cuda_plan::layout`]);
 //! - the rendezvous exports it with `cuMemExportToShareableHandle`, the
 //!   descriptors travel round the same datagram-socket ring as the CPU

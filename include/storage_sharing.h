@@ -1634,8 +1634,8 @@ ss_status ss_symm_mem_signal_pad_ptrs_dev(const ss_symm_mem *h, void **out);
 bool ss_symm_mem_has_multicast(const ss_symm_mem *h);
 
 /**
- * The block's multicast address; without one `SS_ERR_UNSUPPORTED` with
- * the reason (`TORCH_SYMM_MEM_DISABLE_MULTICAST`, ranks sharing a device,
+ * The buffer's address in the block's multicast mapping; without one
+ * `SS_ERR_UNSUPPORTED` with the reason (`TORCH_SYMM_MEM_DISABLE_MULTICAST`, ranks sharing a device,
  * a device or driver without multicast, …).
  */
 ss_status ss_symm_mem_multicast_ptr(const ss_symm_mem *h, void **out);

@@ -342,6 +342,50 @@ fn role_persistent(me: Rank) {
     println!("ok");
 }
 
+/// The descriptor broadcast of the rendezvous socket (used by the CUDA
+/// backend's multicast set-up): rank 0 sends a memfd, then nothing.
+fn role_broadcast(me: Rank) {
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::AsRawFd;
+    use storage_sharing::symm::{exchange, ipc_channel::IpcChannel};
+    me.join("bcast");
+    let info = group::get_group_info("bcast").unwrap();
+    let pid = std::process::id() as i32;
+    let pids: Vec<i32> = exchange::all_gather(&info, "bcast", &pid.to_ne_bytes(), t(20_000))
+        .unwrap()
+        .iter()
+        .map(|b| i32::from_ne_bytes(b[..4].try_into().unwrap()))
+        .collect();
+    let deadline = Some(Instant::now() + Duration::from_secs(20));
+    let channel = IpcChannel::new("bcast", deadline).unwrap();
+    let mut own = None;
+    if me.rank == 0 {
+        // SAFETY: memfd_create with a NUL-terminated name.
+        let fd = unsafe { libc::memfd_create(c"bcast".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: the descriptor was just created and is ours alone.
+        let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        f.write_all(b"from rank 0").unwrap();
+        own = Some(f);
+    }
+    let got = channel.broadcast(own.as_ref().map(|f| f.as_raw_fd()), 0, me.rank, &pids, deadline).unwrap();
+    if me.rank == 0 {
+        assert!(got.is_none(), "the source gets nothing back");
+    } else {
+        let mut f = std::fs::File::from(got.expect("a descriptor from rank 0"));
+        f.rewind().unwrap();
+        let mut text = String::new();
+        f.read_to_string(&mut text).unwrap();
+        assert_eq!(text, "from rank 0");
+    }
+    // A broadcast of nothing: a datagram without a descriptor.
+    let got = channel.broadcast(None, 0, me.rank, &pids, deadline).unwrap();
+    assert!(got.is_none());
+    exchange::all_gather(&info, "bcast", &[0], t(20_000)).unwrap();
+    drop(channel);
+    println!("rank {} ok", me.rank);
+}
+
 fn role_registry(me: Rank) {
     let e = registry::set_backend("NVSHMEM").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound);
@@ -531,6 +575,7 @@ fn child_role() {
         "two_groups" => role_two_groups(me),
         "persistent" => role_persistent(me),
         "registry" => role_registry(me),
+        "broadcast" => role_broadcast(me),
         "bad_args" => role_bad_args(me),
         "c_api" => role_c_api(me),
         other => panic!("unknown role {other}"),
@@ -538,6 +583,11 @@ fn child_role() {
 }
 
 // ------------------------------------------------------------------- tests
+
+#[test]
+fn descriptor_broadcast_reaches_every_rank() {
+    run_ranks("broadcast", "broadcast3", 3, &[]);
+}
 
 #[test]
 fn two_ranks_read_each_others_buffers() {

@@ -307,6 +307,14 @@ pub fn symm_driver() -> Result<(&'static Driver, &'static SymmFeatures)> {
 }
 
 impl Driver {
+    /// The address of driver entry point `name`, if the library has it.
+    pub fn symbol(&self, name: &str) -> Option<*mut libc::c_void> {
+        let c = CString::new(name).ok()?;
+        // SAFETY: live dlopen handle (never closed).
+        let p = unsafe { libc::dlsym(self.handle as *mut libc::c_void, c.as_ptr()) };
+        (!p.is_null()).then_some(p)
+    }
+
     /// `cuDeviceGetAttribute` by the attribute's number, so attributes newer
     /// than cudarc's CUDA 12.0 bindings (multicast: 132) can be asked too; a
     /// driver that does not know the attribute gives an error, not a panic.

@@ -325,8 +325,8 @@ pub unsafe extern "C" fn ss_symm_mem_has_multicast(h: *const SsSymmMem) -> bool 
     })
 }
 
-/// The block's multicast address; without one `SS_ERR_UNSUPPORTED` with
-/// the reason (`TORCH_SYMM_MEM_DISABLE_MULTICAST`, ranks sharing a device,
+/// The buffer's address in the block's multicast mapping; without one
+/// `SS_ERR_UNSUPPORTED` with the reason (`TORCH_SYMM_MEM_DISABLE_MULTICAST`, ranks sharing a device,
 /// a device or driver without multicast, …).
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_multicast_ptr(h: *const SsSymmMem, out: *mut *mut c_void) -> ss_status {

@@ -5,7 +5,7 @@ use super::request::RendezvousRequest;
 use super::DeviceType;
 use crate::error::Result;
 use crate::store::Timeout;
-use std::os::fd::OwnedFd;
+use std::os::fd::{OwnedFd, RawFd};
 
 /// Where the parts of one block lie; equal on every rank of a rendezvous.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,8 +49,15 @@ pub trait SymmBlock: Send + Sync {
     fn export(&self) -> Result<OwnedFd>;
     /// Maps the peers' blocks from their descriptors (`None` at `rank`,
     /// this block) and returns access to all of them; `requests` are every
-    /// rank's rendezvous requests.
-    fn import(&self, rank: usize, peers: Vec<Option<OwnedFd>>, requests: &[RendezvousRequest]) -> Result<Box<dyn PeerAccess>>;
+    /// rank's rendezvous requests; `coll` offers further collective steps
+    /// (CUDA multicast), which every rank must take alike.
+    fn import(
+        &self,
+        rank: usize,
+        peers: Vec<Option<OwnedFd>>,
+        requests: &[RendezvousRequest],
+        coll: &dyn Collective,
+    ) -> Result<Box<dyn PeerAccess>>;
 }
 
 /// Access to every rank's block after a rendezvous. Arguments are already
@@ -73,4 +80,26 @@ pub trait PeerAccess: Send + Sync {
     fn wait_signal(&self, src: usize, channel: usize, timeout: Timeout, stream: usize) -> Result<()>;
     /// Signals every other rank on `channel`, then waits for each of them.
     fn barrier(&self, channel: usize, timeout: Timeout, stream: usize) -> Result<()>;
+}
+
+/// Collective steps among the ranks of a rendezvous, for a backend's
+/// `import` (the rendezvous's store and descriptor socket). Every rank must
+/// make the same calls in the same order.
+pub trait Collective {
+    /// Rank `src`'s descriptor (or none) on every other rank (`None` on `src`).
+    fn broadcast_fd(&self, src: usize, fd: Option<RawFd>) -> Result<Option<OwnedFd>>;
+    /// Every rank's `value`, indexed by rank (a store all-gather; also a barrier).
+    fn all_gather(&self, value: &[u8]) -> Result<Vec<Vec<u8>>>;
+}
+
+/// The collective of a block that is alone (unit tests): every call fails.
+pub struct NoCollective;
+
+impl Collective for NoCollective {
+    fn broadcast_fd(&self, _src: usize, _fd: Option<RawFd>) -> Result<Option<OwnedFd>> {
+        Err(crate::error::Error::new(crate::error::ErrorKind::Unsupported, "no collective outside a rendezvous"))
+    }
+    fn all_gather(&self, _value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        Err(crate::error::Error::new(crate::error::ErrorKind::Unsupported, "no collective outside a rendezvous"))
+    }
 }

@@ -113,7 +113,13 @@ impl SymmBlock for CpuBlock {
         self.fd.try_clone().map_err(|e| Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), "dup of a symmetric block"))
     }
 
-    fn import(&self, rank: usize, peers: Vec<Option<OwnedFd>>, _requests: &[super::request::RendezvousRequest]) -> Result<Box<dyn PeerAccess>> {
+    fn import(
+        &self,
+        rank: usize,
+        peers: Vec<Option<OwnedFd>>,
+        _requests: &[super::request::RendezvousRequest],
+        _coll: &dyn super::backend::Collective,
+    ) -> Result<Box<dyn PeerAccess>> {
         let ws = peers.len();
         let mut maps = Vec::with_capacity(ws);
         let mut bases = Vec::with_capacity(ws);

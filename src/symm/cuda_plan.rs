@@ -135,6 +135,22 @@ pub fn multicast_plan(
     Multicast::On
 }
 
+/// After a multicast step every rank all-gathers one byte (1: done here).
+/// `None` when every rank succeeded, else the reason multicast stays off,
+/// naming the ranks that failed (with this rank's own error if it is one).
+pub fn multicast_step_failed(step: &str, flags: &[Vec<u8>], rank: usize, own_error: Option<&str>) -> Option<String> {
+    let failed: Vec<usize> = flags.iter().enumerate().filter(|(_, f)| f.as_slice() != [1]).map(|(r, _)| r).collect();
+    if failed.is_empty() {
+        return None;
+    }
+    let list = failed.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
+    let mut why = format!("multicast {step} failed on rank(s) {list}");
+    if let (true, Some(e)) = (failed.contains(&rank), own_error) {
+        why.push_str(&format!(" (here: {e})"));
+    }
+    Some(why)
+}
+
 /// The kernels' timeout argument: 0 waits forever, else nanoseconds (at
 /// least 1, so a tiny timeout is not taken for "forever").
 pub fn timeout_ns(timeout: Timeout) -> u64 {
@@ -332,6 +348,19 @@ mod tests {
         assert!(off(multicast_plan(&all, true, false, 12040, None)).contains("share a device"));
         let one_without = [req(0, "a", true), req(1, "a", false)];
         assert_eq!(off(multicast_plan(&one_without, false, false, 12040, None)), "device 1 of rank 1 does not support multicast");
+    }
+
+    #[test]
+    fn multicast_steps_agree_or_name_the_failed_ranks() {
+        let ok = vec![vec![1u8], vec![1u8], vec![1u8]];
+        assert_eq!(multicast_step_failed("bind", &ok, 0, None), None);
+        let bad = vec![vec![1u8], vec![0u8], vec![]];
+        assert_eq!(multicast_step_failed("bind", &bad, 0, None).unwrap(), "multicast bind failed on rank(s) 1, 2");
+        assert_eq!(
+            multicast_step_failed("import", &bad, 1, Some("CUDA_ERROR_X")).unwrap(),
+            "multicast import failed on rank(s) 1, 2 (here: CUDA_ERROR_X)"
+        );
+        assert_eq!(multicast_step_failed("import", &bad, 0, Some("unused")).unwrap(), "multicast import failed on rank(s) 1, 2");
     }
 
     #[test]

@@ -186,7 +186,7 @@ mod tests {
     /// A real one-rank CPU block, presented as rank 0 of `ws` ranks.
     fn one_rank_as(ws: usize) -> SymmetricMemory {
         let block = CpuBlock::new(64).unwrap();
-        let peers = block.import(0, vec![None], &[]).unwrap();
+        let peers = block.import(0, vec![None], &[], &crate::symm::backend::NoCollective).unwrap();
         SymmetricMemory::new(0, ws, block.layout(), "t", peers)
     }
 

@@ -299,6 +299,54 @@ fn role_overlap_refused(me: Rank) {
     println!("rank {} ok", me.rank);
 }
 
+/// The C API on the CUDA backend: allocation, rendezvous, pointer arrays,
+/// multicast queries, barrier on a stream, a device timeout reported by the
+/// next call, free.
+fn role_c_api(me: Rank) {
+    use std::ffi::CStr;
+    use std::ptr::{null, null_mut};
+    use storage_sharing::ffi::errors::ss_last_error_message;
+    use storage_sharing::ffi::ss_status::*;
+    use storage_sharing::ffi::symm::*;
+    group::set_group_info("world", me.rank as i64, me.ws as i64, me.store.clone()).unwrap();
+    let last = || unsafe { CStr::from_ptr(ss_last_error_message()) }.to_string_lossy().into_owned();
+    // SAFETY: valid pointers throughout; the handle lives until ss_symm_free.
+    unsafe {
+        let mut p = null_mut();
+        assert_eq!(ss_symm_alloc(SS_DEVICE_CUDA, 0, 4096, c"world".as_ptr(), &mut p), SS_OK, "{}", last());
+        let mut h = null_mut();
+        assert_eq!(ss_symm_rendezvous(p, null(), 60_000, &mut h), SS_OK, "{}", last());
+        make_current();
+        let mut arr = null_mut();
+        assert_eq!(ss_symm_mem_buffer_ptrs_dev(h, &mut arr), SS_OK);
+        let bytes = download(arr.cast(), 8 * me.ws);
+        for r in 0..me.ws {
+            let mut q = null_mut();
+            assert_eq!(ss_symm_mem_buffer_ptr(h, r as i32, &mut q), SS_OK);
+            assert_eq!(u64::from_ne_bytes(bytes[8 * r..][..8].try_into().unwrap()), q as u64);
+        }
+        assert_eq!(ss_symm_mem_signal_pad_ptrs_dev(h, &mut arr), SS_OK);
+        assert!(!ss_symm_mem_has_multicast(h));
+        assert_eq!(ss_symm_mem_multicast_ptr(h, &mut arr), SS_ERR_UNSUPPORTED);
+        assert!(last().contains("ranks share a device"), "{}", last());
+        let s = new_stream();
+        assert_eq!(ss_symm_mem_barrier(h, 0, 20_000, s as *mut _), SS_OK, "{}", last());
+        assert_eq!(ss_symm_mem_barrier(h, 1 << 20, 20_000, s as *mut _), SS_ERR_INVALID_ARGUMENT);
+        // Both ranks wait for a signal no one sends: both time out on the device.
+        let peer = (1 - me.rank) as i32;
+        assert_eq!(ss_symm_mem_wait_signal(h, peer, 3, 200, s as *mut _), SS_OK, "enqueued");
+        ok(sys::cuStreamSynchronize(s as sys::CUstream), "sync");
+        assert_eq!(ss_symm_mem_barrier(h, 0, 20_000, s as *mut _), SS_ERR_TIMEOUT);
+        assert!(last().contains(&format!("failed to receive signal from rank {peer} on channel 3")), "{}", last());
+        assert_eq!(ss_symm_mem_barrier(h, 0, 20_000, s as *mut _), SS_OK, "{}", last());
+        ok(sys::cuStreamSynchronize(s as sys::CUstream), "sync");
+        assert_eq!(ss_symm_mem_barrier(h, 0, 20_000, s as *mut _), SS_OK, "no timeout left: {}", last());
+        sync();
+        assert_eq!(ss_symm_free(p), SS_OK);
+    }
+    println!("rank {} ok", me.rank);
+}
+
 #[test]
 #[ignore = "run as a child by the tests below"]
 fn child_role() {
@@ -310,6 +358,7 @@ fn child_role() {
         "timeout" => role_timeout(me),
         "kill9" => role_kill9(me),
         "overlap_refused" => role_overlap_refused(me),
+        "c_api" => role_c_api(me),
         other => panic!("unknown role {other}"),
     }
 }
@@ -341,6 +390,13 @@ fn put_and_wait_on_several_channels() {
 fn timeout_when_a_rank_never_signals() {
     if gpu("timeout_when_a_rank_never_signals") {
         run_ranks("timeout", 2, &[]);
+    }
+}
+
+#[test]
+fn c_api_on_two_ranks() {
+    if gpu("c_api_on_two_ranks") {
+        run_ranks("c_api", 2, &[]);
     }
 }
 

@@ -448,31 +448,40 @@ impl HostRecords {
         Ok(r)
     }
 
-    fn word(&self, record: usize, index: usize) -> *mut u32 {
-        (self.host + record * plan::RECORD_BYTES + index * 4) as *mut u32
-    }
-
     /// The first timeout a kernel recorded, clearing its record.
     fn take(&self) -> Option<plan::DeviceTimeout> {
-        for rec in 0..plan::RECORDS {
-            // SAFETY: inside the records; the device writes them, so reads
-            // are volatile; the state is written last (release) on the device.
-            let state = unsafe { std::ptr::read_volatile(self.word(rec, 0)) };
-            if state != plan::RECORD_WRITTEN {
-                continue;
-            }
-            fence(Ordering::Acquire);
-            let mut words = [0u32; 8];
-            for (i, w) in words.iter_mut().enumerate() {
-                // SAFETY: as above.
-                *w = unsafe { std::ptr::read_volatile(self.word(rec, i)) };
-            }
-            // SAFETY: as above; the kernel that wrote it has ended.
-            unsafe { std::ptr::write_volatile(self.word(rec, 0), 0) };
-            return plan::parse_record(words);
-        }
-        None
+        // SAFETY: `host` holds RECORDS records of 8 words, mapped while self lives.
+        unsafe { take_record(self.host as *mut u32) }
     }
+}
+
+/// Scans the records at `base` (RECORDS × 8 u32 words) for one a kernel
+/// wrote, clears it and returns it. The device writes the records, so
+/// every access is volatile; the state word is written last (release) on
+/// the device, and read first here, before an acquire fence.
+///
+/// # Safety
+/// `base` points at RECORDS × 8 readable and writable u32 words.
+unsafe fn take_record(base: *mut u32) -> Option<plan::DeviceTimeout> {
+    let words_per = plan::RECORD_BYTES / 4;
+    for rec in 0..plan::RECORDS {
+        // SAFETY: inside the records, per the contract.
+        let at = |i: usize| unsafe { base.add(rec * words_per + i) };
+        // SAFETY: as above.
+        if unsafe { std::ptr::read_volatile(at(0)) } != plan::RECORD_WRITTEN {
+            continue;
+        }
+        fence(Ordering::Acquire);
+        let mut words = [0u32; 8];
+        for (i, w) in words.iter_mut().enumerate() {
+            // SAFETY: as above.
+            *w = unsafe { std::ptr::read_volatile(at(i)) };
+        }
+        // SAFETY: as above; the kernel that wrote this record has ended.
+        unsafe { std::ptr::write_volatile(at(0), 0) };
+        return plan::parse_record(words);
+    }
+    None
 }
 
 impl Drop for HostRecords {
@@ -891,6 +900,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn records_are_taken_one_at_a_time_and_cleared() {
+        let mut mem = vec![0u32; plan::RECORDS * plan::RECORD_BYTES / 4];
+        // SAFETY: the vector has exactly the records' size.
+        assert_eq!(unsafe { take_record(mem.as_mut_ptr()) }, None);
+        // Two kernels timed out: records 5 (a barrier) and 63 (a put).
+        mem[5 * 8..6 * 8].copy_from_slice(&[2, 3, 2, 0, 1, 4, 7_000_000, 0]);
+        mem[63 * 8..64 * 8].copy_from_slice(&[2, 1, 1, 0, 1, 9, 1, 0]);
+        // A record still being written (state not 2) is not taken.
+        mem[7 * 8] = 1;
+        let first = unsafe { take_record(mem.as_mut_ptr()) }.unwrap();
+        assert_eq!((first.op, first.send, first.peer, first.channel, first.elapsed_ns), ("barrier", false, 1, 4, 7_000_000));
+        assert_eq!(mem[5 * 8], 0, "cleared");
+        let second = unsafe { take_record(mem.as_mut_ptr()) }.unwrap();
+        assert_eq!((second.op, second.send, second.channel), ("put_signal", true, 9));
+        assert_eq!(unsafe { take_record(mem.as_mut_ptr()) }, None);
+        assert_eq!(mem[7 * 8], 1, "the unfinished record is left alone");
+    }
+
+    #[test]
     fn ptx_is_embedded_with_every_kernel_and_a_nul() {
         assert!(SIGNAL_PTX.ends_with('\0'));
         assert_eq!(SIGNAL_PTX.matches('\0').count(), 1);
@@ -900,5 +928,17 @@ mod tests {
         // The three kernels take the eight parameters `launch` passes.
         assert_eq!(SIGNAL_PTX.matches(".param .u32 p_slot").count(), 3);
         assert_eq!(SIGNAL_PTX.matches(".param .u64 p_pads").count(), 3);
+        // Each kernel writes the record as `parse_record` reads it: fields
+        // at words 1-5, the elapsed u64 at byte 24, the state (2) last.
+        for (field, count) in [("[%rd10+4]", 3), ("[%rd10+8]", 3), ("[%rd10+12], %r1", 3), ("[%rd10+16], %r4", 3), ("[%rd10+20], %r3", 3)] {
+            assert_eq!(SIGNAL_PTX.matches(&format!("st.relaxed.sys.global.u32 {field}")).count(), count, "{field}");
+        }
+        assert_eq!(SIGNAL_PTX.matches("st.relaxed.sys.global.u64 [%rd10+24], %rd9;").count(), 3);
+        assert_eq!(SIGNAL_PTX.matches(&format!("st.release.sys.global.u32 [%rd10], {};", plan::RECORD_WRITTEN)).count(), 3);
+        assert_eq!(SIGNAL_PTX.matches(&format!("mul.wide.u32 %rd10, %r5, {};", plan::RECORD_BYTES)).count(), 3);
+        // The op codes: put 1, wait 2, barrier 3.
+        for op in 1..=3 {
+            assert_eq!(SIGNAL_PTX.matches(&format!("st.relaxed.sys.global.u32 [%rd10+4], {op};")).count(), 1, "op {op}");
+        }
     }
 }

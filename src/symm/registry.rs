@@ -5,8 +5,9 @@
 //!   afterwards it fails with "Backend can not be changed after use.".
 //! - Without it, a CUDA allocation takes the backend named by the
 //!   `TORCH_SYMMMEM` environment variable (`CUDA`, `NVSHMEM` or `NCCL`,
-//!   default `CUDA`); a CPU allocation takes the CPU allocator, which the
-//!   library registers itself.
+//!   default `CUDA`); a CPU allocation takes the CPU allocator. The library
+//!   registers both its allocators itself: "CPU" and "CUDA" (which fails
+//!   with `CudaUnavailable` and the reason where there is no driver).
 //! - `is_finalizing()` turns true when the process exits, so that frees
 //!   run by teardown code leave mappings alone.
 

@@ -249,7 +249,7 @@ pub const SYMM_SYMBOLS: [&str; 21] = [
     "cuMemSetAccess",
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
-    "cuModuleLoadData",
+    "cuModuleLoadDataEx",
     "cuModuleUnload",
     "cuModuleGetFunction",
     "cuLaunchKernel",

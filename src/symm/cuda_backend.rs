@@ -34,7 +34,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// The signal kernels, NUL-terminated for `cuModuleLoadData`.
+/// The signal kernels, NUL-terminated for `cuModuleLoadDataEx`.
 pub const SIGNAL_PTX: &str = concat!(include_str!("cuda_signals.ptx"), "\0");
 /// Kernel names in the PTX, in [`Op`] order.
 pub const KERNELS: [&str; 3] = ["ss_symm_put_signal", "ss_symm_wait_signal", "ss_symm_barrier"];
@@ -398,9 +398,23 @@ struct Module {
 impl Module {
     fn load(device: i32) -> Result<Module> {
         let mut module: sys::CUmodule = std::ptr::null_mut();
-        // SAFETY: NUL-terminated PTX text; out-pointer ours.
-        check(unsafe { sys::cuModuleLoadData(&mut module, SIGNAL_PTX.as_ptr().cast()) }, || {
-            format!("cuModuleLoadData of the signal kernels (PTX JIT) on device {device}")
+        // The JIT's error log, so a rejected kernel says why.
+        let mut log = vec![0u8; 4096];
+        let mut options = [sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER, sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES];
+        let mut values: [*mut c_void; 2] = [log.as_mut_ptr().cast(), log.len() as *mut c_void];
+        // SAFETY: NUL-terminated PTX; two options whose values are the log
+        // buffer and its size (passed by value in the pointer, as the API
+        // wants); out-pointer ours.
+        let r = unsafe {
+            sys::cuModuleLoadDataEx(&mut module, SIGNAL_PTX.as_ptr().cast(), 2, options.as_mut_ptr(), values.as_mut_ptr())
+        };
+        check(r, || {
+            let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+            let text = String::from_utf8_lossy(&log[..end]).trim().to_string();
+            format!(
+                "cuModuleLoadDataEx of the signal kernels (PTX JIT) on device {device}{}",
+                if text.is_empty() { String::new() } else { format!(" [JIT log: {text}]") }
+            )
         })?;
         let mut m = Module { device, module: module as usize, functions: [0; 3] };
         for (i, name) in KERNELS.iter().enumerate() {

@@ -54,7 +54,8 @@ static void errors() {
     ss::symm_set_group_info_file("cxx-solo", 0, 1, dir);
     expect_error([&] { ss::symm_set_group_info_file("cxx-solo", 0, 1, dir); }, SS_ERR_ALREADY_EXISTS);
     expect_error([] { ss::symm_get_group_info("nope"); }, SS_ERR_NOT_FOUND);
-    expect_error([] { ss::SymmBlock::alloc(64, "", SS_DEVICE_CUDA); }, SS_ERR_UNSUPPORTED);
+    if (!ss_cuda_available()) /* no driver or device: the reason, typed */
+        expect_error([] { ss::SymmBlock::alloc(64, "", SS_DEVICE_CUDA); }, SS_ERR_CUDA_UNAVAILABLE);
     ss::SymmBlock block = ss::SymmBlock::alloc(100, "cxx-solo");
     ss::SymmMem mem = block.rendezvous("", 10000);
     if (block.rendezvous("cxx-solo", 10000).get() != mem.get()) {
@@ -62,6 +63,10 @@ static void errors() {
         std::exit(1);
     }
     expect_error([&] { mem.buffer_ptr(1); }, SS_ERR_INVALID_ARGUMENT);
+    CHECK(mem.buffer_ptrs_dev()[0] == mem.buffer_ptr(0)); /* a CPU block: a host array */
+    CHECK(mem.signal_pad_ptrs_dev()[0] == static_cast<void *>(mem.signal_pad_ptr(0)));
+    CHECK(!mem.has_multicast());
+    expect_error([&] { mem.multicast_ptr(); }, SS_ERR_UNSUPPORTED);
     ss::Error e = expect_error([&] { mem.get_buffer(0, 60, 50); }, SS_ERR_INVALID_ARGUMENT);
     CHECK(std::strstr(e.what(), "the requested size (110 bytes) exceeds the allocated size (100 bytes)") != nullptr);
     expect_error([&] { mem.barrier(-1, 10); }, SS_ERR_INVALID_ARGUMENT);

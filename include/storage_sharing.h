@@ -164,8 +164,8 @@
 #define SS_DEVICE_CPU 0
 
 /**
- * Device type of a CUDA block (backend not built yet: allocations fail
- * with `SS_ERR_UNSUPPORTED`).
+ * Device type of a CUDA block (driver VMM memory; without a driver or
+ * device, allocations fail with `SS_ERR_CUDA_UNAVAILABLE` and the reason).
  */
 #define SS_DEVICE_CUDA 1
 
@@ -1538,7 +1538,9 @@ ss_status ss_symm_set_signal_pad_size(size_t size);
  * `device_type` (`SS_DEVICE_CPU`, `SS_DEVICE_CUDA`) `device_idx` (0 for
  * CPU); `group` (may be NULL) is the default group of its rendezvous.
  * Writes the buffer's address to `*out`. Free it with `ss_symm_free`.
- * CUDA: `SS_ERR_UNSUPPORTED` (the CUDA backend is not built yet).
+ * CUDA: `device_idx` is the device ordinal; the buffer is device memory
+ * (`SS_ERR_CUDA_UNAVAILABLE` with the reason where there is no driver or
+ * device).
  */
 ss_status ss_symm_alloc(int device_type,
                         int device_idx,
@@ -1614,6 +1616,31 @@ ss_status ss_symm_mem_buffer_ptr(const ss_symm_mem *h, int rank, void **out);
 ss_status ss_symm_mem_signal_pad_ptr(const ss_symm_mem *h, int rank, void **out);
 
 /**
+ * A device-readable array of `world_size` pointers: every rank's buffer as
+ * mapped here (PyTorch's `get_buffer_ptrs_dev`), for kernels. CUDA: device
+ * memory; CPU: host memory. Owned by the object.
+ */
+ss_status ss_symm_mem_buffer_ptrs_dev(const ss_symm_mem *h, void **out);
+
+/**
+ * The same array for the signal pads (PyTorch's `get_signal_pad_ptrs_dev`).
+ */
+ss_status ss_symm_mem_signal_pad_ptrs_dev(const ss_symm_mem *h, void **out);
+
+/**
+ * Whether the block has a multicast address (false for NULL, for CPU
+ * blocks, and where `ss_symm_mem_multicast_ptr` says why not).
+ */
+bool ss_symm_mem_has_multicast(const ss_symm_mem *h);
+
+/**
+ * The buffer's address in the block's multicast mapping; without one
+ * `SS_ERR_UNSUPPORTED` with the reason (`TORCH_SYMM_MEM_DISABLE_MULTICAST`, ranks sharing a device,
+ * a device or driver without multicast, …).
+ */
+ss_status ss_symm_mem_multicast_ptr(const ss_symm_mem *h, void **out);
+
+/**
  * The address of `nbytes` at `offset` in rank `rank`'s buffer, after
  * PyTorch's checks: a bad rank ("Invalid peer rank") or a range past the
  * buffer ("the requested size (N bytes) exceeds the allocated size (M
@@ -1629,7 +1656,10 @@ ss_status ss_symm_mem_get_buffer(const ss_symm_mem *h,
  * Signals every other rank on `channel`, then waits for each of them.
  * `timeout_ms` 0 waits forever; expiry is `SS_ERR_TIMEOUT` naming the
  * rank, the peer and the channel. `stream` is a CUDA stream (ignored by
- * the CPU backend; may be NULL).
+ * the CPU backend; may be NULL). CUDA: the call enqueues a kernel on
+ * `stream` and returns; a kernel that times out records it in host-mapped
+ * memory and ends (the stream goes on), and the next barrier/put/wait on
+ * this object returns that `SS_ERR_TIMEOUT` without enqueuing anything.
  */
 ss_status ss_symm_mem_barrier(const ss_symm_mem *h, int channel, int64_t timeout_ms, void *stream);
 

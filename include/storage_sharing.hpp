@@ -850,6 +850,25 @@ public:
         check(ss_symm_mem_get_buffer(h_, rank, nbytes, offset, &p), "ss_symm_mem_get_buffer");
         return p;
     }
+    /* Device-readable arrays of world_size pointers (CUDA: device memory,
+     * CPU: host memory), owned by the object. */
+    void *const *buffer_ptrs_dev() const {
+        void *p = nullptr;
+        check(ss_symm_mem_buffer_ptrs_dev(h_, &p), "ss_symm_mem_buffer_ptrs_dev");
+        return static_cast<void *const *>(p);
+    }
+    void *const *signal_pad_ptrs_dev() const {
+        void *p = nullptr;
+        check(ss_symm_mem_signal_pad_ptrs_dev(h_, &p), "ss_symm_mem_signal_pad_ptrs_dev");
+        return static_cast<void *const *>(p);
+    }
+    bool has_multicast() const noexcept { return ss_symm_mem_has_multicast(h_); }
+    /* Throws (SS_ERR_UNSUPPORTED, with the reason) where there is none. */
+    void *multicast_ptr() const {
+        void *p = nullptr;
+        check(ss_symm_mem_multicast_ptr(h_, &p), "ss_symm_mem_multicast_ptr");
+        return p;
+    }
     void barrier(int channel = 0, std::int64_t timeout_ms = 0, void *stream = nullptr) const {
         check(ss_symm_mem_barrier(h_, channel, timeout_ms, stream), "ss_symm_mem_barrier");
     }

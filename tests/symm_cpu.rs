@@ -342,6 +342,50 @@ fn role_persistent(me: Rank) {
     println!("ok");
 }
 
+/// The descriptor broadcast of the rendezvous socket (used by the CUDA
+/// backend's multicast set-up): rank 0 sends a memfd, then nothing.
+fn role_broadcast(me: Rank) {
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::AsRawFd;
+    use storage_sharing::symm::{exchange, ipc_channel::IpcChannel};
+    me.join("bcast");
+    let info = group::get_group_info("bcast").unwrap();
+    let pid = std::process::id() as i32;
+    let pids: Vec<i32> = exchange::all_gather(&info, "bcast", &pid.to_ne_bytes(), t(20_000))
+        .unwrap()
+        .iter()
+        .map(|b| i32::from_ne_bytes(b[..4].try_into().unwrap()))
+        .collect();
+    let deadline = Some(Instant::now() + Duration::from_secs(20));
+    let channel = IpcChannel::new("bcast", deadline).unwrap();
+    let mut own = None;
+    if me.rank == 0 {
+        // SAFETY: memfd_create with a NUL-terminated name.
+        let fd = unsafe { libc::memfd_create(c"bcast".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: the descriptor was just created and is ours alone.
+        let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        f.write_all(b"from rank 0").unwrap();
+        own = Some(f);
+    }
+    let got = channel.broadcast(own.as_ref().map(|f| f.as_raw_fd()), 0, me.rank, &pids, deadline).unwrap();
+    if me.rank == 0 {
+        assert!(got.is_none(), "the source gets nothing back");
+    } else {
+        let mut f = std::fs::File::from(got.expect("a descriptor from rank 0"));
+        f.rewind().unwrap();
+        let mut text = String::new();
+        f.read_to_string(&mut text).unwrap();
+        assert_eq!(text, "from rank 0");
+    }
+    // A broadcast of nothing: a datagram without a descriptor.
+    let got = channel.broadcast(None, 0, me.rank, &pids, deadline).unwrap();
+    assert!(got.is_none());
+    exchange::all_gather(&info, "bcast", &[0], t(20_000)).unwrap();
+    drop(channel);
+    println!("rank {} ok", me.rank);
+}
+
 fn role_registry(me: Rank) {
     let e = registry::set_backend("NVSHMEM").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound);
@@ -349,14 +393,23 @@ fn role_registry(me: Rank) {
     registry::set_backend("CPU").unwrap();
     assert_eq!(registry::get_backend().as_deref(), Some("CPU"));
     assert!(registry::has_allocator(DeviceType::Cpu));
-    assert!(!registry::has_allocator(DeviceType::Cuda));
-    let e = symm::alloc(DeviceType::Cuda, 0, 64, None).unwrap_err();
+    assert!(registry::has_allocator(DeviceType::Cuda), "the CUDA backend is registered");
+    let cuda = symm::alloc(DeviceType::Cuda, 0, 64, None);
     if me.extra.first().map(String::as_str) == Some("bad-env") {
+        let e = cuda.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
         assert_eq!(e.message(), "TORCH_SYMMMEM environment variable must be one of 'CUDA', 'NVSHMEM', 'NCCL'.");
     } else {
-        assert_eq!(e.kind(), ErrorKind::Unsupported);
-        assert!(e.message().contains("the CUDA symmetric-memory backend is not built yet"), "{}", e.message());
+        match storage_sharing::cuda::check_available() {
+            // No driver or device here: the allocation says so, with the reason.
+            Err(why) => {
+                let e = cuda.unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::CudaUnavailable);
+                assert_eq!(e.message(), why.message());
+                assert!(e.message().starts_with("CUDA is not available: "), "{}", e.message());
+            }
+            Ok(()) => symm::free(cuda.unwrap()).unwrap(),
+        }
     }
     let p = symm::alloc(DeviceType::Cpu, 0, 64, None).unwrap();
     let e = registry::set_backend("CPU").unwrap_err();
@@ -448,7 +501,11 @@ fn role_c_api(me: Rank) {
 
         let mut p: *mut c_void = null_mut();
         assert_eq!(ss_symm_alloc(7, 0, 64, null(), &mut p), SS_ERR_INVALID_ARGUMENT);
-        assert_eq!(ss_symm_alloc(SS_DEVICE_CUDA, 0, 64, null(), &mut p), SS_ERR_UNSUPPORTED);
+        if storage_sharing::cuda::check_available().is_err() {
+            assert_eq!(ss_symm_alloc(SS_DEVICE_CUDA, 0, 64, null(), &mut p), SS_ERR_CUDA_UNAVAILABLE);
+            let msg = std::ffi::CStr::from_ptr(storage_sharing::ffi::errors::ss_last_error_message()).to_string_lossy().into_owned();
+            assert!(msg.contains("CUDA is not available: "), "{msg}");
+        }
         assert_eq!(ss_symm_alloc(SS_DEVICE_CPU, 0, 64, null(), null_mut()), SS_ERR_NULL_POINTER);
         assert!(p.is_null(), "out written only on success");
         assert_eq!(ss_symm_alloc(SS_DEVICE_CPU, 0, 64, c"capi".as_ptr(), &mut p), SS_OK);
@@ -472,6 +529,19 @@ fn role_c_api(me: Rank) {
         assert_eq!(ss_symm_mem_signal_pad_ptr(h, 0, &mut q), SS_OK);
         assert_eq!(q as usize + 12288, p as usize, "layout [pad | buffer], buffer on its own page");
         assert_eq!(ss_symm_mem_get_buffer(h, 0, 65, 0, &mut q), SS_ERR_INVALID_ARGUMENT);
+        // The pointer arrays of a CPU block are host arrays of world_size entries.
+        let mut arr: *mut c_void = null_mut();
+        assert_eq!(ss_symm_mem_buffer_ptrs_dev(h, &mut arr), SS_OK);
+        assert_eq!(*(arr as *const usize), p as usize);
+        assert_eq!(ss_symm_mem_signal_pad_ptrs_dev(h, &mut arr), SS_OK);
+        assert_eq!(*(arr as *const usize) + 12288, p as usize);
+        assert_eq!(ss_symm_mem_buffer_ptrs_dev(null(), &mut arr), SS_ERR_NULL_POINTER);
+        assert_eq!(ss_symm_mem_signal_pad_ptrs_dev(h, null_mut()), SS_ERR_NULL_POINTER);
+        assert!(!ss_symm_mem_has_multicast(h));
+        assert!(!ss_symm_mem_has_multicast(null()));
+        assert_eq!(ss_symm_mem_multicast_ptr(h, &mut arr), SS_ERR_UNSUPPORTED);
+        let msg = std::ffi::CStr::from_ptr(storage_sharing::ffi::errors::ss_last_error_message()).to_string_lossy().into_owned();
+        assert!(msg.contains("has no multicast: the CPU backend has no multicast"), "{msg}");
         assert_eq!(ss_symm_mem_get_buffer(null(), 0, 1, 0, &mut q), SS_ERR_NULL_POINTER);
         assert_eq!(ss_symm_mem_barrier(h, 0, -1, null_mut()), SS_ERR_INVALID_ARGUMENT);
         assert_eq!(ss_symm_mem_barrier(h, 0, 0, null_mut()), SS_OK, "one rank: nothing to wait for");
@@ -505,6 +575,7 @@ fn child_role() {
         "two_groups" => role_two_groups(me),
         "persistent" => role_persistent(me),
         "registry" => role_registry(me),
+        "broadcast" => role_broadcast(me),
         "bad_args" => role_bad_args(me),
         "c_api" => role_c_api(me),
         other => panic!("unknown role {other}"),
@@ -512,6 +583,11 @@ fn child_role() {
 }
 
 // ------------------------------------------------------------------- tests
+
+#[test]
+fn descriptor_broadcast_reaches_every_rank() {
+    run_ranks("broadcast", "broadcast3", 3, &[]);
+}
 
 #[test]
 fn two_ranks_read_each_others_buffers() {

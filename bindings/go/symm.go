@@ -135,7 +135,8 @@ type SymmBlock struct {
 }
 
 // SymmAlloc allocates a block whose buffer holds size bytes on the device
-// (DeviceCPU, device 0; DeviceCUDA fails with ErrUnsupported for now).
+// (DeviceCPU, device 0; DeviceCUDA, the device ordinal: ErrCudaUnavailable
+// where there is no driver or device).
 // group ("" for none) is the default group of its rendezvous.
 func SymmAlloc(deviceType, deviceIdx, size int, group string) (*SymmBlock, error) {
 	return symmAllocWith("ss_symm_alloc", size, group, func(g *C.char, p *unsafe.Pointer) C.ss_status {
@@ -261,6 +262,33 @@ func (m *SymmMem) SignalPad(rank int) ([]uint32, error) {
 		return nil, err
 	}
 	return unsafe.Slice((*uint32)(p), m.SignalPadSize()/4), nil
+}
+
+// BufferPtrsDev is a device-readable array of WorldSize buffer addresses
+// (PyTorch's get_buffer_ptrs_dev): device memory for a CUDA block, host
+// memory for a CPU block. Owned by m.
+func (m *SymmMem) BufferPtrsDev() (unsafe.Pointer, error) {
+	var p unsafe.Pointer
+	err := call("ss_symm_mem_buffer_ptrs_dev", func() C.ss_status { return C.ss_symm_mem_buffer_ptrs_dev(m.h, &p) })
+	return p, err
+}
+
+// SignalPadPtrsDev is the same array for the signal pads.
+func (m *SymmMem) SignalPadPtrsDev() (unsafe.Pointer, error) {
+	var p unsafe.Pointer
+	err := call("ss_symm_mem_signal_pad_ptrs_dev", func() C.ss_status { return C.ss_symm_mem_signal_pad_ptrs_dev(m.h, &p) })
+	return p, err
+}
+
+// HasMulticast tells whether the block has a multicast address.
+func (m *SymmMem) HasMulticast() bool { return bool(C.ss_symm_mem_has_multicast(m.h)) }
+
+// MulticastPtr is the block's multicast address; ErrUnsupported, with the
+// reason, where there is none.
+func (m *SymmMem) MulticastPtr() (unsafe.Pointer, error) {
+	var p unsafe.Pointer
+	err := call("ss_symm_mem_multicast_ptr", func() C.ss_status { return C.ss_symm_mem_multicast_ptr(m.h, &p) })
+	return p, err
 }
 
 // Barrier signals every other rank on channel, then waits for each.

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 )
 
 // Rank 1 of the symmetric-memory test is this test binary again, run with
@@ -118,8 +119,10 @@ func TestSymmTwoRanks(t *testing.T) {
 }
 
 func TestSymmErrors(t *testing.T) {
-	if _, err := SymmAlloc(DeviceCUDA, 0, 64, ""); !errors.Is(err, ErrUnsupported) && !errors.Is(err, ErrCudaUnavailable) {
-		t.Fatalf("CUDA alloc: %v", err)
+	if cb, err := SymmAlloc(DeviceCUDA, 0, 64, ""); err == nil {
+		cb.Free() // a CUDA device is there
+	} else if !errors.Is(err, ErrCudaUnavailable) || !strings.Contains(err.Error(), "CUDA is not available: ") {
+		t.Fatalf("CUDA alloc without a device: %v", err)
 	}
 	if _, _, err := SymmGetGroupInfo("no-such-group"); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("unknown group: %v", err)
@@ -165,6 +168,19 @@ func TestSymmErrors(t *testing.T) {
 	}
 	if _, err := m.Buffer(1); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("rank 1 of 1: %v", err)
+	}
+	// A CPU block's pointer arrays are host arrays of WorldSize entries.
+	if arr, err := m.BufferPtrsDev(); err != nil || *(*unsafe.Pointer)(arr) != b.Ptr() {
+		t.Fatalf("buffer pointer array: %v", err)
+	}
+	if arr, err := m.SignalPadPtrsDev(); err != nil || uintptr(*(*unsafe.Pointer)(arr))+12288 != uintptr(b.Ptr()) {
+		t.Fatalf("signal pad pointer array: %v", err)
+	}
+	if m.HasMulticast() {
+		t.Fatal("a CPU block has no multicast")
+	}
+	if _, err := m.MulticastPtr(); !errors.Is(err, ErrUnsupported) || !strings.Contains(err.Error(), "no multicast") {
+		t.Fatalf("multicast pointer: %v", err)
 	}
 	if _, err := m.GetBuffer(0, 101, 0); !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "exceeds the allocated size (100 bytes)") {
 		t.Fatalf("get_buffer past the end: %v", err)

@@ -55,6 +55,8 @@ pub struct Driver {
     pub version: i32,
     /// Devices visible to this process.
     pub device_count: i32,
+    /// The `dlopen` handle of that library (never closed).
+    handle: usize,
     /// Primary contexts retained so far, by device ordinal (kept for the
     /// life of the process, as the CUDA runtime does).
     contexts: ForkSafeMutex<HashMap<i32, usize>>,
@@ -127,7 +129,7 @@ fn load() -> std::result::Result<Driver, Error> {
     if device_count == 0 {
         return Err(no_device());
     }
-    Ok(Driver { library, version, device_count, contexts: ForkSafeMutex::new(HashMap::new()) })
+    Ok(Driver { library, version, device_count, handle: handle as usize, contexts: ForkSafeMutex::new(HashMap::new()) })
 }
 
 fn no_device() -> Error {
@@ -228,5 +230,111 @@ impl Driver {
         check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) }, || format!("cuDevicePrimaryCtxRetain({device})"))?;
         contexts.insert(device, ctx as usize);
         Ok(ctx)
+    }
+}
+
+/// The driver entry points the CUDA symmetric-memory backend calls beyond
+/// [`REQUIRED_SYMBOLS`]: virtual memory management (CUDA 10.2+), modules
+/// and launches, host-mapped memory. Checked on the first symmetric-memory
+/// use, so a driver without them fails that use with `CudaUnavailable`
+/// (cudarc would panic on a missing one) and CUDA IPC is unaffected.
+pub const SYMM_SYMBOLS: [&str; 21] = [
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
+    "cuModuleLoadDataEx",
+    "cuModuleUnload",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
+    "cuMemHostAlloc",
+    "cuMemHostGetDevicePointer_v2",
+    "cuMemFreeHost",
+    "cuDeviceGetAttribute",
+    "cuCtxSynchronize",
+    "cuMemsetD8_v2",
+    "cuMemcpyHtoD_v2",
+];
+
+/// Multicast entry points (CUDA 12.1+): optional. Without them multicast
+/// is reported as unsupported, with the missing name as the reason.
+pub const MULTICAST_SYMBOLS: [&str; 5] =
+    ["cuMulticastCreate", "cuMulticastAddDevice", "cuMulticastBindMem", "cuMulticastUnbind", "cuMulticastGetGranularity"];
+
+/// What the loaded driver offers symmetric memory.
+#[derive(Debug, Clone)]
+pub struct SymmFeatures {
+    /// `None` when every multicast entry point is there, else the reason.
+    pub multicast_missing: Option<String>,
+}
+
+static SYMM_FEATURES: OnceCell<std::result::Result<SymmFeatures, Error>> = OnceCell::new();
+
+/// The first of `names` that `lib`'s handle lacks, if any.
+fn first_missing(handle: usize, names: &[&'static str]) -> Option<&'static str> {
+    names.iter().copied().find(|name| {
+        let c = CString::new(*name).expect("symbol names have no NUL");
+        // SAFETY: `handle` is a live dlopen handle (never closed).
+        unsafe { libc::dlsym(handle as *mut libc::c_void, c.as_ptr()) }.is_null()
+    })
+}
+
+/// The driver, checked for the symmetric-memory entry points (once per
+/// process): `CudaUnavailable` naming the first one missing.
+pub fn symm_driver() -> Result<(&'static Driver, &'static SymmFeatures)> {
+    let d = driver()?;
+    let features = SYMM_FEATURES
+        .get_or_init(|| {
+            if let Some(name) = first_missing(d.handle, &SYMM_SYMBOLS) {
+                return Err(unavailable(format!(
+                    "the driver library {} lacks {name}, which CUDA symmetric memory needs (virtual memory management)",
+                    d.library
+                )));
+            }
+            let multicast_missing = first_missing(d.handle, &MULTICAST_SYMBOLS)
+                .map(|name| format!("the driver library {} lacks {name} (multicast needs CUDA 12.1 or newer)", d.library));
+            Ok(SymmFeatures { multicast_missing })
+        })
+        .as_ref()
+        .map_err(Clone::clone)?;
+    Ok((d, features))
+}
+
+impl Driver {
+    /// The address of driver entry point `name`, if the library has it.
+    pub fn symbol(&self, name: &str) -> Option<*mut libc::c_void> {
+        let c = CString::new(name).ok()?;
+        // SAFETY: live dlopen handle (never closed).
+        let p = unsafe { libc::dlsym(self.handle as *mut libc::c_void, c.as_ptr()) };
+        (!p.is_null()).then_some(p)
+    }
+
+    /// `cuDeviceGetAttribute` by the attribute's number, so attributes newer
+    /// than cudarc's CUDA 12.0 bindings (multicast: 132) can be asked too; a
+    /// driver that does not know the attribute gives an error, not a panic.
+    /// Only after [`symm_driver`] succeeded (the symbol is checked there).
+    pub fn device_attribute(&self, device: i32, attribute: i32) -> Result<i32> {
+        type GetAttr = unsafe extern "C" fn(*mut libc::c_int, libc::c_int, sys::CUdevice) -> CUresult;
+        let c = CString::new("cuDeviceGetAttribute").expect("no NUL");
+        // SAFETY: live handle; the symbol was checked by symm_driver.
+        let f = unsafe { libc::dlsym(self.handle as *mut libc::c_void, c.as_ptr()) };
+        if f.is_null() {
+            return Err(unavailable(format!("the driver library {} lacks cuDeviceGetAttribute", self.library)));
+        }
+        // SAFETY: the symbol has this C signature in every CUDA driver.
+        let f: GetAttr = unsafe { std::mem::transmute::<*mut libc::c_void, GetAttr>(f) };
+        let mut dev = 0;
+        // SAFETY: out-pointers are ours; an out-of-range ordinal is an error.
+        check(unsafe { sys::cuDeviceGet(&mut dev, device) }, || format!("cuDeviceGet({device})"))?;
+        let mut value = 0;
+        // SAFETY: as above.
+        check(unsafe { f(&mut value, attribute, dev) }, || format!("cuDeviceGetAttribute({attribute}) of device {device}"))?;
+        Ok(value)
     }
 }

@@ -12,8 +12,8 @@ use std::sync::Once;
 
 /// Device type of a CPU block (the library's own multi-process backend).
 pub const SS_DEVICE_CPU: c_int = 0;
-/// Device type of a CUDA block (backend not built yet: allocations fail
-/// with `SS_ERR_UNSUPPORTED`).
+/// Device type of a CUDA block (driver VMM memory; without a driver or
+/// device, allocations fail with `SS_ERR_CUDA_UNAVAILABLE` and the reason).
 pub const SS_DEVICE_CUDA: c_int = 1;
 
 /// A rendezvoused symmetric block: every rank's buffer and signal pad, and
@@ -123,7 +123,9 @@ pub unsafe extern "C" fn ss_symm_set_signal_pad_size(size: usize) -> ss_status {
 /// `device_type` (`SS_DEVICE_CPU`, `SS_DEVICE_CUDA`) `device_idx` (0 for
 /// CPU); `group` (may be NULL) is the default group of its rendezvous.
 /// Writes the buffer's address to `*out`. Free it with `ss_symm_free`.
-/// CUDA: `SS_ERR_UNSUPPORTED` (the CUDA backend is not built yet).
+/// CUDA: `device_idx` is the device ordinal; the buffer is device memory
+/// (`SS_ERR_CUDA_UNAVAILABLE` with the reason where there is no driver or
+/// device).
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_alloc(
     device_type: c_int,
@@ -293,6 +295,47 @@ pub unsafe extern "C" fn ss_symm_mem_signal_pad_ptr(h: *const SsSymmMem, rank: c
     })
 }
 
+/// A device-readable array of `world_size` pointers: every rank's buffer as
+/// mapped here (PyTorch's `get_buffer_ptrs_dev`), for kernels. CUDA: device
+/// memory; CPU: host memory. Owned by the object.
+#[no_mangle]
+pub unsafe extern "C" fn ss_symm_mem_buffer_ptrs_dev(h: *const SsSymmMem, out: *mut *mut c_void) -> ss_status {
+    ffi_status!("ss_symm_mem_buffer_ptrs_dev", {
+        // SAFETY: NULL or a live handle; out NULL or writable.
+        unsafe { ptr_out(h, out, |m| m.buffer_ptrs_dev()) }
+    })
+}
+
+/// The same array for the signal pads (PyTorch's `get_signal_pad_ptrs_dev`).
+#[no_mangle]
+pub unsafe extern "C" fn ss_symm_mem_signal_pad_ptrs_dev(h: *const SsSymmMem, out: *mut *mut c_void) -> ss_status {
+    ffi_status!("ss_symm_mem_signal_pad_ptrs_dev", {
+        // SAFETY: NULL or a live handle; out NULL or writable.
+        unsafe { ptr_out(h, out, |m| m.signal_pad_ptrs_dev()) }
+    })
+}
+
+/// Whether the block has a multicast address (false for NULL, for CPU
+/// blocks, and where `ss_symm_mem_multicast_ptr` says why not).
+#[no_mangle]
+pub unsafe extern "C" fn ss_symm_mem_has_multicast(h: *const SsSymmMem) -> bool {
+    ffi_value!("ss_symm_mem_has_multicast", false, {
+        // SAFETY: NULL or a live handle.
+        unsafe { symm_mem(h) }.is_ok_and(|m| m.has_multicast())
+    })
+}
+
+/// The buffer's address in the block's multicast mapping; without one
+/// `SS_ERR_UNSUPPORTED` with the reason (`TORCH_SYMM_MEM_DISABLE_MULTICAST`, ranks sharing a device,
+/// a device or driver without multicast, …).
+#[no_mangle]
+pub unsafe extern "C" fn ss_symm_mem_multicast_ptr(h: *const SsSymmMem, out: *mut *mut c_void) -> ss_status {
+    ffi_status!("ss_symm_mem_multicast_ptr", {
+        // SAFETY: NULL or a live handle; out NULL or writable.
+        unsafe { ptr_out(h, out, |m| m.multicast_ptr()) }
+    })
+}
+
 /// The address of `nbytes` at `offset` in rank `rank`'s buffer, after
 /// PyTorch's checks: a bad rank ("Invalid peer rank") or a range past the
 /// buffer ("the requested size (N bytes) exceeds the allocated size (M
@@ -314,7 +357,10 @@ pub unsafe extern "C" fn ss_symm_mem_get_buffer(
 /// Signals every other rank on `channel`, then waits for each of them.
 /// `timeout_ms` 0 waits forever; expiry is `SS_ERR_TIMEOUT` naming the
 /// rank, the peer and the channel. `stream` is a CUDA stream (ignored by
-/// the CPU backend; may be NULL).
+/// the CPU backend; may be NULL). CUDA: the call enqueues a kernel on
+/// `stream` and returns; a kernel that times out records it in host-mapped
+/// memory and ends (the stream goes on), and the next barrier/put/wait on
+/// this object returns that `SS_ERR_TIMEOUT` without enqueuing anything.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_barrier(h: *const SsSymmMem, channel: c_int, timeout_ms: i64, stream: *mut c_void) -> ss_status {
     ffi_status!("ss_symm_mem_barrier", {

@@ -113,7 +113,13 @@ impl SymmBlock for CpuBlock {
         self.fd.try_clone().map_err(|e| Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), "dup of a symmetric block"))
     }
 
-    fn import(&self, rank: usize, peers: Vec<Option<OwnedFd>>) -> Result<Box<dyn PeerAccess>> {
+    fn import(
+        &self,
+        rank: usize,
+        peers: Vec<Option<OwnedFd>>,
+        _requests: &[super::request::RendezvousRequest],
+        _coll: &dyn super::backend::Collective,
+    ) -> Result<Box<dyn PeerAccess>> {
         let ws = peers.len();
         let mut maps = Vec::with_capacity(ws);
         let mut bases = Vec::with_capacity(ws);
@@ -129,7 +135,8 @@ impl SymmBlock for CpuBlock {
             bases.push(m.base() as usize);
             maps.push(Arc::new(m));
         }
-        Ok(Box::new(CpuPeers { rank, ws, layout: self.layout, bases, _maps: maps }))
+        let buffers = bases.iter().map(|b| b + self.layout.buffer_offset).collect();
+        Ok(Box::new(CpuPeers { rank, ws, layout: self.layout, bases, buffers, _maps: maps }))
     }
 }
 
@@ -154,6 +161,9 @@ struct CpuPeers {
     ws: usize,
     layout: Layout,
     bases: Vec<usize>,
+    /// Every rank's buffer address (the "device" pointer array of a CPU
+    /// block is this host array).
+    buffers: Vec<usize>,
     _maps: Vec<Arc<Mapping>>,
 }
 
@@ -202,6 +212,18 @@ impl PeerAccess for CpuPeers {
 
     fn signal_pad_ptr(&self, rank: usize) -> *mut u8 {
         self.bases[rank] as *mut u8
+    }
+
+    fn buffer_ptrs_dev(&self) -> Result<*mut u8> {
+        Ok(self.buffers.as_ptr() as *mut u8)
+    }
+
+    fn signal_pad_ptrs_dev(&self) -> Result<*mut u8> {
+        Ok(self.bases.as_ptr() as *mut u8)
+    }
+
+    fn multicast_ptr(&self) -> std::result::Result<*mut u8, String> {
+        Err("the CPU backend has no multicast".to_string())
     }
 
     fn put_signal(&self, dst: usize, channel: usize, timeout: Timeout, _stream: usize) -> Result<()> {

@@ -137,6 +137,28 @@ impl SymmetricMemory {
         Ok(unsafe { self.peers.buffer_ptr(r).add(offset) })
     }
 
+    /// A device-readable array of every rank's buffer address.
+    pub fn buffer_ptrs_dev(&self) -> Result<*mut u8> {
+        self.peers.buffer_ptrs_dev()
+    }
+
+    /// A device-readable array of every rank's signal pad address.
+    pub fn signal_pad_ptrs_dev(&self) -> Result<*mut u8> {
+        self.peers.signal_pad_ptrs_dev()
+    }
+
+    /// Whether the block has a multicast address.
+    pub fn has_multicast(&self) -> bool {
+        self.peers.multicast_ptr().is_ok()
+    }
+
+    /// The block's multicast address; `Unsupported` saying why there is none.
+    pub fn multicast_ptr(&self) -> Result<*mut u8> {
+        self.peers.multicast_ptr().map_err(|why| {
+            Error::new(ErrorKind::Unsupported, format!("symmetric memory of group {} has no multicast: {why}", self.group))
+        })
+    }
+
     pub fn barrier(&self, channel: i64, timeout: Timeout, stream: usize) -> Result<()> {
         let c = self.check_channel(channel)?;
         self.peers.barrier(c, timeout, stream)
@@ -164,7 +186,7 @@ mod tests {
     /// A real one-rank CPU block, presented as rank 0 of `ws` ranks.
     fn one_rank_as(ws: usize) -> SymmetricMemory {
         let block = CpuBlock::new(64).unwrap();
-        let peers = block.import(0, vec![None]).unwrap();
+        let peers = block.import(0, vec![None], &[], &crate::symm::backend::NoCollective).unwrap();
         SymmetricMemory::new(0, ws, block.layout(), "t", peers)
     }
 

@@ -115,7 +115,7 @@ impl IpcChannel {
         let mut fds: Vec<Option<OwnedFd>> = (0..ws).map(|_| None).collect();
         let mut holding = (rank, own);
         for step in 1..ws {
-            self.send(holding.1, holding.0, next, pids[next], deadline)?;
+            self.send(&[holding.1], holding.0, next, pids[next], deadline)?;
             let origin = (rank + ws - step) % ws;
             let (got_origin, fd) = self.recv(prev, pids[prev], deadline)?;
             if got_origin != origin {
@@ -130,11 +130,33 @@ impl IpcChannel {
         Ok(fds)
     }
 
-    /// Sends descriptor `fd` (of rank `origin`) to rank `to_rank`. The peer
+    /// Rank `src`'s descriptor (or none: a datagram without one) on every
+    /// rank: `src` sends it to each other rank, the others receive it. The
+    /// caller makes sure no ring datagram is still in flight (a store
+    /// barrier after the ring), as both share this socket.
+    pub fn broadcast(&self, fd: Option<RawFd>, src: usize, rank: usize, pids: &[i32], deadline: Option<Instant>) -> Result<Option<OwnedFd>> {
+        if rank == src {
+            let fds: Vec<RawFd> = fd.into_iter().collect();
+            for (r, &pid) in pids.iter().enumerate().filter(|&(r, _)| r != src) {
+                self.send(&fds, src, r, pid, deadline)?;
+            }
+            return Ok(None);
+        }
+        let (origin, fd) = self.recv_any(src, pids[src], deadline)?;
+        if origin != src {
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!("descriptor broadcast: rank {rank} expected a datagram of rank {src}, got one of rank {origin}"),
+            ));
+        }
+        Ok(fd)
+    }
+
+    /// Sends descriptors `fds` (of rank `origin`) to rank `to_rank`. The peer
     /// binds its socket only after the request all-gather, so a missing or
     /// refusing socket is retried while the peer process lives, until
     /// `deadline`.
-    fn send(&self, fd: RawFd, origin: usize, to_rank: usize, to_pid: i32, deadline: Option<Instant>) -> Result<()> {
+    fn send(&self, fds: &[RawFd], origin: usize, to_rank: usize, to_pid: i32, deadline: Option<Instant>) -> Result<()> {
         let path = socket_path(to_pid);
         let out = UnixDatagram::unbound().map_err(|e| io_error(e, "unable to create a datagram socket".into()))?;
         let mut pause = Duration::from_micros(50);
@@ -163,24 +185,35 @@ impl IpcChannel {
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(5));
         }
-        send_fds(out.as_raw_fd(), &(origin as u32).to_ne_bytes(), &[fd])
+        send_fds(out.as_raw_fd(), &(origin as u32).to_ne_bytes(), fds)
             .map_err(|e| e.context(format!("sending a block descriptor to rank {to_rank} (pid {to_pid})")))?;
         Ok(())
     }
 
     fn recv(&self, from_rank: usize, from_pid: i32, deadline: Option<Instant>) -> Result<(usize, OwnedFd)> {
+        match self.recv_any(from_rank, from_pid, deadline)? {
+            (origin, Some(fd)) => Ok((origin, fd)),
+            (_, None) => Err(Error::new(
+                ErrorKind::Protocol,
+                format!("datagram from rank {from_rank} had no descriptor, expected one"),
+            )),
+        }
+    }
+
+    /// One datagram: its origin rank and its descriptor, if it has one.
+    fn recv_any(&self, from_rank: usize, from_pid: i32, deadline: Option<Instant>) -> Result<(usize, Option<OwnedFd>)> {
         wait_readable(self.sock.as_raw_fd(), deadline).map_err(|e| {
             e.context(format!("waiting for a block descriptor from rank {from_rank} (pid {from_pid})"))
         })?;
         let mut buf = [0u8; 4];
         let (n, mut fds) = recv_fds(self.sock.as_raw_fd(), &mut buf, 1)?;
-        if n != 4 || fds.len() != 1 {
+        if n != 4 || fds.len() > 1 {
             return Err(Error::new(
                 ErrorKind::Protocol,
-                format!("datagram from rank {from_rank} had {n} bytes and {} descriptors, expected 4 and 1", fds.len()),
+                format!("datagram from rank {from_rank} had {n} bytes and {} descriptors, expected 4 and at most 1", fds.len()),
             ));
         }
-        Ok((u32::from_ne_bytes(buf) as usize, fds.remove(0)))
+        Ok((u32::from_ne_bytes(buf) as usize, fds.pop()))
     }
 }
 

@@ -8,12 +8,15 @@
 //! [`alloc`]ation table (plain and persistent blocks, the rendezvous cache),
 //! the [`rendezvous`] itself (store all-gather + descriptor ring over
 //! Unix datagram sockets), and the [`cpu_backend`], a real multi-process
-//! backend in shared memory that PyTorch does not have. A CUDA backend plugs
-//! in through the traits of [`backend`].
+//! backend in shared memory that PyTorch does not have, and the
+//! [`cuda_backend`] (driver VMM and PTX signal kernels), both through the
+//! traits of [`backend`].
 
 pub mod alloc;
 pub mod backend;
 pub mod cpu_backend;
+pub mod cuda_backend;
+pub mod cuda_plan;
 pub mod exchange;
 pub mod group;
 pub mod handle;

@@ -5,13 +5,15 @@
 //!   afterwards it fails with "Backend can not be changed after use.".
 //! - Without it, a CUDA allocation takes the backend named by the
 //!   `TORCH_SYMMMEM` environment variable (`CUDA`, `NVSHMEM` or `NCCL`,
-//!   default `CUDA`); a CPU allocation takes the CPU allocator, which the
-//!   library registers itself.
+//!   default `CUDA`); a CPU allocation takes the CPU allocator. The library
+//!   registers both its allocators itself: "CPU" and "CUDA" (which fails
+//!   with `CudaUnavailable` and the reason where there is no driver).
 //! - `is_finalizing()` turns true when the process exits, so that frees
 //!   run by teardown code leave mappings alone.
 
 use super::backend::SymmAllocator;
 use super::cpu_backend::CpuAllocator;
+use super::cuda_backend::CudaSymmAllocator;
 use super::DeviceType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fork_safe::ForkSafeMutex;
@@ -34,7 +36,7 @@ static REGISTRY: Lazy<ForkSafeMutex<Registry>> = Lazy::new(|| {
     // Statics are never dropped: mark finalizing at exit instead. The exit
     // hook is an `extern "C"` function, so it lives in the C API module.
     crate::ffi::symm::finalize_at_exit();
-    ForkSafeMutex::new(Registry { allocators: vec![Arc::new(CpuAllocator)], chosen: None, used: false })
+    ForkSafeMutex::new(Registry { allocators: vec![Arc::new(CpuAllocator), Arc::new(CudaSymmAllocator)], chosen: None, used: false })
 });
 
 static FINALIZING: AtomicBool = AtomicBool::new(false);
@@ -118,7 +120,7 @@ fn no_allocator(device_type: DeviceType, wanted: &str) -> Error {
             ErrorKind::Unsupported,
             format!(
                 "SymmetricMemory does not support device type {device_type} with backend {wanted}: \
-                 the CUDA symmetric-memory backend is not built yet"
+                 this library has the CUDA backend only (TORCH_SYMMMEM=CUDA, the default)"
             ),
         ),
         DeviceType::Cpu => Error::new(ErrorKind::Unsupported, format!("SymmetricMemory does not support device type {device_type}")),

@@ -32,6 +32,7 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        SymmMem, symm_set_group_info, symm_get_group_info, symm_set_backend, symm_alloc, symm_alloc_persistent,
        symm_get_alloc_size, symm_free, symm_rendezvous, symm_rank, symm_world_size, symm_buffer_size,
        symm_signal_pad_size, symm_buffer_ptr, symm_signal_pad_ptr, symm_get_buffer, symm_barrier, symm_put_signal,
+       symm_buffer_ptrs_dev, symm_signal_pad_ptrs_dev, symm_has_multicast, symm_multicast_ptr,
        symm_wait_signal, symm_finalize, symm_get_signal_pad_size, symm_set_signal_pad_size,
        ArenaOptions, ArenaHandle, ArenaStats, SharedArena, ArenaView, arena_options_default, open_arena,
        arena_alloc, arena_free, arena_share, arena_unshare, arena_segment_fd, arena_collect, arena_stats,

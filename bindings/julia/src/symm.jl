@@ -159,6 +159,33 @@ function symm_signal_pad_ptr(m::SymmMem, rank::Integer)
     return out[]
 end
 
+"""A device-readable array of `world_size` buffer addresses (CUDA: device memory; CPU: host memory), owned by `m`."""
+function symm_buffer_ptrs_dev(m::SymmMem)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    st = ccall((:ss_symm_mem_buffer_ptrs_dev, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Ptr{Cvoid}}), m.handle, out)
+    check("ss_symm_mem_buffer_ptrs_dev", st)
+    return out[]
+end
+
+"""The same array for the signal pads."""
+function symm_signal_pad_ptrs_dev(m::SymmMem)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    st = ccall((:ss_symm_mem_signal_pad_ptrs_dev, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Ptr{Cvoid}}), m.handle, out)
+    check("ss_symm_mem_signal_pad_ptrs_dev", st)
+    return out[]
+end
+
+"""Whether the block has a multicast address."""
+symm_has_multicast(m::SymmMem) = ccall((:ss_symm_mem_has_multicast, libstorage_sharing()), Bool, (Ptr{Cvoid},), m.handle)
+
+"""The block's multicast address; throws (SS_ERR_UNSUPPORTED, with the reason) where there is none."""
+function symm_multicast_ptr(m::SymmMem)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    st = ccall((:ss_symm_mem_multicast_ptr, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Ptr{Cvoid}}), m.handle, out)
+    check("ss_symm_mem_multicast_ptr", st)
+    return out[]
+end
+
 """`nbytes` at `offset` of rank `rank`'s buffer, bounds-checked, as a `Vector{UInt8}` over that memory (valid until `symm_free`)."""
 function symm_get_buffer(m::SymmMem, rank::Integer, nbytes::Integer, offset::Integer=0)
     out = Ref{Ptr{Cvoid}}(C_NULL)

@@ -187,6 +187,52 @@ static void exercise(const ss_store *s) {
     pthread_join(t, NULL);
 }
 
+/* check, compare_set, delete_key, num_keys: the same answers from the file
+ * store and the TCPStore (c10d's semantics). `base` keys exist already. */
+static void exercise_more(const ss_store *s, int64_t base) {
+    bool all = false;
+    const char *keys[] = {"grp/0/0", "count", "cas"};
+    CHECK_OK(ss_store_check(s, keys, 2, &all));
+    CHECK(all);
+    CHECK_OK(ss_store_check(s, keys, 3, &all));
+    CHECK(!all);
+    CHECK_OK(ss_store_check(s, NULL, 0, &all));
+    CHECK(all);
+    CHECK_STATUS(ss_store_check(s, keys, 1, NULL), SS_ERR_NULL_POINTER);
+
+    char buf[16];
+    size_t len = 0;
+    /* Missing key, expected not empty: the answer is expected, nothing made. */
+    CHECK_OK(ss_store_compare_set(s, "cas", "x", 1, "first", 5, buf, sizeof buf, &len));
+    CHECK(len == 1 && buf[0] == 'x');
+    CHECK_OK(ss_store_check(s, keys + 2, 1, &all));
+    CHECK(!all);
+    /* Missing key, expected empty: created. */
+    CHECK_OK(ss_store_compare_set(s, "cas", NULL, 0, "first", 5, buf, sizeof buf, &len));
+    CHECK(len == 5 && memcmp(buf, "first", 5) == 0);
+    /* Wrong expected: the current value, unchanged. */
+    CHECK_OK(ss_store_compare_set(s, "cas", "nope", 4, "second", 6, buf, sizeof buf, &len));
+    CHECK(len == 5 && memcmp(buf, "first", 5) == 0);
+    /* Right expected, buffer too small: swapped all the same, length told. */
+    CHECK_STATUS(ss_store_compare_set(s, "cas", "first", 5, "second", 6, buf, 2, &len), SS_ERR_BUFFER_TOO_SMALL);
+    CHECK(len == 6);
+    CHECK_OK(ss_store_get(s, "cas", 1000, buf, sizeof buf, &len));
+    CHECK(len == 6 && memcmp(buf, "second", 6) == 0);
+
+    int64_t n = 0;
+    CHECK_OK(ss_store_num_keys(s, &n));
+    CHECK(n == base + 1);
+    bool existed = false;
+    CHECK_OK(ss_store_delete_key(s, "cas", &existed));
+    CHECK(existed);
+    CHECK_OK(ss_store_delete_key(s, "cas", &existed));
+    CHECK(!existed);
+    CHECK_OK(ss_store_delete_key(s, "cas", NULL));
+    CHECK_OK(ss_store_num_keys(s, &n));
+    CHECK(n == base);
+    CHECK_STATUS(ss_store_num_keys(s, NULL), SS_ERR_NULL_POINTER);
+}
+
 static void test_callbacks(void) {
     static struct host_store h = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {{0}}, 0, 0, 0};
     ss_store_callbacks cb = {cb_set, cb_get, cb_add, cb_wait, cb_free};
@@ -207,11 +253,23 @@ static void test_callbacks(void) {
     ss_store_free(s2);
     CHECK(h.frees == 1);
 
+    /* Callbacks cover set/get/add/wait only: the rest is refused by name. */
+    CHECK_OK(ss_store_from_callbacks(&cb, &h, &s));
+    bool all = false;
+    CHECK_STATUS(ss_store_check(s, NULL, 0, &all), SS_ERR_UNSUPPORTED);
+    CHECK(strstr(ss_last_error_message(), "check") != NULL);
+    CHECK_STATUS(ss_store_compare_set(s, "k", NULL, 0, "v", 1, NULL, 0, &len), SS_ERR_UNSUPPORTED);
+    CHECK_STATUS(ss_store_delete_key(s, "k", NULL), SS_ERR_UNSUPPORTED);
+    int64_t n = 0;
+    CHECK_STATUS(ss_store_num_keys(s, &n), SS_ERR_UNSUPPORTED);
+    ss_store_free(s);
+    CHECK(h.frees == 2);
+
     /* A table without a required function is refused, ctx untouched. */
     ss_store_callbacks partial = {cb_set, NULL, cb_add, cb_wait, cb_free};
     s = NULL;
     CHECK_STATUS(ss_store_from_callbacks(&partial, &h, &s), SS_ERR_NULL_POINTER);
-    CHECK(s == NULL && h.frees == 1);
+    CHECK(s == NULL && h.frees == 2);
     CHECK(strstr(ss_last_error_message(), "cb->get") != NULL);
     CHECK_STATUS(ss_store_from_callbacks(NULL, &h, &s), SS_ERR_NULL_POINTER);
 }
@@ -222,6 +280,7 @@ static void test_file_store(void) {
     ss_store *s = NULL;
     CHECK_OK(ss_store_file_open(dir, &s));
     exercise(s);
+    exercise_more(s, 3); /* grp/0/0, count, late */
     int port = 0;
     CHECK_STATUS(ss_store_tcp_port(s, &port), SS_ERR_UNSUPPORTED);
     ss_store_free(s);
@@ -254,6 +313,7 @@ static void test_tcp_store(void) {
     CHECK(len == 3 && memcmp(buf, "one", 3) == 0);
     pthread_join(t, NULL);
     exercise(m);
+    exercise_more(m, 5); /* init/, from/1, grp/0/0, count, late */
 
     /* The port is taken now: a second master is refused, naming it. */
     ss_store *again = NULL;

@@ -104,6 +104,15 @@ int main() {
         ss::Store f = ss::Store::open_file(dir);
         exercise(f);
         EXPECT_ERROR(f.tcp_port(), SS_ERR_UNSUPPORTED, "not a TCPStore");
+        const int64_t before = f.num_keys();
+        CHECK(f.check_keys({"grp/0/0", "n"}) && !f.check_keys({"n", "missing/7"}));
+        const std::string long_value(300, 'v');
+        std::vector<uint8_t> got = f.compare_set("cas", "", long_value);
+        CHECK(std::string(got.begin(), got.end()) == long_value);
+        got = f.compare_set("cas", "x", "y");  // longer than both: asked again
+        CHECK(std::string(got.begin(), got.end()) == long_value);
+        CHECK(f.num_keys() == before + 1);
+        CHECK(f.delete_key("cas") && !f.delete_key("cas"));
     }
     std::string rm = std::string("rm -rf ") + dir;
     CHECK(std::system(rm.c_str()) == 0);

@@ -1478,6 +1478,49 @@ ss_status ss_store_wait(const ss_store *s,
                         int64_t timeout_ms);
 
 /**
+ * Writes to `out_all_set` whether all `nkeys` keys are set now (no
+ * waiting; no keys: true). A host-callback store: `SS_ERR_UNSUPPORTED`.
+ */
+ss_status ss_store_check(const ss_store *s,
+                         const char *const *keys,
+                         size_t nkeys,
+                         bool *out_all_set);
+
+/**
+ * c10d's compare-and-set, atomic against every other writer: when `key`
+ * holds the `expected_len` bytes at `expected` (or is missing and
+ * `expected_len` is 0) it becomes the `desired_len` bytes at `desired`.
+ * The answer (`desired` after a swap, else the current value, or
+ * `expected` when the key is missing) is copied into `buf` as by
+ * `ss_store_get`. On `SS_ERR_BUFFER_TOO_SMALL` the swap has happened all
+ * the same; calling again with a larger buffer gives the same answer
+ * without changing anything (unless another process wrote meanwhile).
+ * A host-callback store: `SS_ERR_UNSUPPORTED`.
+ */
+ss_status ss_store_compare_set(const ss_store *s,
+                               const char *key,
+                               const void *expected,
+                               size_t expected_len,
+                               const void *desired,
+                               size_t desired_len,
+                               void *buf,
+                               size_t buf_len,
+                               size_t *out_len);
+
+/**
+ * Deletes `key`; writes to `out_existed` whether it was set (NULL: not
+ * wanted). A host-callback store: `SS_ERR_UNSUPPORTED`.
+ */
+ss_status ss_store_delete_key(const ss_store *s, const char *key, bool *out_existed);
+
+/**
+ * Writes the number of keys set to `out_count` (a TCPStore counts its
+ * join counter `init/` too, as PyTorch's does). A host-callback store:
+ * `SS_ERR_UNSUPPORTED`.
+ */
+ss_status ss_store_num_keys(const ss_store *s, int64_t *out_count);
+
+/**
  * Drops this reference; the store closes with its last one. NULL is a
  * no-op.
  */

@@ -732,6 +732,48 @@ public:
         check(ss_store_wait(handle_.get(), ptrs.data(), ptrs.size(), timeout_ms), "ss_store_wait");
     }
 
+    /* Whether every key is set now (no waiting). */
+    bool check_keys(const std::vector<std::string> &keys) const {
+        std::vector<const char *> ptrs;
+        ptrs.reserve(keys.size());
+        for (const std::string &k : keys) ptrs.push_back(k.c_str());
+        bool all = false;
+        check(ss_store_check(handle_.get(), ptrs.data(), ptrs.size(), &all), "ss_store_check");
+        return all;
+    }
+
+    /* c10d's compare-and-set: desired after a swap, else the current value
+     * (expected when the key is missing). */
+    std::vector<uint8_t> compare_set(const std::string &key, const std::string &expected, const std::string &desired) const {
+        std::vector<uint8_t> buf(expected.size() > desired.size() ? expected.size() : desired.size());
+        for (;;) {
+            std::size_t len = 0;
+            ss_status st = ss_store_compare_set(handle_.get(), key.c_str(), expected.data(), expected.size(), desired.data(),
+                                                desired.size(), buf.data(), buf.size(), &len);
+            if (st == SS_ERR_BUFFER_TOO_SMALL && len > buf.size()) {
+                buf.resize(len);  // a longer current value: ask again (no second swap)
+                continue;
+            }
+            check(st, "ss_store_compare_set");
+            buf.resize(len);
+            return buf;
+        }
+    }
+
+    /* Deletes key; whether it was set. */
+    bool delete_key(const std::string &key) const {
+        bool existed = false;
+        check(ss_store_delete_key(handle_.get(), key.c_str(), &existed), "ss_store_delete_key");
+        return existed;
+    }
+
+    /* How many keys are set (a TCPStore counts init/ too). */
+    int64_t num_keys() const {
+        int64_t n = 0;
+        check(ss_store_num_keys(handle_.get(), &n), "ss_store_num_keys");
+        return n;
+    }
+
     ss_store *get() const noexcept { return handle_.get(); }
     ss_store *release() noexcept { return handle_.release(); }
     void close() noexcept { handle_.reset(); }

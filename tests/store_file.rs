@@ -60,8 +60,63 @@ fn child_role() {
                 store.set("big", &vec![(i % 251) as u8 + 1; BIG]).unwrap();
             }
         }
+        "elector" => {
+            // Each round, every process tries to claim the round's key with
+            // its own name and then to hand it on from the winner's name.
+            let me = args[1].as_str();
+            let mut won = Vec::new();
+            for round in 0..ROUNDS {
+                let key = format!("leader/{round}");
+                let answer = store.compare_set(&key, b"", me.as_bytes()).unwrap();
+                if answer == me.as_bytes() {
+                    won.push(round.to_string());
+                }
+                let moved = store.compare_set(&key, &answer, format!("{}+", String::from_utf8_lossy(&answer)).as_bytes()).unwrap();
+                assert!(moved.starts_with(&answer), "round {round}: {moved:?} does not extend {answer:?}");
+            }
+            println!("WON {}", won.join(" "));
+        }
         other => panic!("unknown role {other}"),
     }
+}
+
+const ROUNDS: usize = 100;
+
+/// compare_set is atomic across processes: each round has exactly one
+/// winner, and each hand-on swap applies once (a '+' per swap that saw
+/// its expected value).
+#[test]
+fn compare_set_elects_exactly_one_leader_per_round_across_four_processes() {
+    let dir = fresh_dir("elect");
+    let d = dir.to_str().unwrap();
+    let names = ["p0", "p1", "p2", "p3"];
+    let children: Vec<_> = names
+        .iter()
+        .map(|n| child_command("elector", &[d, n]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
+        .collect();
+    let mut wins = vec![0usize; ROUNDS];
+    for c in children {
+        let out = c.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8(out.stdout).unwrap();
+        let line = text.lines().find_map(|l| l.split_once("WON").map(|x| x.1)).expect("child printed its wins");
+        for r in line.split_whitespace() {
+            wins[r.parse::<usize>().unwrap()] += 1;
+        }
+    }
+    assert!(wins.iter().all(|&w| w == 1), "rounds without exactly one winner: {wins:?}");
+    let store = FileStore::open(&dir).unwrap();
+    for round in 0..ROUNDS {
+        let v = store.get(&format!("leader/{round}"), Some(Duration::from_secs(1))).unwrap();
+        let v = String::from_utf8(v).unwrap();
+        assert!(names.iter().any(|n| v.starts_with(n)) && v.ends_with('+'), "round {round}: {v}");
+    }
+    assert_eq!(store.num_keys().unwrap(), ROUNDS as i64);
+    assert!(store.check(&["leader/0", &format!("leader/{}", ROUNDS - 1)]).unwrap());
+    assert!(store.delete_key("leader/0").unwrap());
+    assert!(!store.check(&["leader/0"]).unwrap());
+    assert_eq!(store.num_keys().unwrap(), ROUNDS as i64 - 1);
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]

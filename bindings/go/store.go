@@ -197,27 +197,106 @@ func (s *Store) Wait(keys []string, timeout time.Duration) error {
 	if err != nil {
 		return err
 	}
-	if len(keys) == 0 {
-		return s.with(op, func(h *C.ss_store) C.ss_status { return C.ss_store_wait(h, nil, 0, ms) })
+	arr, free, err := cKeyArray(op, keys)
+	if err != nil {
+		return err
 	}
-	// The key array lives in C memory: the library reads it after the call starts.
+	defer free()
+	return s.with(op, func(h *C.ss_store) C.ss_status { return C.ss_store_wait(h, arr, C.size_t(len(keys)), ms) })
+}
+
+// cKeyArray copies keys into a C array of C strings (the library reads it
+// after the call starts, so it must not live in Go memory); nil when keys
+// is empty. free releases it.
+func cKeyArray(op string, keys []string) (**C.char, func(), error) {
+	if len(keys) == 0 {
+		return nil, func() {}, nil
+	}
 	arr := (*[1 << 28]*C.char)(C.calloc(C.size_t(len(keys)), C.size_t(unsafe.Sizeof((*C.char)(nil)))))[:len(keys):len(keys)]
-	defer func() {
+	free := func() {
 		for _, p := range arr {
 			if p != nil {
 				freeCString(p)
 			}
 		}
 		C.free(unsafe.Pointer(&arr[0]))
-	}()
+	}
 	for i, key := range keys {
 		p, err := cString(op, "key", key)
 		if err != nil {
-			return err
+			free()
+			return nil, nil, err
 		}
 		arr[i] = p
 	}
-	return s.with(op, func(h *C.ss_store) C.ss_status {
-		return C.ss_store_wait(h, &arr[0], C.size_t(len(keys)), ms)
-	})
+	return &arr[0], free, nil
+}
+
+// Check reports whether every key is set now (no waiting).
+func (s *Store) Check(keys []string) (bool, error) {
+	const op = "ss_store_check"
+	arr, free, err := cKeyArray(op, keys)
+	if err != nil {
+		return false, err
+	}
+	defer free()
+	var all C.bool
+	err = s.with(op, func(h *C.ss_store) C.ss_status { return C.ss_store_check(h, arr, C.size_t(len(keys)), &all) })
+	return bool(all), err
+}
+
+// CompareSet is c10d's compare-and-set: desired after a swap, else the
+// current value (expected itself when the key is missing).
+func (s *Store) CompareSet(key string, expected, desired []byte) ([]byte, error) {
+	const op = "ss_store_compare_set"
+	k, err := cString(op, "key", key)
+	if err != nil {
+		return nil, err
+	}
+	defer freeCString(k)
+	// The byte slices are passed for the length of the call only.
+	e, d := C.CBytes(expected), C.CBytes(desired)
+	defer C.free(e)
+	defer C.free(d)
+	size := len(expected)
+	if len(desired) > size {
+		size = len(desired)
+	}
+	buf := make([]byte, size+1)
+	for {
+		var n C.size_t
+		err := s.with(op, func(h *C.ss_store) C.ss_status {
+			return C.ss_store_compare_set(h, k, e, C.size_t(len(expected)), d, C.size_t(len(desired)),
+				unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &n)
+		})
+		if se, ok := err.(*Error); ok && se.Status == ErrBufferTooSmall && int(n) > len(buf) {
+			buf = make([]byte, int(n)) // a longer current value: ask again (no second swap)
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		return buf[:int(n)], nil
+	}
+}
+
+// DeleteKey deletes key and reports whether it was set.
+func (s *Store) DeleteKey(key string) (bool, error) {
+	const op = "ss_store_delete_key"
+	k, err := cString(op, "key", key)
+	if err != nil {
+		return false, err
+	}
+	defer freeCString(k)
+	var existed C.bool
+	err = s.with(op, func(h *C.ss_store) C.ss_status { return C.ss_store_delete_key(h, k, &existed) })
+	return bool(existed), err
+}
+
+// NumKeys returns how many keys are set (a TCPStore counts init/ too).
+func (s *Store) NumKeys() (int64, error) {
+	const op = "ss_store_num_keys"
+	var n C.int64_t
+	err := s.with(op, func(h *C.ss_store) C.ss_status { return C.ss_store_num_keys(h, &n) })
+	return int64(n), err
 }

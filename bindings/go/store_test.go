@@ -42,6 +42,29 @@ func TestFileStoreShared(t *testing.T) {
 	if !errors.Is(err, ErrTimeout) || !strings.Contains(err.Error(), `"grp/0/1"`) || strings.Contains(err.Error(), `"grp/0/0"`) {
 		t.Fatalf("wait timeout: %v", err)
 	}
+	if all, err := b.Check([]string{"grp/0/0", "n"}); err != nil || !all {
+		t.Fatalf("check of set keys: %v %v", all, err)
+	}
+	if all, err := b.Check([]string{"grp/0/0", "grp/0/1"}); err != nil || all {
+		t.Fatalf("check with a missing key: %v %v", all, err)
+	}
+	long := strings.Repeat("L", 500)
+	if v, err := a.CompareSet("cas", nil, []byte(long)); err != nil || string(v) != long {
+		t.Fatalf("compare_set creating: %q %v", v, err)
+	}
+	// The current value is longer than both arguments: the wrapper asks again.
+	if v, err := b.CompareSet("cas", []byte("x"), []byte("y")); err != nil || string(v) != long {
+		t.Fatalf("compare_set with a wrong expected value: %d bytes, %v", len(v), err)
+	}
+	if n, err := b.NumKeys(); err != nil || n != 3 {
+		t.Fatalf("num_keys: %v %v", n, err)
+	}
+	if existed, err := b.DeleteKey("cas"); err != nil || !existed {
+		t.Fatalf("delete: %v %v", existed, err)
+	}
+	if existed, err := a.DeleteKey("cas"); err != nil || existed {
+		t.Fatalf("delete again: %v %v", existed, err)
+	}
 	if _, err := b.Get("x", -time.Second); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("negative timeout: %v", err)
 	}

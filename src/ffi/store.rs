@@ -193,17 +193,28 @@ pub unsafe extern "C" fn ss_store_get(
         let timeout = timeout_arg(timeout_ms)?;
         let value = store.store.get(key, timeout)?;
         // SAFETY: checked above.
-        unsafe { write_out(out_len, value.len()) };
-        if value.len() > buf_len {
-            return Err(Error::new(
-                ErrorKind::BufferTooSmall,
-                format!("value of key {key:?} is {} bytes but buf_len is {buf_len}", value.len()),
-            ));
-        }
-        // SAFETY: buf is writable for buf_len >= value.len() bytes (non-NULL when value is non-empty).
-        unsafe { std::ptr::copy_nonoverlapping(value.as_ptr(), buf.cast::<u8>(), value.len()) };
-        Ok(())
+        unsafe { copy_value_out(key, &value, buf, buf_len, out_len) }
     })
+}
+
+/// Writes `value`'s length to `out_len` and copies it into `buf`, or says
+/// `SS_ERR_BUFFER_TOO_SMALL` (the length written all the same).
+///
+/// # Safety
+/// `out_len` passed `out_arg`; `buf` is writable for `buf_len` bytes and
+/// non-NULL when `buf_len` > 0.
+unsafe fn copy_value_out(key: &str, value: &[u8], buf: *mut c_void, buf_len: usize, out_len: *mut usize) -> Result<()> {
+    // SAFETY: per the contract above.
+    unsafe { write_out(out_len, value.len()) };
+    if value.len() > buf_len {
+        return Err(Error::new(
+            ErrorKind::BufferTooSmall,
+            format!("value of key {key:?} is {} bytes but buf_len is {buf_len}", value.len()),
+        ));
+    }
+    // SAFETY: buf is writable for buf_len >= value.len() bytes (non-NULL when value is non-empty).
+    unsafe { std::ptr::copy_nonoverlapping(value.as_ptr(), buf.cast::<u8>(), value.len()) };
+    Ok(())
 }
 
 /// Adds `delta` to the integer under `key` (missing counts as 0; stored as
@@ -228,19 +239,113 @@ pub unsafe extern "C" fn ss_store_add(s: *const SsStore, key: *const c_char, del
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_wait(s: *const SsStore, keys: *const *const c_char, nkeys: usize, timeout_ms: i64) -> ss_status {
     ffi_status!("ss_store_wait", {
-        // SAFETY: NULL or a live handle.
+        // SAFETY: NULL or a live handle / readable key pointers.
         let store = unsafe { handle(s, "store") }?;
-        if keys.is_null() && nkeys > 0 {
-            return Err(super::args::null("keys"));
-        }
-        let mut list = Vec::with_capacity(nkeys);
-        for i in 0..nkeys {
-            // SAFETY: keys is readable for nkeys pointers, each NULL or a string.
-            let k = unsafe { str_arg(*keys.add(i), &format!("keys[{i}]")) }?;
-            list.push(k);
-        }
+        let list = unsafe { keys_arg(keys, nkeys) }?;
         let timeout = timeout_arg(timeout_ms)?;
         store.store.wait(&list, timeout)
+    })
+}
+
+/// The `nkeys` strings at `keys` (NULL allowed when `nkeys` is 0).
+///
+/// # Safety
+/// `keys` is NULL or readable for `nkeys` pointers, each NULL or a string.
+unsafe fn keys_arg<'a>(keys: *const *const c_char, nkeys: usize) -> Result<Vec<&'a str>> {
+    if keys.is_null() && nkeys > 0 {
+        return Err(super::args::null("keys"));
+    }
+    let mut list = Vec::with_capacity(nkeys);
+    for i in 0..nkeys {
+        // SAFETY: per the contract above.
+        list.push(unsafe { str_arg(*keys.add(i), &format!("keys[{i}]")) }?);
+    }
+    Ok(list)
+}
+
+/// Writes to `out_all_set` whether all `nkeys` keys are set now (no
+/// waiting; no keys: true). A host-callback store: `SS_ERR_UNSUPPORTED`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_check(s: *const SsStore, keys: *const *const c_char, nkeys: usize, out_all_set: *mut bool) -> ss_status {
+    ffi_status!("ss_store_check", {
+        out_arg(out_all_set, "out_all_set")?;
+        // SAFETY: NULL or a live handle / readable key pointers.
+        let store = unsafe { handle(s, "store") }?;
+        let list = unsafe { keys_arg(keys, nkeys) }?;
+        let all = store.store.check(&list)?;
+        // SAFETY: checked above.
+        unsafe { write_out(out_all_set, all) };
+        Ok(())
+    })
+}
+
+/// c10d's compare-and-set, atomic against every other writer: when `key`
+/// holds the `expected_len` bytes at `expected` (or is missing and
+/// `expected_len` is 0) it becomes the `desired_len` bytes at `desired`.
+/// The answer (`desired` after a swap, else the current value, or
+/// `expected` when the key is missing) is copied into `buf` as by
+/// `ss_store_get`. On `SS_ERR_BUFFER_TOO_SMALL` the swap has happened all
+/// the same; calling again with a larger buffer gives the same answer
+/// without changing anything (unless another process wrote meanwhile).
+/// A host-callback store: `SS_ERR_UNSUPPORTED`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_compare_set(
+    s: *const SsStore,
+    key: *const c_char,
+    expected: *const c_void,
+    expected_len: usize,
+    desired: *const c_void,
+    desired_len: usize,
+    buf: *mut c_void,
+    buf_len: usize,
+    out_len: *mut usize,
+) -> ss_status {
+    ffi_status!("ss_store_compare_set", {
+        out_arg(out_len, "out_len")?;
+        if buf.is_null() && buf_len > 0 {
+            return Err(super::args::null("buf"));
+        }
+        // SAFETY: NULL or a live handle / a string / readable bytes.
+        let store = unsafe { handle(s, "store") }?;
+        let key = unsafe { str_arg(key, "key") }?;
+        let expected = unsafe { bytes_arg(expected, expected_len, "expected") }?;
+        let desired = unsafe { bytes_arg(desired, desired_len, "desired") }?;
+        let answer = store.store.compare_set(key, expected, desired)?;
+        // SAFETY: checked above.
+        unsafe { copy_value_out(key, &answer, buf, buf_len, out_len) }
+    })
+}
+
+/// Deletes `key`; writes to `out_existed` whether it was set (NULL: not
+/// wanted). A host-callback store: `SS_ERR_UNSUPPORTED`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_delete_key(s: *const SsStore, key: *const c_char, out_existed: *mut bool) -> ss_status {
+    ffi_status!("ss_store_delete_key", {
+        // SAFETY: NULL or a live handle / a NUL-terminated string.
+        let store = unsafe { handle(s, "store") }?;
+        let key = unsafe { str_arg(key, "key") }?;
+        let existed = store.store.delete_key(key)?;
+        if !out_existed.is_null() {
+            // SAFETY: non-NULL, the caller's pointer to one bool.
+            unsafe { write_out(out_existed, existed) };
+        }
+        Ok(())
+    })
+}
+
+/// Writes the number of keys set to `out_count` (a TCPStore counts its
+/// join counter `init/` too, as PyTorch's does). A host-callback store:
+/// `SS_ERR_UNSUPPORTED`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_num_keys(s: *const SsStore, out_count: *mut i64) -> ss_status {
+    ffi_status!("ss_store_num_keys", {
+        out_arg(out_count, "out_count")?;
+        // SAFETY: NULL or a live handle.
+        let store = unsafe { handle(s, "store") }?;
+        let n = store.store.num_keys()?;
+        // SAFETY: checked above.
+        unsafe { write_out(out_count, n) };
+        Ok(())
     })
 }
 

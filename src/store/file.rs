@@ -20,7 +20,7 @@
 
 use super::deadline::{deadline, expired, remaining, timeout_error, Backoff};
 use super::dir_watch::DirWatch;
-use super::file_key::file_name;
+use super::file_key::{file_name, is_key_file};
 use super::{Store, Timeout};
 use crate::error::{Error, ErrorKind, Result};
 use std::fs::{File, OpenOptions};
@@ -256,6 +256,44 @@ impl Store for FileStore {
             }
             sleeper.sleep(end);
         }
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        Ok(keys.iter().all(|k| self.key_path(k).exists()))
+    }
+
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        self.locked(|| {
+            match self.read_now(key)? {
+                None if expected.is_empty() => {}
+                None => return Ok(expected.to_vec()),
+                Some(current) if current == expected => {}
+                Some(current) => return Ok(current),
+            }
+            let tmp = self.write_temp(key, desired)?;
+            self.publish(&tmp, key)?;
+            Ok(desired.to_vec())
+        })
+    }
+
+    fn delete_key(&self, key: &str) -> Result<bool> {
+        self.locked(|| match std::fs::remove_file(self.key_path(key)) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == IoKind::NotFound => Ok(false),
+            Err(e) => Err(io_error(e, format_args!("unable to delete key {key:?} in {}", self.describe()))),
+        })
+    }
+
+    fn num_keys(&self) -> Result<i64> {
+        let entries = std::fs::read_dir(&self.dir).map_err(|e| io_error(e, format_args!("unable to list {}", self.describe())))?;
+        let mut n = 0;
+        for entry in entries {
+            let entry = entry.map_err(|e| io_error(e, format_args!("unable to list {}", self.describe())))?;
+            if is_key_file(&entry.file_name()) {
+                n += 1;
+            }
+        }
+        Ok(n)
     }
 
     fn describe(&self) -> String {

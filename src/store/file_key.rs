@@ -33,6 +33,12 @@ pub fn file_name(key: &str) -> String {
     format!("h.{}.{:016x}{:016x}", &enc[..cut], fnv1a(key, 0xcbf2_9ce4_8422_2325), fnv1a(key, 0x6c62_272e_07bb_0142))
 }
 
+/// Whether a folder entry is a key's file (not a temporary or the lock).
+pub fn is_key_file(name: &std::ffi::OsStr) -> bool {
+    let b = name.as_encoded_bytes();
+    b.starts_with(b"k.") || b.starts_with(b"h.")
+}
+
 /// FNV-1a over the key's bytes from `basis`: stable across builds and
 /// machines (unlike std's hasher), so every process finds the same file.
 fn fnv1a(key: &str, basis: u64) -> u64 {

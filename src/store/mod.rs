@@ -40,6 +40,30 @@ pub trait Store: Send + Sync {
     /// `ErrorKind::Timeout` with a message naming the keys still missing.
     fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()>;
 
+    /// Whether every key in `keys` is set now (no waiting).
+    fn check(&self, _keys: &[&str]) -> Result<bool> {
+        Err(unsupported(self, "check"))
+    }
+
+    /// c10d's compare-and-set, atomic against every other writer: when
+    /// `key` holds `expected` (or is missing and `expected` is empty), sets
+    /// it to `desired` and returns `desired`; otherwise changes nothing and
+    /// returns the current value (`expected` itself when the key is missing).
+    fn compare_set(&self, _key: &str, _expected: &[u8], _desired: &[u8]) -> Result<Vec<u8>> {
+        Err(unsupported(self, "compare_set"))
+    }
+
+    /// Deletes `key`; true when it existed.
+    fn delete_key(&self, _key: &str) -> Result<bool> {
+        Err(unsupported(self, "delete_key"))
+    }
+
+    /// How many keys are set (a TCPStore counts its join counter `init/` too,
+    /// as PyTorch's does).
+    fn num_keys(&self) -> Result<i64> {
+        Err(unsupported(self, "num_keys"))
+    }
+
     /// Where the store lives, for messages (a path, or `host:port`).
     fn describe(&self) -> String;
 
@@ -48,6 +72,13 @@ pub trait Store: Send + Sync {
     fn tcp_port(&self) -> Option<u16> {
         None
     }
+}
+
+/// The error of an operation a store cannot do (a host-callback store
+/// has callbacks for set/get/add/wait only, and a `check` through `wait`
+/// could not tell "not set" from "slow").
+fn unsupported(store: &(impl Store + ?Sized), op: &str) -> crate::error::Error {
+    crate::error::Error::new(crate::error::ErrorKind::Unsupported, format!("{} does not support {op}", store.describe()))
 }
 
 /// A shared reference to a store.

@@ -93,6 +93,62 @@ function store_add(s::KVStore, key::AbstractString, delta::Integer)
     return out[]
 end
 
+"""Whether every key is set now (no waiting)."""
+function store_check(s::KVStore, keys::AbstractVector{<:AbstractString})
+    any(k -> occursin('\0', k), keys) && throw(ArgumentError("a key contains a NUL byte"))
+    cstrs = String[String(k) for k in keys]
+    all_set = Ref{Bool}(false)
+    GC.@preserve cstrs begin
+        ptrs = Ptr{UInt8}[pointer(c) for c in cstrs]
+        st = ccall((:ss_store_check, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Ptr{UInt8}}, Csize_t, Ptr{Bool}),
+                   live_handle(s, "ss_store_check"), ptrs, length(ptrs), all_set)
+    end
+    check("ss_store_check", st)
+    return all_set[]
+end
+
+"""
+    store_compare_set(s, key, expected, desired) -> Vector{UInt8}
+
+c10d's compare-and-set: `desired` after a swap, else the current value
+(`expected` when the key is missing).
+"""
+function store_compare_set(s::KVStore, key::AbstractString, expected, desired)
+    e = expected isa AbstractString ? Vector{UInt8}(codeunits(expected)) : expected
+    d = desired isa AbstractString ? Vector{UInt8}(codeunits(desired)) : desired
+    buf = zeros(UInt8, max(length(e), length(d), 1))
+    len = Ref{Csize_t}(0)
+    while true
+        st = GC.@preserve e d buf ccall((:ss_store_compare_set, libstorage_sharing()), Cint,
+                                        (Ptr{Cvoid}, Cstring, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}, Csize_t, Ptr{Csize_t}),
+                                        live_handle(s, "ss_store_compare_set"), key, pointer(e), length(e), pointer(d),
+                                        length(d), pointer(buf), length(buf), len)
+        if st == SS_ERR_BUFFER_TOO_SMALL && len[] > length(buf)
+            resize!(buf, len[])   # a longer current value: ask again (no second swap)
+            continue
+        end
+        check("ss_store_compare_set", st)
+        return resize!(buf, len[])
+    end
+end
+
+"""Deletes `key`; whether it was set."""
+function store_delete_key(s::KVStore, key::AbstractString)
+    existed = Ref{Bool}(false)
+    st = ccall((:ss_store_delete_key, libstorage_sharing()), Cint, (Ptr{Cvoid}, Cstring, Ptr{Bool}),
+               live_handle(s, "ss_store_delete_key"), key, existed)
+    check("ss_store_delete_key", st)
+    return existed[]
+end
+
+"""How many keys are set (a TCPStore counts `init/` too)."""
+function store_num_keys(s::KVStore)
+    n = Ref{Int64}(0)
+    st = ccall((:ss_store_num_keys, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Int64}), live_handle(s, "ss_store_num_keys"), n)
+    check("ss_store_num_keys", st)
+    return n[]
+end
+
 """Waits until every key is set (`SS_ERR_TIMEOUT` names the missing ones)."""
 function store_wait(s::KVStore, keys::AbstractVector{<:AbstractString}; timeout_ms::Integer=0)
     any(k -> occursin('\0', k), keys) && throw(ArgumentError("a key contains a NUL byte"))

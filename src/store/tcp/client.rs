@@ -253,6 +253,23 @@ impl TcpClient {
         })
     }
 
+    pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        let req = Request::CompareSet { key: Self::key(key), expected: expected.to_vec(), desired: desired.to_vec() };
+        self.exchange(&req.to_bytes(), self.reply_timeout, |r| r.read_bytes())
+    }
+
+    pub fn delete_key(&self, key: &str) -> Result<bool> {
+        self.exchange(&Request::DeleteKey(Self::key(key)).to_bytes(), self.reply_timeout, |r| match r.read_i64()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            other => Err(self.protocol(format!("DELETE_KEY answered {other}, expected 0 or 1"))),
+        })
+    }
+
+    pub fn num_keys(&self) -> Result<i64> {
+        self.exchange(&Request::GetNumKeys.to_bytes(), self.reply_timeout, |r| r.read_i64())
+    }
+
     pub fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()> {
         let raw: Vec<Vec<u8>> = keys.iter().map(|k| Self::key(k)).collect();
         self.wait_raw(&raw, keys, timeout)

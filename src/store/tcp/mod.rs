@@ -78,10 +78,6 @@ impl TcpStore {
         self.server.is_some()
     }
 
-    /// Whether every key is set now.
-    pub fn check(&self, keys: &[&str]) -> Result<bool> {
-        self.client.check(keys)
-    }
 }
 
 impl Store for TcpStore {
@@ -99,6 +95,22 @@ impl Store for TcpStore {
 
     fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()> {
         self.client.wait(keys, timeout)
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        self.client.check(keys)
+    }
+
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        self.client.compare_set(key, expected, desired)
+    }
+
+    fn delete_key(&self, key: &str) -> Result<bool> {
+        self.client.delete_key(key)
+    }
+
+    fn num_keys(&self) -> Result<i64> {
+        self.client.num_keys()
     }
 
     fn describe(&self) -> String {

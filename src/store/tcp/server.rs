@@ -3,7 +3,7 @@
 //! one thread per connection reads its requests; waits are parked in the
 //! shared state and answered by whichever request sets their last key.
 
-use super::protocol::{self, parse_request, Request, VALIDATION_MAGIC};
+use super::protocol::{self, parse_request, Request, RequestScanner, VALIDATION_MAGIC};
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -14,9 +14,47 @@ use std::thread::JoinHandle;
 
 /// How long one reply may take to write before the connection is dropped.
 const WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long the accept loop pauses after a failed accept.
+const ACCEPT_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// Where a reply goes: one connection's write side.
-type Out = Arc<Mutex<TcpStream>>;
+/// Where a connection's replies go. Replies are queued under the state
+/// lock (so each connection gets them in the order the state changed) and
+/// written after it is released, so a client that stops reading stalls
+/// only its own connection, never the others.
+struct Outbox {
+    queue: Mutex<Vec<u8>>,
+    stream: Mutex<TcpStream>,
+}
+
+type Out = Arc<Outbox>;
+
+impl Outbox {
+    fn new(stream: TcpStream) -> Out {
+        Arc::new(Outbox { queue: Mutex::new(Vec::new()), stream: Mutex::new(stream) })
+    }
+
+    /// Queues bytes (call with the state lock held; never blocks on I/O).
+    fn queue(&self, bytes: &[u8]) {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(bytes);
+    }
+
+    /// Writes everything queued, in order (call without the state lock).
+    /// A write that fails or times out shuts the connection down, which
+    /// ends its reader thread.
+    fn flush(&self) -> std::io::Result<()> {
+        let mut stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let pending = std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()));
+            if pending.is_empty() {
+                return Ok(());
+            }
+            if let Err(e) = stream.write_all(&pending) {
+                let _ = stream.shutdown(Shutdown::Both);
+                return Err(e);
+            }
+        }
+    }
+}
 
 struct Waiter {
     conn: u64,
@@ -49,10 +87,6 @@ pub struct TcpServer {
     shared: Arc<Shared>,
     addr: SocketAddr,
     accept: Option<JoinHandle<()>>,
-}
-
-fn send(out: &Out, bytes: &[u8]) -> std::io::Result<()> {
-    out.lock().unwrap_or_else(|p| p.into_inner()).write_all(bytes)
 }
 
 impl TcpServer {
@@ -125,7 +159,16 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         if shared.stopping.load(Ordering::SeqCst) {
             return;
         }
-        let Ok(stream) = stream else { continue };
+        let stream = match stream {
+            Ok(s) => s,
+            Err(_) => {
+                // Out of descriptors (EMFILE/ENFILE) or memory: the pending
+                // connection stays queued and accept would fail again at
+                // once; pause instead of spinning on it.
+                std::thread::sleep(ACCEPT_RETRY);
+                continue;
+            }
+        };
         let _ = stream.set_nodelay(true);
         // A client that stops reading its replies must not stall everyone
         // (replies are written under the state lock): give up on it.
@@ -141,7 +184,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let s2 = shared.clone();
         let spawned = std::thread::Builder::new()
             .name("ss-tcpstore-conn".into())
-            .spawn(move || serve(stream, Arc::new(Mutex::new(out)), id, &s2));
+            .spawn(move || serve(stream, Outbox::new(out), id, &s2));
         if spawned.is_err() {
             shared.lock().conns.remove(&id);
         }
@@ -154,6 +197,7 @@ fn serve(mut stream: TcpStream, out: Out, id: u64, shared: &Shared) {
     let mut buf: Vec<u8> = Vec::with_capacity(4096);
     let mut chunk = vec![0u8; 64 * 1024];
     let mut validated = false;
+    let mut scanner = RequestScanner::new();
     'conn: loop {
         match stream.read(&mut chunk) {
             Ok(0) | Err(_) => break,
@@ -161,7 +205,18 @@ fn serve(mut stream: TcpStream, out: Out, id: u64, shared: &Shared) {
         }
         let mut used = 0;
         loop {
-            match parse_request(&buf[used..]) {
+            // Find the request's end first (no byte scanned twice), then
+            // build it once.
+            let whole = match scanner.scan(&buf[used..]) {
+                Ok(Some(n)) => match parse_request(&buf[used..used + n]) {
+                    Ok(Some((req, m))) if m == n => Ok(Some((req, n))),
+                    Ok(_) => Err(Error::new(ErrorKind::Protocol, "request scanner and parser disagree")),
+                    Err(e) => Err(e),
+                },
+                Ok(None) => Ok(None),
+                Err(e) => Err(e),
+            };
+            match whole {
                 Ok(Some((req, n))) => {
                     used += n;
                     if !validated {
@@ -188,44 +243,60 @@ fn serve(mut stream: TcpStream, out: Out, id: u64, shared: &Shared) {
     let _ = stream.shutdown(Shutdown::Both);
 }
 
-/// Marks `key` as set for every waiter; answers those now complete.
-fn wake(st: &mut State, key: &[u8]) {
+/// Marks `key` as set for every waiter; queues the answer of those now
+/// complete and notes their connections in `woken`, to flush.
+fn wake(st: &mut State, woken: &mut Vec<Out>, key: &[u8]) {
     let mut i = 0;
     while i < st.waiters.len() {
         let w = &mut st.waiters[i];
         w.missing.retain(|k| k != key);
         if w.missing.is_empty() {
             let w = st.waiters.swap_remove(i);
-            let _ = send(&w.out, &[protocol::WAIT_STOP_WAITING]);
+            w.out.queue(&[protocol::WAIT_STOP_WAITING]);
+            woken.push(w.out);
         } else {
             i += 1;
         }
     }
 }
 
-fn set_key(st: &mut State, key: Vec<u8>, value: Vec<u8>) {
+fn set_key(st: &mut State, woken: &mut Vec<Out>, key: Vec<u8>, value: Vec<u8>) {
     let k = key.clone();
     st.data.insert(key, value);
-    wake(st, &k);
+    wake(st, woken, &k);
 }
 
-/// Answers one request; an error closes the connection.
+/// Answers one request; an error closes the connection. The state lock is
+/// held only while the state changes and replies are queued; the writes
+/// happen after it is released.
 fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Result<(), ()> {
+    let mut woken = Vec::new();
+    let result = update(req, out, id, shared, &mut woken);
+    for w in &woken {
+        if !Arc::ptr_eq(w, out) {
+            let _ = w.flush();
+        }
+    }
+    let flushed = out.flush();
+    result.and(flushed.map_err(|_| ()))
+}
+
+fn update(req: Request, out: &Out, id: u64, shared: &Shared, woken: &mut Vec<Out>) -> std::result::Result<(), ()> {
     let mut reply = Vec::new();
     let mut st = shared.lock();
     match req {
         Request::Validate(_) => return Err(()),
         Request::Ping(n) => reply.extend_from_slice(&n.to_le_bytes()),
-        Request::Set { key, value } => set_key(&mut st, key, value),
+        Request::Set { key, value } => set_key(&mut st, woken, key, value),
         Request::CompareSet { key, expected, desired } => {
             let answer = match st.data.get(&key) {
                 None if expected.is_empty() => {
-                    set_key(&mut st, key, desired.clone());
+                    set_key(&mut st, woken, key, desired.clone());
                     desired
                 }
                 None => expected,
                 Some(cur) if *cur == expected => {
-                    set_key(&mut st, key, desired.clone());
+                    set_key(&mut st, woken, key, desired.clone());
                     desired
                 }
                 Some(cur) => cur.clone(),
@@ -244,7 +315,7 @@ fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Res
                 Some(v) => protocol::parse_counter(v).ok_or(())?,
             };
             let new = old.wrapping_add(delta);
-            set_key(&mut st, key, new.to_string().into_bytes());
+            set_key(&mut st, woken, key, new.to_string().into_bytes());
             reply.extend_from_slice(&new.to_le_bytes());
         }
         Request::Check(keys) => {
@@ -271,7 +342,7 @@ fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Res
         Request::Append { key, value } => {
             let mut cur = st.data.remove(&key).unwrap_or_default();
             cur.extend_from_slice(&value);
-            set_key(&mut st, key, cur);
+            set_key(&mut st, woken, key, cur);
         }
         Request::MultiGet(keys) => {
             for k in &keys {
@@ -280,12 +351,12 @@ fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Res
         }
         Request::MultiSet(pairs) => {
             for (k, v) in pairs {
-                set_key(&mut st, k, v);
+                set_key(&mut st, woken, k, v);
             }
         }
     }
     if !reply.is_empty() {
-        send(out, &reply).map_err(|_| ())?;
+        out.queue(&reply);
     }
     Ok(())
 }

@@ -299,6 +299,7 @@ fn child_role() {
     match role.as_str() {
         "huge_reply" => huge_reply_child(),
         "emfile" => emfile_child(),
+        "trickle" => trickle_child(),
         other => panic!("unknown role {other}"),
     }
 }
@@ -618,6 +619,7 @@ fn accept_out_of_descriptors_does_not_spin() {
     let out = run_ok(child_command("emfile", &[]));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("cpu while out of descriptors"), "{text}");
+    println!("{}", text.lines().find(|l| l.contains("cpu while")).unwrap());
 }
 
 fn cpu_time() -> Duration {
@@ -658,4 +660,40 @@ fn emfile_child() {
     assert!(cpu < wall / 10, "the accept loop spins: {cpu:?} of CPU in {wall:?}");
     drop(clients);
     drop(server);
+}
+
+/// Regression: the server parsed a request again from its first byte after
+/// every read, so a key list that arrives a few bytes at a time cost work
+/// quadratic in its length (one rank could keep a core busy for minutes
+/// with one CHECK). Now a scanner frames the request reading each byte
+/// once. The child sends a CHECK of a million keys (the limit) in 4 KiB pieces and
+/// measures its own CPU time (the server runs in it).
+#[test]
+fn trickled_key_list_costs_linear_work() {
+    let out = run_ok(child_command("trickle", &[]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("cpu for a trickled CHECK"), "{text}");
+    println!("{}", text.lines().find(|l| l.contains("cpu for")).unwrap());
+}
+
+fn trickle_child() {
+    let server = TcpServer::start("127.0.0.1", 0).unwrap();
+    let mut s = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+    s.set_nodelay(true).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let keys: Vec<Vec<u8>> = (0..1_000_000u32).map(|i| vec![(i % 251) as u8]).collect();
+    let bytes = [Request::Validate(VALIDATION_MAGIC).to_bytes(), Request::Check(keys).to_bytes()].concat();
+    let c0 = cpu_time();
+    for piece in bytes.chunks(4096) {
+        s.write_all(piece).unwrap();
+        // Let the server read each piece on its own, as a slow sender's
+        // pieces arrive.
+        std::thread::sleep(Duration::from_micros(300));
+    }
+    let mut answer = [0u8; 1];
+    s.read_exact(&mut answer).unwrap();
+    let cpu = cpu_time() - c0;
+    assert_eq!(answer[0], 1, "CHECK of keys nobody set");
+    println!("cpu for a trickled CHECK of 1000000 keys in {} pieces: {cpu:?}", bytes.len().div_ceil(4096));
+    assert!(cpu < Duration::from_millis(2500), "the server re-parses: {cpu:?} of CPU");
 }

@@ -522,20 +522,25 @@ fn local_data(file: &[u8], name: &str, header_offset: u64, size: u64, crc: u32, 
         if !local_sizes_ok(true) {
             return Err(mismatch("size"));
         }
-        let wide = zip64.is_some();
-        let width = if wide { 8 } else { 4 };
+        // The sizes are 8 bytes when the local header has a zip64 field
+        // (as torch's miniz and the APPNOTE write them); the other width is
+        // tried too, for writers that decide otherwise: either way the
+        // values must be the central directory's.
         let d = Cursor { buf: &file[..cd_offset], what: "data descriptor" };
-        let fields_at = |p: usize| -> Option<usize> {
+        let fields_at = |p: usize, wide: bool| -> Option<usize> {
             let crc_ok = d.u32(p).ok()? == crc;
-            let (cs, us) = if wide {
-                (d.u64(p + 4).ok()?, d.u64(p + 12).ok()?)
+            let (cs, us, next) = if wide {
+                (d.u64(p + 4).ok()?, d.u64(p + 12).ok()?, p + 20)
             } else {
-                (d.u32(p + 4).ok()? as u64, d.u32(p + 8).ok()? as u64)
+                (d.u32(p + 4).ok()? as u64, d.u32(p + 8).ok()? as u64, p + 12)
             };
-            (crc_ok && cs == size && us == size).then_some(p + 4 + 2 * width)
+            (crc_ok && cs == size && us == size).then_some(next)
         };
-        let with_sig = if d.u32(end).ok() == Some(DESCRIPTOR_SIG) { fields_at(end + 4) } else { None };
-        match with_sig.or_else(|| fields_at(end)) {
+        let signed = d.u32(end).ok() == Some(DESCRIPTOR_SIG);
+        let found = [zip64.is_some(), zip64.is_none()].into_iter().find_map(|wide| {
+            signed.then(|| fields_at(end + 4, wide)).flatten().or_else(|| fields_at(end, wide))
+        });
+        match found {
             Some(e) => e,
             None => {
                 return Err(corrupt(format!(

@@ -1,6 +1,10 @@
 //! Property-based fuzzing of the parsers that read bytes from another
 //! process: the manager protocol record, the CUDA IPC handle text form and
-//! memory-handle bytes, and segment-name validation. Each target first
+//! memory-handle bytes, segment-name validation, TCPStore requests (parser
+//! and the server's scanner) and ADD counters, and the content store's
+//! native tensor record. (The TCPStore client and server over real
+//! sockets: tests/tcpstore_fuzz.rs; the torch.save readers:
+//! tests/torch_format_fuzz.rs.) Each target first
 //! replays its committed corpus (tests/corpus/<target>/, regression inputs
 //! included), then runs random and mutated inputs. Properties: never a
 //! panic; whatever parses re-encodes to the same value; the name validator
@@ -242,4 +246,358 @@ proptest! {
         check_name(&name);
         prop_assert!(kernel_accepts(&name), "{name:?} validated but shm_open refused it");
     }
+}
+
+// ---- TCPStore requests ------------------------------------------------------
+
+use storage_sharing::store::tcp::protocol::{parse_counter, parse_request, query, Request, RequestScanner, MAX_FIELD, MAX_KEYS};
+
+/// Feeds `bytes` to the server's scanner in the chunks given by `cuts`
+/// (the way reads deliver them) and returns what it decided for the
+/// first request: its length, "needs more", or the error.
+fn scan_in_chunks(bytes: &[u8], cuts: &[usize]) -> Result<Option<usize>, storage_sharing::Error> {
+    let mut s = RequestScanner::new();
+    let mut ends: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+    ends.push(bytes.len());
+    ends.sort_unstable();
+    for end in ends {
+        match s.scan(&bytes[..end])? {
+            Some(n) => return Ok(Some(n)),
+            None => continue,
+        }
+    }
+    Ok(None)
+}
+
+/// Parses a stream of requests as the server does: every accepted request
+/// re-encodes to exactly the bytes it used, every shorter prefix of it
+/// asks for more bytes, the scanner finds the same end (also when the
+/// bytes come in pieces), and a refusal is a `Protocol` error naming a
+/// bad query type or an over-long field. Returns the requests.
+fn check_request_stream(bytes: &[u8], cuts: &[usize]) -> Vec<Request> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    loop {
+        let rest = &bytes[at..];
+        let parsed = parse_request(rest);
+        let scanned = scan_in_chunks(rest, cuts);
+        match parsed {
+            Ok(Some((req, n))) => {
+                assert!(n > 0 && n <= rest.len());
+                assert_eq!(req.to_bytes(), &rest[..n], "{req:?} does not re-encode to its bytes");
+                assert_eq!(scanned.as_ref().ok(), Some(&Some(n)), "scanner disagrees on {:?}", &rest[..n]);
+                for cut in [0, n / 2, n - 1] {
+                    assert_eq!(parse_request(&rest[..cut]).unwrap(), None, "prefix {cut} of a {n}-byte request");
+                }
+                match &req {
+                    Request::Check(k) | Request::Wait(k) | Request::MultiGet(k) => assert!(k.len() as u64 <= MAX_KEYS),
+                    Request::MultiSet(p) => assert!(p.len() as u64 <= MAX_KEYS),
+                    _ => {}
+                }
+                out.push(req);
+                at += n;
+            }
+            Ok(None) => {
+                assert_eq!(scanned.unwrap(), None, "scanner completed what the parser calls partial: {rest:?}");
+                return out;
+            }
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+                let m = e.message();
+                assert!(m.contains("query type") || m.contains("over the limit"), "{m}");
+                assert!(scanned.is_err(), "parser refused what the scanner accepts: {rest:?} ({m})");
+                return out;
+            }
+        }
+    }
+}
+
+#[test]
+fn tcpstore_request_corpus() {
+    for (path, data) in corpus("tcpstore_request") {
+        let r = std::panic::catch_unwind(|| check_request_stream(&data, &[1, 7, 9, 100]));
+        assert!(r.is_ok(), "corpus input {} broke the request parser", path.display());
+    }
+}
+
+fn any_key() -> impl Strategy<Value = Vec<u8>> + Clone {
+    prop_oneof![Just(b"/k".to_vec()), Just(Vec::new()), proptest::collection::vec(any::<u8>(), 0..12)]
+}
+
+fn any_request() -> impl Strategy<Value = Request> {
+    let keys = proptest::collection::vec(any_key(), 0..4);
+    prop_oneof![
+        any::<u32>().prop_map(Request::Validate),
+        (any_key(), any_key()).prop_map(|(key, value)| Request::Set { key, value }),
+        (any_key(), any_key(), any_key()).prop_map(|(key, expected, desired)| Request::CompareSet { key, expected, desired }),
+        any_key().prop_map(Request::Get),
+        (any_key(), any::<i64>()).prop_map(|(key, delta)| Request::Add { key, delta }),
+        keys.clone().prop_map(Request::Check),
+        keys.clone().prop_map(Request::Wait),
+        Just(Request::GetNumKeys),
+        any_key().prop_map(Request::DeleteKey),
+        (any_key(), any_key()).prop_map(|(key, value)| Request::Append { key, value }),
+        keys.prop_map(Request::MultiGet),
+        proptest::collection::vec((any_key(), any_key()), 0..4).prop_map(Request::MultiSet),
+        Just(Request::CancelWait),
+        any::<u32>().prop_map(Request::Ping),
+        (any_key(), any_key()).prop_map(|(key, value)| Request::QueuePush { key, value }),
+        any_key().prop_map(Request::QueuePop),
+        any_key().prop_map(Request::QueueLen),
+        Just(Request::ListKeys),
+        (any_key(), any::<i64>()).prop_map(|(key, world_size)| Request::Barrier { key, world_size }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn tcpstore_request_any_bytes(kind in prop_oneof![0u8..16, any::<u8>()], rest in proptest::collection::vec(any::<u8>(), 0..80),
+                                  cuts in proptest::collection::vec(any::<usize>(), 0..4)) {
+        let mut bytes = vec![kind];
+        bytes.extend_from_slice(&rest);
+        check_request_stream(&bytes, &cuts);
+    }
+
+    /// Valid request streams, then a few bytes changed and the end cut.
+    #[test]
+    fn tcpstore_request_mutated(reqs in proptest::collection::vec(any_request(), 1..5),
+                                edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..4),
+                                cut in 0usize..6, cuts in proptest::collection::vec(any::<usize>(), 0..4)) {
+        let mut bytes = Vec::new();
+        for r in &reqs {
+            r.encode(&mut bytes);
+        }
+        if edits.is_empty() && cut == 0 {
+            prop_assert_eq!(check_request_stream(&bytes, &cuts), reqs);
+            return Ok(());
+        }
+        for (at, v) in edits {
+            let i = at % bytes.len();
+            bytes[i] = v;
+        }
+        bytes.truncate(bytes.len().saturating_sub(cut));
+        check_request_stream(&bytes, &cuts);
+    }
+
+    /// Lengths and counts at and around the limits: refused before any
+    /// byte of the field is waited for, never allocated.
+    #[test]
+    fn tcpstore_request_limits(kind in prop::sample::select(vec![query::GET, query::SET, query::CHECK, query::MULTI_SET, query::ADD]),
+                               n in prop_oneof![Just(MAX_FIELD), Just(MAX_FIELD + 1), Just(MAX_KEYS), Just(MAX_KEYS + 1), Just(u64::MAX), any::<u64>()]) {
+        let mut bytes = vec![kind];
+        bytes.extend_from_slice(&n.to_le_bytes());
+        let limit = if matches!(kind, query::CHECK | query::MULTI_SET) { MAX_KEYS } else { MAX_FIELD };
+        match parse_request(&bytes) {
+            Ok(None) => prop_assert!(n <= limit),
+            Ok(Some(_)) => prop_assert!(n == 0 && matches!(kind, query::CHECK | query::MULTI_SET)),
+            Err(e) => {
+                prop_assert!(n > limit);
+                prop_assert!(e.message().contains("over the limit"));
+            }
+        }
+        check_request_stream(&bytes, &[3]);
+    }
+
+    /// `ADD` on a stored value parses it as C++ `std::stoll` does; the
+    /// model is written independently of the server's parser.
+    #[test]
+    fn tcpstore_counter_like_stoll(text in "[ \t]{0,2}[-+]?[0-9]{0,21}[x ]?[0-9]{0,2}", raw in proptest::collection::vec(any::<u8>(), 0..12)) {
+        prop_assert_eq!(parse_counter(text.as_bytes()), stoll_model(text.as_bytes()));
+        prop_assert_eq!(parse_counter(&raw), stoll_model(&raw));
+    }
+}
+
+fn stoll_model(b: &[u8]) -> Option<i64> {
+    std::str::from_utf8(b).ok()?;
+    let mut i = b.iter().take_while(|c| matches!(c, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c)).count();
+    let neg = match b.get(i) {
+        Some(b'-') => {
+            i += 1;
+            true
+        }
+        Some(b'+') => {
+            i += 1;
+            false
+        }
+        _ => false,
+    };
+    let digits: Vec<u8> = b[i..].iter().take_while(|c| c.is_ascii_digit()).map(|c| c - b'0').collect();
+    if digits.is_empty() {
+        return None;
+    }
+    let mut v: i128 = 0;
+    for d in digits {
+        v = v * 10 + i128::from(d);
+        if v > i128::from(i64::MAX) + 1 {
+            return None;
+        }
+    }
+    i64::try_from(if neg { -v } else { v }).ok()
+}
+
+// ---- content store: native tensor record -----------------------------------
+
+use storage_sharing::content_store::dtype::Dtype;
+use storage_sharing::content_store::meta::TensorMeta;
+use storage_sharing::content_store::record::{self, MAX_RECORD_LEN};
+
+/// Decodes any bytes: a record that decodes re-encodes to exactly the same
+/// bytes (the format has one spelling per value), and a refusal is a typed
+/// error: `Corrupt`, `Unsupported` (another version) or `InvalidArgument`
+/// (a dtype code this library does not know).
+fn check_record_bytes(bytes: &[u8]) -> Option<TensorMeta> {
+    match record::decode(bytes) {
+        Ok(m) => {
+            assert_eq!(record::encode(&m), bytes, "{m:?} re-encodes differently");
+            assert!(m.shape.len() == m.stride.len() && m.shape.len() <= 64);
+            Some(m)
+        }
+        Err(e) => {
+            assert!(matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::Unsupported | ErrorKind::InvalidArgument), "{e}");
+            assert!(e.message().contains("tensor record") || e.message().contains("tensor view"), "{}", e.message());
+            None
+        }
+    }
+}
+
+/// Recomputes the trailing checksum after an edit, so the checks behind it run.
+fn reseal(mut r: Vec<u8>) -> Vec<u8> {
+    if r.len() >= 8 {
+        let n = r.len() - 8;
+        let sum = xxhash_rust::xxh3::xxh3_64(&r[..n]);
+        r[n..].copy_from_slice(&sum.to_le_bytes());
+    }
+    r
+}
+
+#[test]
+fn tensor_record_corpus() {
+    for (path, data) in corpus("tensor_record") {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let r = std::panic::catch_unwind(|| check_record_bytes(&data));
+        let got = r.unwrap_or_else(|_| panic!("corpus input {name} broke the record decoder"));
+        // Seeds named ok_* are valid records; everything else is refused.
+        assert_eq!(got.is_some(), name.starts_with("ok_"), "corpus input {name}");
+    }
+}
+
+fn any_meta() -> impl Strategy<Value = TensorMeta> {
+    let dtypes = prop::sample::select(vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 23, 24, 27, 28, 29]);
+    let dim = prop_oneof![0..4i64, 0..1i64 << 20, any::<i64>()];
+    (dtypes, prop_oneof![0..100i64, any::<i64>()], proptest::collection::vec((dim.clone(), dim), 0..6), "[0-9a-f]{1,64}").prop_map(
+        |(code, offset, dims, hash)| TensorMeta {
+            dtype: Dtype::from_code(code).unwrap(),
+            storage_hash: hash,
+            offset,
+            shape: dims.iter().map(|d| d.0).collect(),
+            stride: dims.iter().map(|d| d.1).collect(),
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn tensor_record_any_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..MAX_RECORD_LEN + 2), sealed in any::<bool>()) {
+        let bytes = if sealed { reseal(bytes) } else { bytes };
+        check_record_bytes(&bytes);
+    }
+
+    /// Records of random views (valid or not: negative, overflowing), then
+    /// a few bytes changed and the checksum recomputed: every field check
+    /// has to hold on its own.
+    #[test]
+    fn tensor_record_mutated(m in any_meta(), edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..4), cut in 0usize..3) {
+        let good = record::encode(&m);
+        let fits = storage_sharing::content_store::bounds::required_bytes(&m, ErrorKind::Corrupt).is_ok();
+        prop_assert_eq!(check_record_bytes(&good).is_some(), fits, "{:?}", m);
+        let mut r = good[..good.len() - 8].to_vec();
+        for (at, v) in edits {
+            let i = at % r.len();
+            r[i] = v;
+        }
+        r.truncate(r.len().saturating_sub(cut));
+        r.extend_from_slice(&[0; 8]);
+        check_record_bytes(&reseal(r));
+    }
+}
+
+/// Writes the seed inputs of tests/corpus/tcpstore_request and
+/// tests/corpus/tensor_record (regression inputs are added by hand):
+/// `cargo test --release --test fuzz_parsers -- --ignored write_seed_corpus`.
+#[test]
+#[ignore = "writes the committed seed corpus"]
+fn write_seed_corpus() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus");
+    let put = |dir: &str, name: &str, bytes: &[u8]| {
+        std::fs::create_dir_all(root.join(dir)).unwrap();
+        std::fs::write(root.join(dir).join(name), bytes).unwrap();
+    };
+    let k = |s: &str| s.as_bytes().to_vec();
+    let hello = [Request::Validate(storage_sharing::store::tcp::protocol::VALIDATION_MAGIC), Request::Ping(0x2e22)];
+    let session: Vec<Request> = vec![
+        Request::Set { key: k("/a"), value: k("1") },
+        Request::CompareSet { key: k("/a"), expected: k("1"), desired: k("2") },
+        Request::Get(k("/a")),
+        Request::Add { key: k("/n"), delta: -5 },
+        Request::Check(vec![k("/a"), k("/n")]),
+        Request::Wait(vec![k("/a")]),
+        Request::GetNumKeys,
+        Request::DeleteKey(k("/a")),
+        Request::Append { key: k("/l"), value: k("xy") },
+        Request::MultiGet(vec![k("/l"), k("/n")]),
+        Request::MultiSet(vec![(k("/p"), k("")), (k("/q"), k("v"))]),
+        Request::CancelWait,
+        Request::QueuePush { key: k("/qu"), value: k("v1") },
+        Request::QueueLen(k("/qu")),
+        Request::QueuePop(k("/qu")),
+        Request::ListKeys,
+        Request::Barrier { key: k("/b"), world_size: 1 },
+    ];
+    let enc = |reqs: &[Request]| reqs.iter().flat_map(Request::to_bytes).collect::<Vec<u8>>();
+    put("tcpstore_request", "handshake.bin", &enc(&hello));
+    put("tcpstore_request", "session_every_query.bin", &[enc(&hello), enc(&session)].concat());
+    for (i, r) in session.iter().enumerate() {
+        put("tcpstore_request", &format!("one_{i:02}_{}.bin", format!("{r:?}").split([' ', '(']).next().unwrap().to_lowercase()), &r.to_bytes());
+    }
+    let mut huge = vec![query::GET];
+    huge.extend_from_slice(&(MAX_FIELD + 1).to_le_bytes());
+    put("tcpstore_request", "field_over_limit.bin", &huge);
+    let mut many = vec![query::MULTI_GET];
+    many.extend_from_slice(&(MAX_KEYS + 1).to_le_bytes());
+    put("tcpstore_request", "count_over_limit.bin", &many);
+    put("tcpstore_request", "unknown_query_14.bin", &[14, 0, 0]);
+    let mut partial = Request::Set { key: k("/a"), value: vec![7; 100] }.to_bytes();
+    partial.truncate(50);
+    put("tcpstore_request", "partial_set.bin", &partial);
+
+    let m = TensorMeta { dtype: Dtype::Float32, storage_hash: "0123456789abcdef".repeat(2), offset: 1, shape: vec![3, 4], stride: vec![1, 3] };
+    put("tensor_record", "ok_f32_transposed.bin", &record::encode(&m));
+    let scalar = TensorMeta { dtype: Dtype::BFloat16, storage_hash: "a".into(), offset: 0, shape: vec![], stride: vec![] };
+    put("tensor_record", "ok_bf16_scalar.bin", &record::encode(&scalar));
+    let empty = TensorMeta { dtype: Dtype::ComplexDouble, storage_hash: "f".repeat(128), offset: 9, shape: vec![0, 5], stride: vec![5, 1] };
+    put("tensor_record", "ok_complex_empty_max_hash.bin", &record::encode(&empty));
+    let rec = record::encode(&m);
+    let edit = |at: usize, v: &[u8]| {
+        let mut r = rec.clone();
+        r[at..at + v.len()].copy_from_slice(v);
+        reseal(r)
+    };
+    put("tensor_record", "bad_checksum.bin", &{ let mut r = rec.clone(); r[40] ^= 1; r });
+    put("tensor_record", "bad_version_2.bin", &edit(8, &2u32.to_le_bytes()));
+    put("tensor_record", "bad_dtype_12.bin", &edit(12, &12i32.to_le_bytes()));
+    put("tensor_record", "bad_ndim_65.bin", &edit(16, &65u32.to_le_bytes()));
+    put("tensor_record", "bad_ndim_u32_max.bin", &edit(16, &u32::MAX.to_le_bytes()));
+    put("tensor_record", "bad_hash_len_0.bin", &edit(20, &0u32.to_le_bytes()));
+    put("tensor_record", "bad_hash_len_u32_max.bin", &edit(20, &u32::MAX.to_le_bytes()));
+    put("tensor_record", "bad_negative_offset.bin", &edit(24, &(-1i64).to_le_bytes()));
+    put("tensor_record", "bad_negative_stride.bin", &edit(48, &(-1i64).to_le_bytes()));
+    put("tensor_record", "bad_overflowing_extent.bin", &edit(24, &i64::MAX.to_le_bytes()));
+    put("tensor_record", "bad_uppercase_hash.bin", &edit(64, b"A"));
+    put("tensor_record", "bad_truncated.bin", &rec[..rec.len() - 9]);
+    put("tensor_record", "bad_empty.bin", b"");
+    put("tensor_record", "bad_too_long.bin", &vec![0u8; MAX_RECORD_LEN + 1]);
 }

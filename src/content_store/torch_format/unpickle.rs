@@ -384,6 +384,9 @@ impl<'a> Machine<'a> {
             let code = self.byte("opcode")?;
             match code {
                 op::PROTO => {
+                    if at != 0 {
+                        return Err(bad(at, "PROTO after the start of the pickle"));
+                    }
                     let v = self.byte("protocol")?;
                     if !(2..=5).contains(&v) {
                         return Err(bad(at, format!("pickle protocol {v}; torch.save writes 2")));

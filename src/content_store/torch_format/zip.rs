@@ -34,6 +34,11 @@ const PAD_EXTRA: u16 = 0x4246; // "FB"
 const FLAG_DESCRIPTOR: u16 = 1 << 3;
 const FLAG_UTF8: u16 = 1 << 11;
 const FLAG_ENCRYPTED: u16 = 1;
+/// Bit 6: strong encryption; bit 13: the local headers are masked (an
+/// encrypted central directory). Neither can be read without a key.
+const FLAG_STRONG_ENCRYPTION: u16 = 1 << 6;
+const FLAG_MASKED_HEADERS: u16 = 1 << 13;
+const ENCRYPTION_FLAGS: u16 = FLAG_ENCRYPTED | FLAG_STRONG_ENCRYPTION | FLAG_MASKED_HEADERS;
 
 /// A 32-bit field holding this value means "see the zip64 extra field".
 const U32_MARK: u64 = 0xFFFF_FFFF;
@@ -339,7 +344,8 @@ fn find_directory(file: &[u8]) -> Result<Directory> {
 pub fn read_entries(file: &[u8]) -> Result<Vec<ZipEntry>> {
     let dir = find_directory(file)?;
     let c = Cursor { buf: file, what: "central directory entry" };
-    let mut entries: Vec<(usize, ZipEntry)> = Vec::with_capacity(dir.count);
+    // (local header offset, end of the record with its descriptor, entry)
+    let mut entries: Vec<(usize, usize, ZipEntry)> = Vec::with_capacity(dir.count);
     let mut at = dir.offset;
     for i in 0..dir.count {
         if c.u32(at)? != CENTRAL_SIG {
@@ -358,8 +364,8 @@ pub fn read_entries(file: &[u8]) -> Result<Vec<ZipEntry>> {
         let name = std::str::from_utf8(c.bytes(at + CENTRAL_LEN, name_len)?)
             .map_err(|_| corrupt(format!("entry {i} has a name that is not UTF-8")))?
             .to_string();
-        if flags & FLAG_ENCRYPTED != 0 {
-            return Err(corrupt(format!("entry {name} is encrypted")));
+        if flags & ENCRYPTION_FLAGS != 0 {
+            return Err(corrupt(format!("entry {name} is encrypted (flags {flags:#06x})")));
         }
         if method != 0 {
             return Err(corrupt(format!("entry {name} is compressed (method {method}); torch.save stores records")));
@@ -372,8 +378,8 @@ pub fn read_entries(file: &[u8]) -> Result<Vec<ZipEntry>> {
         if size != csize {
             return Err(corrupt(format!("entry {name} has stored size {csize} but size {size}")));
         }
-        let data = local_data(file, &name, header_offset, size, dir.offset)?;
-        entries.push((header_offset as usize, ZipEntry { name, data, crc }));
+        let (data, record_end) = local_data(file, &name, header_offset, size, crc, dir.offset)?;
+        entries.push((header_offset as usize, record_end, ZipEntry { name, data, crc }));
         at = at + CENTRAL_LEN + name_len + extra_len + comment_len;
         if at > dir.offset + dir.size {
             return Err(corrupt(format!("central directory entry {i} runs past the directory")));
@@ -382,19 +388,19 @@ pub fn read_entries(file: &[u8]) -> Result<Vec<ZipEntry>> {
     if at != dir.offset + dir.size {
         return Err(corrupt("central directory has bytes after its last entry"));
     }
-    entries.sort_by_key(|(h, _)| *h);
+    entries.sort_by_key(|(h, _, _)| *h);
     for pair in entries.windows(2) {
-        if pair[1].0 < pair[0].1.data.end {
-            return Err(corrupt(format!("entries {} and {} overlap", pair[0].1.name, pair[1].1.name)));
+        if pair[1].0 < pair[0].1 {
+            return Err(corrupt(format!("entries {} and {} overlap", pair[0].2.name, pair[1].2.name)));
         }
     }
-    let mut names: Vec<&str> = entries.iter().map(|(_, e)| e.name.as_str()).collect();
+    let mut names: Vec<&str> = entries.iter().map(|(_, _, e)| e.name.as_str()).collect();
     names.sort_unstable();
     if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
         return Err(corrupt(format!("entry {} appears twice", w[0])));
     }
     debug_assert!(dir.end_records <= file.len());
-    Ok(entries.into_iter().map(|(_, e)| e).collect())
+    Ok(entries.into_iter().map(|(_, _, e)| e).collect())
 }
 
 /// Replaces 32-bit fields holding the overflow mark with the values of the
@@ -432,9 +438,33 @@ fn apply_zip64(name: &str, mut extra: &[u8], size: u64, csize: u64, offset: u64)
     Ok((size, csize, offset))
 }
 
-/// Checks an entry's local header and returns where its data lies, which
-/// must end before the central directory.
-fn local_data(file: &[u8], name: &str, header_offset: u64, size: u64, cd_offset: usize) -> Result<Range<usize>> {
+/// The zip64 extra field's values in a local header (sizes first), if it
+/// has one; every extra field must fit the extra area exactly.
+fn local_zip64(name: &str, mut extra: &[u8]) -> Result<Option<Vec<u64>>> {
+    let mut found = None;
+    while extra.len() >= 4 {
+        let id = u16::from_le_bytes([extra[0], extra[1]]);
+        let len = u16::from_le_bytes([extra[2], extra[3]]) as usize;
+        let body = extra
+            .get(4..4 + len)
+            .ok_or_else(|| corrupt(format!("entry {name} has a local extra field longer than its extra area")))?;
+        if id == ZIP64_EXTRA && found.is_none() {
+            found = Some(body.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect());
+        }
+        extra = &extra[4 + len..];
+    }
+    if !extra.is_empty() {
+        return Err(corrupt(format!("entry {name} has a truncated local extra field")));
+    }
+    Ok(found)
+}
+
+/// Checks an entry's local header against its central-directory entry
+/// (name, method, encryption flags, CRC and sizes, or the data descriptor
+/// after the data that carries them) and returns where its data lies and
+/// where the record ends (after its descriptor); both must end before the
+/// central directory.
+fn local_data(file: &[u8], name: &str, header_offset: u64, size: u64, crc: u32, cd_offset: usize) -> Result<(Range<usize>, usize)> {
     let c = Cursor { buf: file, what: "local header" };
     let at = usize::try_from(header_offset)
         .ok()
@@ -443,23 +473,91 @@ fn local_data(file: &[u8], name: &str, header_offset: u64, size: u64, cd_offset:
     if c.u32(at)? != LOCAL_SIG {
         return Err(corrupt(format!("entry {name} has no local header at byte {at}")));
     }
+    let flags = c.u16(at + 6)?;
+    if flags & ENCRYPTION_FLAGS != 0 {
+        return Err(corrupt(format!("entry {name} is encrypted in its local header (flags {flags:#06x})")));
+    }
     let method = c.u16(at + 8)?;
     if method != 0 {
         return Err(corrupt(format!("entry {name} is compressed in its local header (method {method})")));
     }
+    let local_crc = c.u32(at + 14)?;
+    let local_csize = c.u32(at + 18)? as u64;
+    let local_size = c.u32(at + 22)? as u64;
     let name_len = c.u16(at + 26)? as usize;
     let extra_len = c.u16(at + 28)? as usize;
     if c.bytes(at + LOCAL_LEN, name_len)? != name.as_bytes() {
         return Err(corrupt(format!("entry {name} has another name in its local header")));
     }
+    let zip64 = local_zip64(name, c.bytes(at + LOCAL_LEN + name_len, extra_len)?)?;
     let start = at + LOCAL_LEN + name_len + extra_len;
     let end = usize::try_from(size).ok().and_then(|s| start.checked_add(s));
-    match end {
-        Some(end) if end <= cd_offset => Ok(start..end),
-        _ => Err(corrupt(format!(
-            "entry {name} claims {size} bytes at {start}, past the central directory at {cd_offset}"
-        ))),
-    }
+    let end = match end {
+        Some(end) if end <= cd_offset => end,
+        _ => {
+            return Err(corrupt(format!(
+                "entry {name} claims {size} bytes at {start}, past the central directory at {cd_offset}"
+            )))
+        }
+    };
+    let mismatch = |what: &str| corrupt(format!("entry {name}: the {what} in its local header disagrees with the central directory"));
+    // A local size field is the size, or the zip64 mark with the size in
+    // the local zip64 field (which then holds both sizes, in order).
+    let local_sizes_ok = |zero_ok: bool| {
+        let fits = |v: u64, i: usize| {
+            (zero_ok && v == 0)
+                || v == size
+                || (v == U32_MARK && zip64.as_ref().is_some_and(|z| z.get(i).map_or(zero_ok, |x| *x == size || (zero_ok && *x == 0))))
+        };
+        fits(local_size, 0) && fits(local_csize, 1)
+    };
+    let record_end = if flags & FLAG_DESCRIPTOR != 0 {
+        // CRC and sizes are 0 here (as torch and most writers leave them)
+        // or already the true ones; the descriptor after the data holds
+        // them: an optional signature, the CRC, then both sizes, 8 bytes
+        // each when the entry is zip64.
+        if local_crc != 0 && local_crc != crc {
+            return Err(mismatch("CRC-32"));
+        }
+        if !local_sizes_ok(true) {
+            return Err(mismatch("size"));
+        }
+        // The sizes are 8 bytes when the local header has a zip64 field
+        // (as torch's miniz and the APPNOTE write them); the other width is
+        // tried too, for writers that decide otherwise: either way the
+        // values must be the central directory's.
+        let d = Cursor { buf: &file[..cd_offset], what: "data descriptor" };
+        let fields_at = |p: usize, wide: bool| -> Option<usize> {
+            let crc_ok = d.u32(p).ok()? == crc;
+            let (cs, us, next) = if wide {
+                (d.u64(p + 4).ok()?, d.u64(p + 12).ok()?, p + 20)
+            } else {
+                (d.u32(p + 4).ok()? as u64, d.u32(p + 8).ok()? as u64, p + 12)
+            };
+            (crc_ok && cs == size && us == size).then_some(next)
+        };
+        let signed = d.u32(end).ok() == Some(DESCRIPTOR_SIG);
+        let found = [zip64.is_some(), zip64.is_none()].into_iter().find_map(|wide| {
+            signed.then(|| fields_at(end + 4, wide)).flatten().or_else(|| fields_at(end, wide))
+        });
+        match found {
+            Some(e) => e,
+            None => {
+                return Err(corrupt(format!(
+                    "entry {name}: no data descriptor after its data at byte {end} matching the central directory's CRC-32 {crc:#010x} and size {size}"
+                )))
+            }
+        }
+    } else {
+        if local_crc != crc {
+            return Err(mismatch("CRC-32"));
+        }
+        if !local_sizes_ok(false) {
+            return Err(mismatch("size"));
+        }
+        end
+    };
+    Ok((start..end, record_end))
 }
 
 #[cfg(test)]

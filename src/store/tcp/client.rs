@@ -30,6 +30,11 @@ struct Conn {
     rlen: usize,
 }
 
+/// A reply's value is read into a buffer grown by at most this much (or
+/// doubled) at a time, so a bogus length costs no more memory than the
+/// bytes that really come.
+const READ_STEP: usize = 1 << 20;
+
 /// Most idle connections kept for reuse.
 const MAX_IDLE: usize = 8;
 
@@ -403,8 +408,16 @@ impl Reader<'_> {
         if len > protocol::MAX_FIELD {
             return Err(self.client.protocol(format!("reply length {len} is over the limit of {} bytes", protocol::MAX_FIELD)));
         }
-        let mut v = vec![0u8; len as usize];
-        self.read_exact(&mut v)?;
+        // The length comes from the peer: grow the buffer as bytes arrive
+        // instead of trusting it with one allocation up front.
+        let len = len as usize;
+        let mut v = Vec::with_capacity(len.min(READ_STEP));
+        while v.len() < len {
+            let at = v.len();
+            let step = (len - at).min(READ_STEP.max(at));
+            v.resize(at + step, 0);
+            self.read_exact(&mut v[at..])?;
+        }
         Ok(v)
     }
 }

@@ -315,6 +315,101 @@ fn parse_fields(c: &mut Cursor<'_>) -> Result<Option<Request>> {
     Ok(Some(req))
 }
 
+/// Finds where the request at the start of a growing buffer ends, without
+/// building it and without reading any byte twice: the server calls
+/// [`RequestScanner::scan`] after every read, then [`parse_request`] once
+/// on the whole request. (Re-parsing from the start after every read
+/// would let a client that sends a big key list a few bytes at a time
+/// make the server do work quadratic in the list's length.)
+#[derive(Clone, Debug, Default)]
+pub struct RequestScanner {
+    /// Bytes of the request already checked.
+    at: usize,
+    phase: Phase,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+enum Phase {
+    /// Nothing read yet.
+    #[default]
+    Start,
+    /// A count comes next; each counted item is `per_item` byte fields.
+    Count { per_item: u64, what: &'static str },
+    /// `left` length-prefixed fields, then `tail` fixed bytes.
+    Fields { left: u64, tail: usize },
+}
+
+impl RequestScanner {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// `Ok(Some(n))`: the first `n` bytes of `buf` are one whole request
+    /// (the scanner is then reset for the next one); `Ok(None)`: more bytes
+    /// are needed; an error: the bytes can never be a request (the same
+    /// cases as [`parse_request`]). `buf` must start with the same bytes on
+    /// every call until a request is complete (it may only grow).
+    pub fn scan(&mut self, buf: &[u8]) -> Result<Option<usize>> {
+        use query::*;
+        loop {
+            match self.phase {
+                Phase::Start => {
+                    let Some(&kind) = buf.first() else { return Ok(None) };
+                    self.at = 1;
+                    self.phase = match kind {
+                        VALIDATE | PING => Phase::Fields { left: 0, tail: 4 },
+                        GETNUMKEYS | CANCEL_WAIT | LIST_KEYS => Phase::Fields { left: 0, tail: 0 },
+                        GET | DELETE_KEY | QUEUE_POP | QUEUE_LEN => Phase::Fields { left: 1, tail: 0 },
+                        SET | APPEND | QUEUE_PUSH => Phase::Fields { left: 2, tail: 0 },
+                        COMPARE_SET => Phase::Fields { left: 3, tail: 0 },
+                        ADD | BARRIER => Phase::Fields { left: 1, tail: 8 },
+                        CHECK | WAIT | MULTI_GET => Phase::Count { per_item: 1, what: "key" },
+                        MULTI_SET => Phase::Count { per_item: 2, what: "key-value pair" },
+                        other => {
+                            self.phase = Phase::Start;
+                            return Err(bad(format!("unknown or unsupported query type {other}")));
+                        }
+                    };
+                }
+                Phase::Count { per_item, what } => {
+                    let Some(n) = read_u64(buf, self.at) else { return Ok(None) };
+                    if n > MAX_KEYS {
+                        self.phase = Phase::Start;
+                        return Err(bad(format!("{what} count {n} is over the limit of {MAX_KEYS}")));
+                    }
+                    self.at += 8;
+                    self.phase = Phase::Fields { left: n * per_item, tail: 0 };
+                }
+                Phase::Fields { left: 0, tail } => {
+                    let end = self.at + tail;
+                    if buf.len() < end {
+                        return Ok(None);
+                    }
+                    *self = Self::default();
+                    return Ok(Some(end));
+                }
+                Phase::Fields { left, tail } => {
+                    let Some(len) = read_u64(buf, self.at) else { return Ok(None) };
+                    if len > MAX_FIELD {
+                        self.phase = Phase::Start;
+                        return Err(bad(format!("field length {len} is over the limit of {MAX_FIELD} bytes")));
+                    }
+                    let end = self.at + 8 + len as usize;
+                    if buf.len() < end {
+                        return Ok(None);
+                    }
+                    self.at = end;
+                    self.phase = Phase::Fields { left: left - 1, tail };
+                }
+            }
+        }
+    }
+}
+
+fn read_u64(buf: &[u8], at: usize) -> Option<u64> {
+    buf.get(at..at + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+}
+
 /// A reply holding bytes: `u64` length then the bytes.
 pub fn encode_bytes_reply(out: &mut Vec<u8>, b: &[u8]) {
     put_bytes(out, b);

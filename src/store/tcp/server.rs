@@ -3,7 +3,7 @@
 //! one thread per connection reads its requests; waits are parked in the
 //! shared state and answered by whichever request sets their last key.
 
-use super::protocol::{self, parse_request, Request, VALIDATION_MAGIC};
+use super::protocol::{self, parse_request, Request, RequestScanner, VALIDATION_MAGIC};
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -14,9 +14,47 @@ use std::thread::JoinHandle;
 
 /// How long one reply may take to write before the connection is dropped.
 const WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long the accept loop pauses after a failed accept.
+const ACCEPT_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// Where a reply goes: one connection's write side.
-type Out = Arc<Mutex<TcpStream>>;
+/// Where a connection's replies go. Replies are queued under the state
+/// lock (so each connection gets them in the order the state changed) and
+/// written after it is released, so a client that stops reading stalls
+/// only its own connection, never the others.
+struct Outbox {
+    queue: Mutex<Vec<u8>>,
+    stream: Mutex<TcpStream>,
+}
+
+type Out = Arc<Outbox>;
+
+impl Outbox {
+    fn new(stream: TcpStream) -> Out {
+        Arc::new(Outbox { queue: Mutex::new(Vec::new()), stream: Mutex::new(stream) })
+    }
+
+    /// Queues bytes (call with the state lock held; never blocks on I/O).
+    fn queue(&self, bytes: &[u8]) {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(bytes);
+    }
+
+    /// Writes everything queued, in order (call without the state lock).
+    /// A write that fails or times out shuts the connection down, which
+    /// ends its reader thread.
+    fn flush(&self) -> std::io::Result<()> {
+        let mut stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let pending = std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()));
+            if pending.is_empty() {
+                return Ok(());
+            }
+            if let Err(e) = stream.write_all(&pending) {
+                let _ = stream.shutdown(Shutdown::Both);
+                return Err(e);
+            }
+        }
+    }
+}
 
 struct Waiter {
     conn: u64,
@@ -61,10 +99,6 @@ pub struct TcpServer {
     shared: Arc<Shared>,
     addr: SocketAddr,
     accept: Option<JoinHandle<()>>,
-}
-
-fn send(out: &Out, bytes: &[u8]) -> std::io::Result<()> {
-    out.lock().unwrap_or_else(|p| p.into_inner()).write_all(bytes)
 }
 
 impl TcpServer {
@@ -137,7 +171,16 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         if shared.stopping.load(Ordering::SeqCst) {
             return;
         }
-        let Ok(stream) = stream else { continue };
+        let stream = match stream {
+            Ok(s) => s,
+            Err(_) => {
+                // Out of descriptors (EMFILE/ENFILE) or memory: the pending
+                // connection stays queued and accept would fail again at
+                // once; pause instead of spinning on it.
+                std::thread::sleep(ACCEPT_RETRY);
+                continue;
+            }
+        };
         let _ = stream.set_nodelay(true);
         // A client that stops reading its replies must not stall everyone
         // (replies are written under the state lock): give up on it.
@@ -153,7 +196,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let s2 = shared.clone();
         let spawned = std::thread::Builder::new()
             .name("ss-tcpstore-conn".into())
-            .spawn(move || serve(stream, Arc::new(Mutex::new(out)), id, &s2));
+            .spawn(move || serve(stream, Outbox::new(out), id, &s2));
         if spawned.is_err() {
             shared.lock().conns.remove(&id);
         }
@@ -166,6 +209,7 @@ fn serve(mut stream: TcpStream, out: Out, id: u64, shared: &Shared) {
     let mut buf: Vec<u8> = Vec::with_capacity(4096);
     let mut chunk = vec![0u8; 64 * 1024];
     let mut validated = false;
+    let mut scanner = RequestScanner::new();
     'conn: loop {
         match stream.read(&mut chunk) {
             Ok(0) | Err(_) => break,
@@ -173,7 +217,18 @@ fn serve(mut stream: TcpStream, out: Out, id: u64, shared: &Shared) {
         }
         let mut used = 0;
         loop {
-            match parse_request(&buf[used..]) {
+            // Find the request's end first (no byte scanned twice), then
+            // build it once.
+            let whole = match scanner.scan(&buf[used..]) {
+                Ok(Some(n)) => match parse_request(&buf[used..used + n]) {
+                    Ok(Some((req, m))) if m == n => Ok(Some((req, n))),
+                    Ok(_) => Err(Error::new(ErrorKind::Protocol, "request scanner and parser disagree")),
+                    Err(e) => Err(e),
+                },
+                Ok(None) => Ok(None),
+                Err(e) => Err(e),
+            };
+            match whole {
                 Ok(Some((req, n))) => {
                     used += n;
                     if !validated {
@@ -211,8 +266,9 @@ impl State {
     }
 }
 
-/// `key` was set (or its queue filled): answers every waiter now complete.
-fn wake(st: &mut State, key: &[u8]) {
+/// `key` was set (or its queue filled): queues the answer of every waiter
+/// now complete and notes their connections in `woken`, to flush.
+fn wake(st: &mut State, woken: &mut Vec<Out>, key: &[u8]) {
     let count = st.counter(key);
     let mut i = 0;
     while i < st.waiters.len() {
@@ -225,7 +281,8 @@ fn wake(st: &mut State, key: &[u8]) {
         };
         if done {
             let w = st.waiters.swap_remove(i);
-            let _ = send(&w.out, &[protocol::WAIT_STOP_WAITING]);
+            w.out.queue(&[protocol::WAIT_STOP_WAITING]);
+            woken.push(w.out);
         } else {
             i += 1;
         }
@@ -234,39 +291,53 @@ fn wake(st: &mut State, key: &[u8]) {
 
 /// Adds `delta` to the counter at `key` (a missing key counts as 0); `None`
 /// when the value there is not a number.
-fn add_to_counter(st: &mut State, key: Vec<u8>, delta: i64) -> Option<i64> {
+fn add_to_counter(st: &mut State, woken: &mut Vec<Out>, key: Vec<u8>, delta: i64) -> Option<i64> {
     let old = match st.data.get(&key) {
         None => 0,
         Some(v) => protocol::parse_counter(v)?,
     };
     let new = old.wrapping_add(delta);
-    set_key(st, key, new.to_string().into_bytes());
+    set_key(st, woken, key, new.to_string().into_bytes());
     Some(new)
 }
 
-fn set_key(st: &mut State, key: Vec<u8>, value: Vec<u8>) {
+fn set_key(st: &mut State, woken: &mut Vec<Out>, key: Vec<u8>, value: Vec<u8>) {
     let k = key.clone();
     st.data.insert(key, value);
-    wake(st, &k);
+    wake(st, woken, &k);
 }
 
-/// Answers one request; an error closes the connection.
+/// Answers one request; an error closes the connection. The state lock is
+/// held only while the state changes and replies are queued; the writes
+/// happen after it is released.
 fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Result<(), ()> {
+    let mut woken = Vec::new();
+    let result = update(req, out, id, shared, &mut woken);
+    for w in &woken {
+        if !Arc::ptr_eq(w, out) {
+            let _ = w.flush();
+        }
+    }
+    let flushed = out.flush();
+    result.and(flushed.map_err(|_| ()))
+}
+
+fn update(req: Request, out: &Out, id: u64, shared: &Shared, woken: &mut Vec<Out>) -> std::result::Result<(), ()> {
     let mut reply = Vec::new();
     let mut st = shared.lock();
     match req {
         Request::Validate(_) => return Err(()),
         Request::Ping(n) => reply.extend_from_slice(&n.to_le_bytes()),
-        Request::Set { key, value } => set_key(&mut st, key, value),
+        Request::Set { key, value } => set_key(&mut st, woken, key, value),
         Request::CompareSet { key, expected, desired } => {
             let answer = match st.data.get(&key) {
                 None if expected.is_empty() => {
-                    set_key(&mut st, key, desired.clone());
+                    set_key(&mut st, woken, key, desired.clone());
                     desired
                 }
                 None => expected,
                 Some(cur) if *cur == expected => {
-                    set_key(&mut st, key, desired.clone());
+                    set_key(&mut st, woken, key, desired.clone());
                     desired
                 }
                 Some(cur) => cur.clone(),
@@ -280,7 +351,7 @@ fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Res
             None => return Err(()),
         },
         Request::Add { key, delta } => {
-            let new = add_to_counter(&mut st, key, delta).ok_or(())?;
+            let new = add_to_counter(&mut st, woken, key, delta).ok_or(())?;
             reply.extend_from_slice(&new.to_le_bytes());
         }
         Request::Check(keys) => {
@@ -307,7 +378,7 @@ fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Res
         Request::Append { key, value } => {
             let mut cur = st.data.remove(&key).unwrap_or_default();
             cur.extend_from_slice(&value);
-            set_key(&mut st, key, cur);
+            set_key(&mut st, woken, key, cur);
         }
         Request::MultiGet(keys) => {
             for k in &keys {
@@ -316,12 +387,12 @@ fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Res
         }
         Request::MultiSet(pairs) => {
             for (k, v) in pairs {
-                set_key(&mut st, k, v);
+                set_key(&mut st, woken, k, v);
             }
         }
         Request::QueuePush { key, value } => {
             st.queues.entry(key.clone()).or_default().push_back(value);
-            wake(&mut st, &key);
+            wake(&mut st, woken, &key);
         }
         // PyTorch's client WAITs on the queue's name before a blocking pop.
         Request::QueuePop(key) => {
@@ -339,14 +410,17 @@ fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Res
             let len = st.queues.get(&key).map_or(0, |q| q.len()) as i64;
             reply.extend_from_slice(&len.to_le_bytes());
         }
+        // Sorted, so the answer does not depend on the map's order.
         Request::ListKeys => {
-            reply.extend_from_slice(&(st.data.len() as u64).to_le_bytes());
-            for k in st.data.keys() {
+            let mut keys: Vec<&Vec<u8>> = st.data.keys().collect();
+            keys.sort();
+            reply.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+            for k in keys {
                 protocol::encode_bytes_reply(&mut reply, k);
             }
         }
         Request::Barrier { key, world_size } => {
-            let count = add_to_counter(&mut st, key.clone(), 1).ok_or(())?;
+            let count = add_to_counter(&mut st, woken, key.clone(), 1).ok_or(())?;
             if count >= world_size {
                 reply.push(protocol::WAIT_STOP_WAITING);
             } else {
@@ -355,7 +429,7 @@ fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Res
         }
     }
     if !reply.is_empty() {
-        send(out, &reply).map_err(|_| ())?;
+        out.queue(&reply);
     }
     Ok(())
 }

@@ -79,12 +79,17 @@ fn alloc_prop(device: i32) -> sys::CUmemAllocationProp {
 
 /// Runs `f` with `device`'s context current, for teardown: errors are
 /// dropped (nothing can be done about them in a destructor), and nothing
-/// runs while the process is finalizing.
+/// runs while the process is finalizing, nor in a child forked after the
+/// driver was initialised (no driver call is defined there; the child's
+/// copy of the address space holds none of the driver's mappings anyway).
 fn teardown(device: i32, f: impl FnOnce()) {
     if is_finalizing() {
         return;
     }
     if let Ok(d) = crate::cuda::driver::driver() {
+        if d.in_forked_child() {
+            return;
+        }
         let _ = d.with_device(device, || {
             f();
             Ok(())
@@ -552,10 +557,14 @@ impl Drop for CudaPeers {
 impl CudaPeers {
     /// Reports a timeout an earlier kernel recorded, then enqueues `op`.
     fn launch(&self, op: Op, peer: usize, channel: usize, timeout: Timeout, stream: usize) -> Result<()> {
+        // The driver first: in a forked child it refuses before the records
+        // are touched (pinned host memory may be left out of a fork child's
+        // address space, as pinned ranges often are, and then reading it
+        // there faults).
+        let (d, _) = symm_driver()?;
         if let Some(t) = self.records.take() {
             return Err(Error::new(ErrorKind::Timeout, t.message()));
         }
-        let (d, _) = symm_driver()?;
         let slot = (self.launches.fetch_add(1, Ordering::Relaxed) % plan::RECORDS as u64) as u32;
         let mut pads: u64 = self.pad_ptrs.ptr;
         let mut status: u64 = self.records.dev;

@@ -249,7 +249,7 @@ impl Driver {
 /// and launches, host-mapped memory. Checked on the first symmetric-memory
 /// use, so a driver without them fails that use with `CudaUnavailable`
 /// (cudarc would panic on a missing one) and CUDA IPC is unaffected.
-pub const SYMM_SYMBOLS: [&str; 21] = [
+pub const SYMM_SYMBOLS: [&str; 22] = [
     "cuMemCreate",
     "cuMemRelease",
     "cuMemGetAllocationGranularity",
@@ -263,6 +263,7 @@ pub const SYMM_SYMBOLS: [&str; 21] = [
     "cuModuleLoadDataEx",
     "cuModuleUnload",
     "cuModuleGetFunction",
+    "cuFuncGetAttribute",
     "cuLaunchKernel",
     "cuMemHostAlloc",
     "cuMemHostGetDevicePointer_v2",

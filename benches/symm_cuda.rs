@@ -58,6 +58,19 @@ fn main() {
         println!("skipped: no CUDA device ({})", e.message());
         return;
     }
+    let mut mode = 0;
+    // SAFETY: the driver is loaded and initialised; out-pointers ours.
+    unsafe {
+        let mut dev = 0;
+        ok(sys::cuDeviceGet(&mut dev, 0), "cuDeviceGet");
+        ok(sys::cuDeviceGetAttribute(&mut mode, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, dev), "compute mode");
+    }
+    if mode != 0 {
+        // Both ranks are processes on device 0: only the default compute
+        // mode lets the second one make a context there.
+        println!("skipped: device 0 is in compute mode {mode}, not the default one that lets two processes share it");
+        return;
+    }
     let dir = std::env::temp_dir().join(format!("ss-symm-cuda-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let children: Vec<_> = (0..2)

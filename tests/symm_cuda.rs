@@ -18,15 +18,53 @@ use storage_sharing::store::{FileStore, StoreRef};
 use storage_sharing::symm::{self, group, DeviceType, SymmetricMemory};
 use storage_sharing::ErrorKind;
 
-/// True where CUDA can be used; prints the skip line where not.
+/// True where CUDA can be used by several processes on device 0; prints
+/// the skip line where not.
 fn gpu(test: &str) -> bool {
-    match storage_sharing::cuda::check_available() {
-        Ok(()) => true,
-        Err(e) => {
-            println!("{test}: skipped: no CUDA device ({})", e.message());
+    if let Err(e) = storage_sharing::cuda::check_available() {
+        println!("{test}: skipped: no CUDA device ({})", e.message());
+        return false;
+    }
+    let mut mode = 0;
+    // SAFETY: the driver is loaded and initialised (check_available); out-pointers ours.
+    unsafe {
+        let mut dev = 0;
+        ok(sys::cuDeviceGet(&mut dev, 0), "cuDeviceGet");
+        ok(sys::cuDeviceGetAttribute(&mut mode, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, dev), "compute mode");
+    }
+    match one_device_blocker(mode) {
+        None => true,
+        Some(why) => {
+            println!("{test}: skipped: {why}");
             false
         }
     }
+}
+
+/// Why the ranks (separate processes, all on device 0) cannot run, given
+/// device 0's compute mode: only the default mode lets several processes
+/// make a context on one device (exclusive-process, common on clusters,
+/// refuses the second one with CUDA_ERROR_DEVICES_UNAVAILABLE).
+fn one_device_blocker(compute_mode: i32) -> Option<String> {
+    match compute_mode {
+        0 => None,
+        2 => Some("device 0 is in the prohibited compute mode (no context can be made)".to_string()),
+        3 => Some(
+            "device 0 is in the exclusive-process compute mode: these tests run every rank on device 0 as a \
+             separate process (set the default mode with `nvidia-smi -c DEFAULT`)"
+                .to_string(),
+        ),
+        m => Some(format!("device 0 is in compute mode {m}, which these multi-process tests do not know")),
+    }
+}
+
+/// Runs everywhere: the compute modes that keep the ranks off one device.
+#[test]
+fn compute_modes_that_keep_ranks_off_one_device() {
+    assert_eq!(one_device_blocker(0), None);
+    assert!(one_device_blocker(3).unwrap().contains("exclusive-process"));
+    assert!(one_device_blocker(2).unwrap().contains("prohibited"));
+    assert!(one_device_blocker(7).unwrap().contains("compute mode 7"));
 }
 
 fn ok(r: CUresult, what: &str) {
@@ -279,7 +317,11 @@ fn role_kill9(me: Rank) {
         unreachable!();
     }
     std::thread::sleep(Duration::from_millis(300)); // rank 2 is gone by now
-    h.barrier(0, t(500), 0).unwrap();
+    // Long enough that the live peer always answers in time, even with the
+    // other tests' ranks time-slicing the one GPU: the timeout must name
+    // rank 2, and with a short one the thread waiting for rank 1 could
+    // claim the record first.
+    h.barrier(0, t(3000), 0).unwrap();
     sync();
     let e = h.barrier(0, t(500), 0).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Timeout);

@@ -55,6 +55,10 @@ pub struct Driver {
     pub version: i32,
     /// Devices visible to this process.
     pub device_count: i32,
+    /// The process that loaded and initialised the driver. A child made by
+    /// fork() inherits this struct but not the driver's state (its threads,
+    /// its channels to the kernel module): CUDA is undefined there.
+    pub loaded_by: u32,
     /// The `dlopen` handle of that library (never closed).
     handle: usize,
     /// Primary contexts retained so far, by device ordinal (kept for the
@@ -129,7 +133,14 @@ fn load() -> std::result::Result<Driver, Error> {
     if device_count == 0 {
         return Err(no_device());
     }
-    Ok(Driver { library, version, device_count, handle: handle as usize, contexts: ForkSafeMutex::new(HashMap::new()) })
+    Ok(Driver {
+        library,
+        version,
+        device_count,
+        loaded_by: std::process::id(),
+        handle: handle as usize,
+        contexts: ForkSafeMutex::new(HashMap::new()),
+    })
 }
 
 fn no_device() -> Error {
@@ -238,7 +249,7 @@ impl Driver {
 /// and launches, host-mapped memory. Checked on the first symmetric-memory
 /// use, so a driver without them fails that use with `CudaUnavailable`
 /// (cudarc would panic on a missing one) and CUDA IPC is unaffected.
-pub const SYMM_SYMBOLS: [&str; 21] = [
+pub const SYMM_SYMBOLS: [&str; 22] = [
     "cuMemCreate",
     "cuMemRelease",
     "cuMemGetAllocationGranularity",
@@ -252,6 +263,7 @@ pub const SYMM_SYMBOLS: [&str; 21] = [
     "cuModuleLoadDataEx",
     "cuModuleUnload",
     "cuModuleGetFunction",
+    "cuFuncGetAttribute",
     "cuLaunchKernel",
     "cuMemHostAlloc",
     "cuMemHostGetDevicePointer_v2",
@@ -289,6 +301,9 @@ fn first_missing(handle: usize, names: &[&'static str]) -> Option<&'static str> 
 /// process): `CudaUnavailable` naming the first one missing.
 pub fn symm_driver() -> Result<(&'static Driver, &'static SymmFeatures)> {
     let d = driver()?;
+    if let Some(why) = forked_child(d.loaded_by, std::process::id()) {
+        return Err(unavailable(why));
+    }
     let features = SYMM_FEATURES
         .get_or_init(|| {
             if let Some(name) = first_missing(d.handle, &SYMM_SYMBOLS) {
@@ -306,7 +321,27 @@ pub fn symm_driver() -> Result<(&'static Driver, &'static SymmFeatures)> {
     Ok((d, features))
 }
 
+/// Why CUDA cannot be used in this process, when it is a child forked from
+/// the process `loaded_by` that initialised the driver (`now` is this
+/// process's id): the driver's state did not survive the fork, and any
+/// driver call here is undefined (it may fail, or hang on a lock held by a
+/// thread of the parent that the child does not have).
+pub fn forked_child(loaded_by: u32, now: u32) -> Option<String> {
+    (loaded_by != now).then(|| {
+        format!(
+            "this process ({now}) was forked from process {loaded_by} after that one initialised CUDA, and CUDA \
+             cannot be used in a forked child; start the child with exec (e.g. multiprocessing's \"spawn\")"
+        )
+    })
+}
+
 impl Driver {
+    /// Whether this process is a fork() child of the one that loaded the
+    /// driver (where no driver call may be made).
+    pub fn in_forked_child(&self) -> bool {
+        forked_child(self.loaded_by, std::process::id()).is_some()
+    }
+
     /// The address of driver entry point `name`, if the library has it.
     pub fn symbol(&self, name: &str) -> Option<*mut libc::c_void> {
         let c = CString::new(name).ok()?;
@@ -336,5 +371,20 @@ impl Driver {
         // SAFETY: as above.
         check(unsafe { f(&mut value, attribute, dev) }, || format!("cuDeviceGetAttribute({attribute}) of device {device}"))?;
         Ok(value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_forked_child_is_told_why_cuda_is_off_there() {
+        assert_eq!(forked_child(42, 42), None);
+        let why = forked_child(42, 43).unwrap();
+        assert!(why.contains("this process (43) was forked from process 42"), "{why}");
+        assert!(why.contains("exec"), "{why}");
+        // The real process: a driver loaded here is not a forked child's.
+        assert_eq!(forked_child(std::process::id(), std::process::id()), None);
     }
 }

@@ -79,12 +79,17 @@ fn alloc_prop(device: i32) -> sys::CUmemAllocationProp {
 
 /// Runs `f` with `device`'s context current, for teardown: errors are
 /// dropped (nothing can be done about them in a destructor), and nothing
-/// runs while the process is finalizing.
+/// runs while the process is finalizing, nor in a child forked after the
+/// driver was initialised (no driver call is defined there; the child's
+/// copy of the address space holds none of the driver's mappings anyway).
 fn teardown(device: i32, f: impl FnOnce()) {
     if is_finalizing() {
         return;
     }
     if let Ok(d) = crate::cuda::driver::driver() {
+        if d.in_forked_child() {
+            return;
+        }
         let _ = d.with_device(device, || {
             f();
             Ok(())
@@ -393,6 +398,8 @@ struct Module {
     device: i32,
     module: usize,
     functions: [usize; 3],
+    /// Each kernel's `CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK` on the device.
+    max_threads: [u32; 3],
 }
 
 impl Module {
@@ -416,13 +423,27 @@ impl Module {
                 if text.is_empty() { String::new() } else { format!(" [JIT log: {text}]") }
             )
         })?;
-        let mut m = Module { device, module: module as usize, functions: [0; 3] };
+        let mut m = Module { device, module: module as usize, functions: [0; 3], max_threads: [0; 3] };
         for (i, name) in KERNELS.iter().enumerate() {
             let c = std::ffi::CString::new(*name).expect("kernel names have no NUL");
             let mut f: sys::CUfunction = std::ptr::null_mut();
             // SAFETY: live module, NUL-terminated name, out-pointer ours.
             check(unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) }, || format!("cuModuleGetFunction({name})"))?;
             m.functions[i] = f as usize;
+            // Asking an attribute finishes loading the kernel now (under lazy
+            // loading a handle may be only partly loaded, and a load at the
+            // first launch may need the context idle, which it never is
+            // while our own wait kernel spins for that launch's signal), and
+            // gives the block size limit the barrier launch must respect.
+            let mut most = 0;
+            // SAFETY: live function, out-pointer ours.
+            check(
+                unsafe {
+                    sys::cuFuncGetAttribute(&mut most, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f)
+                },
+                || format!("cuFuncGetAttribute(MAX_THREADS_PER_BLOCK) of {name}"),
+            )?;
+            m.max_threads[i] = most.max(0) as u32;
         }
         Ok(m)
     }
@@ -552,10 +573,14 @@ impl Drop for CudaPeers {
 impl CudaPeers {
     /// Reports a timeout an earlier kernel recorded, then enqueues `op`.
     fn launch(&self, op: Op, peer: usize, channel: usize, timeout: Timeout, stream: usize) -> Result<()> {
+        // The driver first: in a forked child it refuses before the records
+        // are touched (pinned host memory may be left out of a fork child's
+        // address space, as pinned ranges often are, and then reading it
+        // there faults).
+        let (d, _) = symm_driver()?;
         if let Some(t) = self.records.take() {
             return Err(Error::new(ErrorKind::Timeout, t.message()));
         }
-        let (d, _) = symm_driver()?;
         let slot = (self.launches.fetch_add(1, Ordering::Relaxed) % plan::RECORDS as u64) as u32;
         let mut pads: u64 = self.pad_ptrs.ptr;
         let mut status: u64 = self.records.dev;
@@ -576,7 +601,7 @@ impl CudaPeers {
             (&mut slot as *mut u32).cast(),
         ];
         let threads = match op {
-            Op::Barrier => plan::barrier_threads(self.ws),
+            Op::Barrier => plan::barrier_threads(self.ws, self.module.max_threads[Op::Barrier as usize]),
             Op::Put | Op::Wait => 1,
         };
         let f = self.module.functions[op as usize] as sys::CUfunction;

@@ -161,9 +161,12 @@ pub fn timeout_ns(timeout: Timeout) -> u64 {
 }
 
 /// Threads of the barrier kernel's one block: one per rank, rounded up to
-/// whole warps, at most 1024 (the kernel loops over the rest).
-pub fn barrier_threads(world_size: usize) -> u32 {
-    world_size.clamp(1, 1024).next_multiple_of(32) as u32
+/// whole warps, at most 1024 and at most the whole warps of `kernel_max`
+/// (the kernel's `CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK`); the kernel
+/// loops over the ranks beyond that.
+pub fn barrier_threads(world_size: usize, kernel_max: u32) -> u32 {
+    let cap = (kernel_max.min(1024) / 32 * 32).max(32) as usize;
+    world_size.clamp(1, 1024).next_multiple_of(32).min(cap) as u32
 }
 
 /// Timeout records in the host-mapped array; each launch writes only its
@@ -369,11 +372,17 @@ mod tests {
         assert_eq!(timeout_ns(Some(Duration::from_millis(500))), 500_000_000);
         assert_eq!(timeout_ns(Some(Duration::ZERO)), 1);
         assert_eq!(timeout_ns(Some(Duration::from_secs(u64::MAX))), u64::MAX);
-        assert_eq!(barrier_threads(1), 32);
-        assert_eq!(barrier_threads(2), 32);
-        assert_eq!(barrier_threads(33), 64);
-        assert_eq!(barrier_threads(72), 96);
-        assert_eq!(barrier_threads(5000), 1024);
+        assert_eq!(barrier_threads(1, 1024), 32);
+        assert_eq!(barrier_threads(2, 1024), 32);
+        assert_eq!(barrier_threads(33, 1024), 64);
+        assert_eq!(barrier_threads(72, 1024), 96);
+        assert_eq!(barrier_threads(5000, 1024), 1024);
+        // A kernel the device can run with fewer threads per block: whole
+        // warps of that limit (the kernel loops over the other ranks).
+        assert_eq!(barrier_threads(72, 64), 64);
+        assert_eq!(barrier_threads(72, 100), 96);
+        assert_eq!(barrier_threads(5000, 2048), 1024);
+        assert_eq!(barrier_threads(8, 0), 32);
     }
 
     #[test]

@@ -329,3 +329,46 @@ fn daemon_does_not_keep_the_spawners_descriptors() {
     // SAFETY: closing what we opened.
     unsafe { libc::close(sv[0]) };
 }
+
+/// The manager's pid, from the connected socket's peer credentials.
+fn peer_pid(s: &UnixStream) -> i32 {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain data filled by getsockopt.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a connected socket we own; cred and len are valid.
+    let rc = unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
+    assert_eq!(rc, 0);
+    cred.pid
+}
+
+/// Found by the chaos soak (`ss_soak --only arena`): a client that sent
+/// several registrations and was killed before the manager read them left
+/// all but the first in /dev/shm. The reply to the first failed (the
+/// socket was closed), and the manager dropped the session without
+/// recording the registrations behind it. The manager is stopped while the
+/// client writes and closes, so it finds all of them waiting at once.
+#[test]
+fn registrations_of_a_client_gone_before_the_replies_are_all_abandoned() {
+    let path = start();
+    let s = connect(&path);
+    let manager = peer_pid(&s);
+    let names: Vec<String> = (0..3).map(|_| new_process_wide_shm_handle()).collect();
+    let mut batch = Vec::new();
+    for n in &names {
+        create_unmapped(n, 4096);
+        batch.extend_from_slice(&AllocInfo::new(std::process::id() as i32, false, n).unwrap().encode());
+    }
+    // SAFETY: signals to the daemon this test started.
+    assert_eq!(unsafe { libc::kill(manager, libc::SIGSTOP) }, 0);
+    (&s).write_all(&batch).unwrap();
+    drop(s);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(manager, libc::SIGCONT) }, 0);
+    let gone = wait_until(LIMIT, || names.iter().all(|n| !shm_exists(n)));
+    let left: Vec<&String> = names.iter().filter(|n| shm_exists(n)).collect();
+    for n in &names {
+        unlink(n);
+    }
+    assert!(gone, "registered names of a client gone before its replies left in /dev/shm: {left:?}");
+}

@@ -51,6 +51,9 @@ struct Session {
     pending: Vec<u8>,
     /// Registrations not yet freed, per name.
     held: HashMap<String, u32>,
+    /// A reply could not be sent (the client is gone or stopped reading):
+    /// no more replies, but what it sent still counts.
+    mute: bool,
 }
 
 /// The daemon's state: listening socket, sessions, and what it tracks.
@@ -177,7 +180,7 @@ impl Server {
                     let id = self.next_id;
                     self.next_id += 1;
                     self.note(format!("client {id} connected (pid {peer_pid})"));
-                    self.sessions.insert(id, Session { stream, peer_pid, pending: Vec::new(), held: HashMap::new() });
+                    self.sessions.insert(id, Session { stream, peer_pid, pending: Vec::new(), held: HashMap::new(), mute: false });
                 }
                 Err(e) if e.kind() == IoKind::WouldBlock => return,
                 Err(e) if e.kind() == IoKind::Interrupted => {}
@@ -201,6 +204,7 @@ impl Server {
                 Ok(n) => {
                     s.pending.extend_from_slice(&buf[..n]);
                     if let Err(e) = self.handle_pending(id) {
+                        self.drain(id);
                         return self.drop_session(id, e.message());
                     }
                 }
@@ -211,11 +215,16 @@ impl Server {
         }
     }
 
+    /// Records every complete message received. A reply that cannot be
+    /// sent does not stop the rest: a client killed right after sending
+    /// several registrations (its socket closed, so the first reply fails)
+    /// has registered them all, and all are abandoned with it.
     fn handle_pending(&mut self, id: u64) -> Result<()> {
+        let mut reply_failed = None;
         loop {
             let s = self.sessions.get_mut(&id).expect("live session");
             if s.pending.len() < ALLOC_INFO_SIZE {
-                return Ok(());
+                return reply_failed.map_or(Ok(()), Err);
             }
             let mut rec = [0u8; ALLOC_INFO_SIZE];
             rec.copy_from_slice(&s.pending[..ALLOC_INFO_SIZE]);
@@ -224,23 +233,55 @@ impl Server {
             validate_shm_name(&msg.filename).map_err(|e| Error::new(ErrorKind::Protocol, e.message().to_string()))?;
             if msg.free {
                 self.on_free(id, &msg.filename);
-            } else {
-                self.on_register(id, &msg.filename)?;
+            } else if let Err(e) = self.on_register(id, &msg.filename) {
+                reply_failed.get_or_insert(e);
+            }
+        }
+    }
+
+    /// Before a session is dropped for a failed reply: reads and records
+    /// what the client still sent (a dead client's last registrations may
+    /// be in the socket yet), without replying.
+    fn drain(&mut self, id: u64) {
+        let mut buf = [0u8; 64 * ALLOC_INFO_SIZE];
+        loop {
+            let Some(s) = self.sessions.get_mut(&id) else { return };
+            if !s.mute {
+                return;
+            }
+            match s.stream.read(&mut buf) {
+                Ok(0) => return,
+                Ok(n) => {
+                    s.pending.extend_from_slice(&buf[..n]);
+                    // Malformed input ends it; failed replies cannot happen (muted).
+                    if self.handle_pending(id).is_err() {
+                        return;
+                    }
+                }
+                Err(e) if e.kind() == IoKind::Interrupted => {}
+                Err(_) => return,
             }
         }
     }
 
     fn on_register(&mut self, id: u64, name: &str) -> Result<()> {
+        // Recorded before the reply: a client gone before reading it has
+        // still registered the name (it may have created it since).
+        self.tracked.insert(name.to_string());
         let s = self.sessions.get_mut(&id).expect("live session");
         *s.held.entry(name.to_string()).or_default() += 1;
+        if s.mute {
+            return Ok(());
+        }
         // The reply is 2 bytes; a client that never reads them fills its
         // socket buffer and is dropped instead of blocking everyone.
         match s.stream.write(OK_REPLY) {
-            Ok(2) => {}
-            Ok(_) | Err(_) => return Err(Error::new(ErrorKind::Protocol, "could not send OK (client not reading)")),
+            Ok(2) => Ok(()),
+            Ok(_) | Err(_) => {
+                s.mute = true;
+                Err(Error::new(ErrorKind::Protocol, "could not send OK (client gone or not reading)"))
+            }
         }
-        self.tracked.insert(name.to_string());
-        Ok(())
     }
 
     fn on_free(&mut self, id: u64, name: &str) {

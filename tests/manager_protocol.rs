@@ -372,3 +372,46 @@ fn registrations_of_a_client_gone_before_the_replies_are_all_abandoned() {
     }
     assert!(gone, "registered names of a client gone before its replies left in /dev/shm: {left:?}");
 }
+
+/// Sets the modification time of `path` to `secs` seconds ago.
+fn backdate(path: &Path, secs: i64) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: plain data.
+    let mut now: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut now) };
+    let then = libc::timespec { tv_sec: now.tv_sec - secs, tv_nsec: 0 };
+    let times = [then, then];
+    // SAFETY: a NUL-terminated path and two timespecs.
+    assert_eq!(unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) }, 0);
+}
+
+/// Found by the chaos soak (561 folders after as many manager kills): a
+/// daemon killed with -9 leaves its socket folder in the temporary
+/// directory for good. The next daemon to start removes such folders
+/// (nothing listens on their socket); a live daemon's stays.
+#[test]
+fn a_killed_managers_socket_folder_is_swept_by_the_next_daemon() {
+    let killed = start();
+    let s = connect(&killed);
+    let pid = peer_pid(&s);
+    drop(s);
+    // SAFETY: a signal to the daemon this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    // SAFETY: probing the pid only.
+    assert!(wait_until(LIMIT, || unsafe { libc::kill(pid, 0) } != 0), "the daemon survived SIGKILL");
+    let killed_dir = Path::new(&killed).parent().unwrap().to_path_buf();
+    assert!(killed_dir.exists(), "a killed daemon cannot remove its folder");
+    // A live daemon, kept busy by a connection, whose socket is as old.
+    let live = start();
+    let _keep = connect(&live);
+    for sock in [&killed, &live] {
+        backdate(Path::new(sock), 120);
+    }
+    let next = start();
+    let swept = wait_until(LIMIT, || !killed_dir.exists());
+    assert!(Path::new(&live).exists(), "the folder of a live daemon was swept");
+    assert!(Path::new(&next).exists());
+    assert!(swept, "{} left after a new daemon started", killed_dir.display());
+}

@@ -53,9 +53,9 @@ impl Symm {
     /// Checks the answers of a step: every live rank answers `ok`, except
     /// after a kill, when a collective may fail with a typed error and a
     /// rank without a handle says so.
-    fn judge(&self, r: &mut Round, what: &str, replies: Vec<Reply>, collective: bool) -> Result<Vec<Answer>, String> {
+    fn judge(&self, r: &mut Round, what: &str, ranks: &[usize], replies: Vec<Reply>, collective: bool) -> Result<Vec<Answer>, String> {
         let mut out = Vec::with_capacity(replies.len());
-        for (rank, reply) in replies.into_iter().enumerate() {
+        for (&rank, reply) in ranks.iter().zip(replies) {
             out.push(match reply {
                 Reply::Killed => Answer::Killed,
                 Reply::Line(l) if l == "ok" => Answer::Ok,
@@ -81,9 +81,9 @@ impl Symm {
             let begun = Instant::now();
             let replies = r.collective(&live, |_| format!("rdv {SHORT_MS}"))?;
             let took = begun.elapsed().as_millis();
-            for (k, a) in self.judge(r, "rendezvous without the victim", replies, true)?.into_iter().enumerate() {
+            for (k, a) in self.judge(r, "rendezvous without the victim", &live, replies, true)?.into_iter().enumerate() {
                 match a {
-                    Answer::Typed(m) if m.contains("never arrived") && m.contains(&victim.to_string()) => {}
+                    Answer::Typed(m) if m.contains(&format!("rank(s) {victim} never arrived")) => {}
                     Answer::Typed(m) => return Err(format!("rank {}: the rendezvous error does not name the dead rank {victim}: <{m}>", live[k])),
                     _ => return Err(format!("rank {}: a rendezvous without rank {victim} (killed) did not fail", live[k])),
                 }
@@ -95,7 +95,7 @@ impl Symm {
                 // rank's included.
                 let list = if st.wrote.is_empty() { "-".to_string() } else { st.wrote.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(",") };
                 let replies = r.collective(&with_handle, |_| format!("check {} {list}", st.seed))?;
-                self.judge(r, "check after the kill", replies, false)?;
+                self.judge(r, "check after the kill", &with_handle, replies, false)?;
                 r.count("buffers_checked", (with_handle.len() * st.wrote.len()) as u64);
                 // A barrier on a channel never used: the dead rank cannot
                 // put its signal, so every survivor must time out naming it.
@@ -104,7 +104,7 @@ impl Symm {
                 let took = begun.elapsed().as_millis();
                 // Ranks whose rendezvous failed do not take part either.
                 let absent: Vec<usize> = ranks.iter().copied().filter(|i| !with_handle.contains(i)).collect();
-                for (k, a) in self.judge(r, "barrier without the victim", replies, true)?.into_iter().enumerate() {
+                for (k, a) in self.judge(r, "barrier without the victim", &with_handle, replies, true)?.into_iter().enumerate() {
                     match a {
                         Answer::Typed(m) if absent.iter().any(|x| m.contains(&format!("rank {x} "))) => {}
                         Answer::Typed(m) => return Err(format!("rank {}: the barrier error names none of the absent ranks {absent:?}: <{m}>", with_handle[k])),
@@ -116,7 +116,7 @@ impl Symm {
         }
         if !st.freed {
             let replies = r.collective(&live, |_| "free".to_string())?;
-            self.judge(r, "free after the kill", replies, false)?;
+            self.judge(r, "free after the kill", &live, replies, false)?;
         }
         Ok(())
     }
@@ -195,7 +195,7 @@ impl Scenario for Symm {
                 _ => "free".to_string(),
             })?;
             let took = begun.elapsed().as_millis();
-            let answers = self.judge(r, what, replies, collective)?;
+            let answers = self.judge(r, what, &all, replies, collective)?;
             if answers.iter().any(|a| matches!(a, Answer::Typed(_))) {
                 self.in_time(r, took, LONG_MS)?;
             }

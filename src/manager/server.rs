@@ -317,10 +317,11 @@ impl Server {
 
     /// Before a session is dropped for a failed reply: reads and records
     /// what the client still sent (a dead client's last registrations may
-    /// be in the socket yet), without replying.
+    /// be in the socket yet), without replying. Bounded, so a live client
+    /// that keeps writing cannot hold the daemon here.
     fn drain(&mut self, id: u64) {
         let mut buf = [0u8; 64 * ALLOC_INFO_SIZE];
-        loop {
+        for _ in 0..64 {
             let Some(s) = self.sessions.get_mut(&id) else { return };
             if !s.mute {
                 return;

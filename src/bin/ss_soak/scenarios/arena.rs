@@ -213,8 +213,8 @@ impl Scenario for ArenaPath {
                 }
             }
         }
-        let held_from = if r.alive(c) { Some(dropped.1 as usize) } else { None };
-        self.consumer_tail(r, c, &sizes, seed, held_from.map(|h| (h, opened.0 as usize, j, at, poked)))?;
+        let held = r.alive(c).then_some(Held { from: dropped.1 as usize, opened: opened.0 as usize, j, at, poked });
+        self.consumer_tail(r, c, &sizes, seed, held)?;
         if r.alive(p) {
             if let Some(l) = r.ask(p, "close")? {
                 if l != "ok" {
@@ -296,11 +296,11 @@ impl Scenario for ArenaPath {
             ("consumer", ["recv", n, seed, list]) => {
                 let seed: u64 = seed.parse().unwrap();
                 let sizes: Vec<usize> = list.split(',').map(|s| s.parse().unwrap()).collect();
-                for i in 0..n.parse::<usize>().unwrap() {
+                for (i, &size) in sizes.iter().enumerate().take(n.parse().unwrap()) {
                     match recv_block(SOCK_FD) {
                         Ok(v) => {
                             // A block is its size class (or page-rounded segment): at least what was asked.
-                            if v.size() < sizes[i] || !holds_pattern(v.data(), sizes[i], seed + i as u64) {
+                            if v.size() < size || !holds_pattern(v.data(), size, seed + i as u64) {
                                 return format!("bad bytes in block {i} ({} bytes)", v.size());
                             }
                             views.push(Some(v));
@@ -352,17 +352,26 @@ impl Scenario for ArenaPath {
     }
 }
 
+/// The views a live consumer still holds: from `from` to `opened`; block
+/// `j`'s byte `at` may hold either value of `poked`.
+struct Held {
+    from: usize,
+    opened: usize,
+    j: usize,
+    at: usize,
+    poked: (u8, u8),
+}
+
 impl ArenaPath {
     /// The consumer's last steps: its held views still hold their bytes
     /// (whatever happened to the producer), then it lets go of all.
-    /// `held`: (first view still held, views opened, poked block, byte
-    /// offset, byte values it may hold), or None to skip the check.
-    fn consumer_tail(&self, r: &mut Round, c: usize, sizes: &[usize], seed: u64, held: Option<(usize, usize, usize, usize, (u8, u8))>) -> Result<(), String> {
+    /// `held`: which views to check, or None to skip the check.
+    fn consumer_tail(&self, r: &mut Round, c: usize, sizes: &[usize], seed: u64, held: Option<Held>) -> Result<(), String> {
         if !r.alive(c) {
             return Ok(());
         }
         let list = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
-        if let Some((from, opened, j, at, (b1, b2))) = held {
+        if let Some(Held { from, opened, j, at, poked: (b1, b2) }) = held {
             if from < opened {
                 if let Some(l) = r.ask(c, &format!("verify {seed} {list} {from} {j} {at} {b1} {b2}"))? {
                     if l != "ok" {

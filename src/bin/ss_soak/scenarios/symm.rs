@@ -89,30 +89,28 @@ impl Symm {
                 }
             }
             self.in_time(r, took, SHORT_MS)?;
-        } else if !with_handle.is_empty() {
-            if !st.freed {
-                // Every byte a rank acknowledged writing is there, the dead
-                // rank's included.
-                let list = if st.wrote.is_empty() { "-".to_string() } else { st.wrote.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(",") };
-                let replies = r.collective(&with_handle, |_| format!("check {} {list}", st.seed))?;
-                self.judge(r, "check after the kill", &with_handle, replies, false)?;
-                r.count("buffers_checked", (with_handle.len() * st.wrote.len()) as u64);
-                // A barrier on a channel never used: the dead rank cannot
-                // put its signal, so every survivor must time out naming it.
-                let begun = Instant::now();
-                let replies = r.collective(&with_handle, |_| format!("barrier 3 {SHORT_MS}"))?;
-                let took = begun.elapsed().as_millis();
-                // Ranks whose rendezvous failed do not take part either.
-                let absent: Vec<usize> = ranks.iter().copied().filter(|i| !with_handle.contains(i)).collect();
-                for (k, a) in self.judge(r, "barrier without the victim", &with_handle, replies, true)?.into_iter().enumerate() {
-                    match a {
-                        Answer::Typed(m) if absent.iter().any(|x| m.contains(&format!("rank {x} "))) => {}
-                        Answer::Typed(m) => return Err(format!("rank {}: the barrier error names none of the absent ranks {absent:?}: <{m}>", with_handle[k])),
-                        _ => return Err(format!("rank {}: a barrier with rank {victim} dead did not fail", with_handle[k])),
-                    }
+        } else if !with_handle.is_empty() && !st.freed {
+            // Every byte a rank acknowledged writing is there, the dead
+            // rank's included.
+            let list = if st.wrote.is_empty() { "-".to_string() } else { st.wrote.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(",") };
+            let replies = r.collective(&with_handle, |_| format!("check {} {list}", st.seed))?;
+            self.judge(r, "check after the kill", &with_handle, replies, false)?;
+            r.count("buffers_checked", (with_handle.len() * st.wrote.len()) as u64);
+            // A barrier on a channel never used: the dead rank cannot
+            // put its signal, so every survivor must time out naming it.
+            let begun = Instant::now();
+            let replies = r.collective(&with_handle, |_| format!("barrier 3 {SHORT_MS}"))?;
+            let took = begun.elapsed().as_millis();
+            // Ranks whose rendezvous failed do not take part either.
+            let absent: Vec<usize> = ranks.iter().copied().filter(|i| !with_handle.contains(i)).collect();
+            for (k, a) in self.judge(r, "barrier without the victim", &with_handle, replies, true)?.into_iter().enumerate() {
+                match a {
+                    Answer::Typed(m) if absent.iter().any(|x| m.contains(&format!("rank {x} "))) => {}
+                    Answer::Typed(m) => return Err(format!("rank {}: the barrier error names none of the absent ranks {absent:?}: <{m}>", with_handle[k])),
+                    _ => return Err(format!("rank {}: a barrier with rank {victim} dead did not fail", with_handle[k])),
                 }
-                self.in_time(r, took, SHORT_MS)?;
             }
+            self.in_time(r, took, SHORT_MS)?;
         }
         if !st.freed {
             let replies = r.collective(&live, |_| "free".to_string())?;

@@ -1,6 +1,8 @@
 //! Symmetric memory, CPU backend: a group of 2–4 ranks (this binary re-run
-//! with `--role symm:rank`) meets through a file store in the round's own
-//! folder, which is also the ranks' TMPDIR (their descriptor sockets).
+//! with `--role symm:rank`) meets through a key-value store — a file store
+//! in the round's own folder, or (every other round) a TCPStore whose
+//! server runs in rank 0 — and the folder is also the ranks' TMPDIR (their
+//! descriptor sockets).
 //! The ranks rendezvous, write patterns, barrier, read every peer's
 //! buffer in place, and pass a value round the ring with put_signal /
 //! wait_signal; each collective is one step, sent to every rank at once.
@@ -19,7 +21,8 @@ use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use storage_sharing::store::FileStore;
+use storage_sharing::store::tcp::server::TcpServer;
+use storage_sharing::store::{FileStore, StoreRef, TcpStore};
 use storage_sharing::symm::{self, group, DeviceType, SymmetricMemory};
 
 pub struct Symm;
@@ -62,6 +65,9 @@ impl Symm {
                 Reply::Line(l) if l == "none" && r.fired() => Answer::NoHandle,
                 Reply::Line(l) if collective && r.fired() && (l.starts_with("err Timeout ") || l.starts_with("err PeerGone ")) => {
                     r.count("typed_errors", 1);
+                    if l.starts_with("err PeerGone ") {
+                        r.count("typed_errors_peer_gone", 1);
+                    }
                     Answer::Typed(l)
                 }
                 Reply::Line(l) => return Err(format!("rank {rank}: {what} answered <{l}>{}", if r.fired() { " after a kill" } else { "" })),
@@ -76,16 +82,31 @@ impl Symm {
         let victim = r.kill.participant.expect("a rank was killed");
         let live: Vec<usize> = ranks.iter().copied().filter(|&i| r.alive(i)).collect();
         let with_handle: Vec<usize> = live.iter().copied().filter(|&i| st.handle[i]).collect();
-        if !st.rendezvous_tried {
-            // The victim never arrives: every survivor's rendezvous times out.
+        let mut alloc_ok = st.alloc_ok.clone();
+        if !st.alloc_tried {
+            // Killed before the group was made. In a TCPStore round whose
+            // server (rank 0) died, connecting fails (`Timeout`): no group.
+            let Some(medium) = st.medium.clone() else { return Ok(()) };
+            let replies = r.collective(&live, |_| format!("alloc {medium} {SHORT_MS}"))?;
+            for (k, a) in self.judge(r, "alloc after the kill", &live, replies, true)?.into_iter().enumerate() {
+                alloc_ok[live[k]] = a == Answer::Ok;
+            }
+        }
+        let ready: Vec<usize> = live.iter().copied().filter(|&i| alloc_ok[i]).collect();
+        if !st.rendezvous_tried && !ready.is_empty() {
+            // The victim never arrives: every survivor's rendezvous times
+            // out; with the TCPStore's server (rank 0) dead, the store is
+            // gone: `PeerGone`.
+            let server_dead = st.tcp && victim == 0;
             let begun = Instant::now();
-            let replies = r.collective(&live, |_| format!("rdv {SHORT_MS}"))?;
+            let replies = r.collective(&ready, |_| format!("rdv {SHORT_MS}"))?;
             let took = begun.elapsed().as_millis();
-            for (k, a) in self.judge(r, "rendezvous without the victim", &live, replies, true)?.into_iter().enumerate() {
+            for (k, a) in self.judge(r, "rendezvous without the victim", &ready, replies, true)?.into_iter().enumerate() {
                 match a {
                     Answer::Typed(m) if m.contains(&format!("rank(s) {victim} never arrived")) => {}
-                    Answer::Typed(m) => return Err(format!("rank {}: the rendezvous error does not name the dead rank {victim}: <{m}>", live[k])),
-                    _ => return Err(format!("rank {}: a rendezvous without rank {victim} (killed) did not fail", live[k])),
+                    Answer::Typed(m) if server_dead && m.starts_with("err PeerGone ") => {}
+                    Answer::Typed(m) => return Err(format!("rank {}: the rendezvous error does not name the dead rank {victim}: <{m}>", ready[k])),
+                    _ => return Err(format!("rank {}: a rendezvous without rank {victim} (killed) did not fail", ready[k])),
                 }
             }
             self.in_time(r, took, SHORT_MS)?;
@@ -130,6 +151,14 @@ impl Symm {
 
 /// The driver's view of the group.
 struct State {
+    /// TCPStore round (rank 0 serves), else a file store.
+    tcp: bool,
+    /// What `alloc` is told to meet through: `file`, or `tcp <port>` once
+    /// rank 0 serves.
+    medium: Option<String>,
+    alloc_tried: bool,
+    /// Which ranks made their block (and joined the store).
+    alloc_ok: Vec<bool>,
     /// Which ranks hold a rendezvous handle.
     handle: Vec<bool>,
     rendezvous_tried: bool,
@@ -163,7 +192,22 @@ impl Scenario for Symm {
                 r.spawn_env(self.name(), "rank", &args, None, &[("TMPDIR", OsStr::new(&dir.0))])
             })
             .collect();
-        let mut st = State { handle: vec![false; ws], rendezvous_tried: false, wrote: Vec::new(), seed, freed: false };
+        let tcp = r.rng.one_in(2);
+        r.count(if tcp { "rounds_tcp_store" } else { "rounds_file_store" }, 1);
+        let mut st = State { tcp, medium: None, alloc_tried: false, alloc_ok: vec![false; ws], handle: vec![false; ws], rendezvous_tried: false, wrote: Vec::new(), seed, freed: false };
+        if tcp {
+            // Rank 0 serves the store first (one step, where the kill may land).
+            match r.ask(ranks[0], "serve")? {
+                Some(l) => {
+                    let port: u16 = l.strip_prefix("port ").and_then(|p| p.parse().ok()).ok_or_else(|| format!("rank 0: serve answered <{l}>"))?;
+                    st.medium = Some(format!("tcp {port}"));
+                }
+                None => {}
+            }
+        } else {
+            st.medium = Some("file".into());
+        }
+        let medium = st.medium.clone().unwrap_or_default();
         let long = |fired: bool| if fired { SHORT_MS } else { LONG_MS };
         let all = ranks.clone();
         // Each step: (what, command given whether the kill fired, collective).
@@ -171,7 +215,8 @@ impl Scenario for Symm {
         while step < STEPS && !r.fired() {
             step += 1;
             let (what, collective): (&str, bool) = match step {
-                1 => ("alloc", false),
+                // Connecting to a TCPStore whose server died is a typed error.
+                1 => ("alloc", true),
                 2 => ("rendezvous", true),
                 3 => ("write", false),
                 4 => ("barrier after writing", true),
@@ -183,7 +228,7 @@ impl Scenario for Symm {
             let everyone = (0..ws).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
             let begun = Instant::now();
             let replies = r.collective(&all, |fired| match step {
-                1 => "alloc".to_string(),
+                1 => format!("alloc {medium} {}", long(fired)),
                 2 => format!("rdv {}", long(fired)),
                 3 => format!("write {seed}"),
                 4 => format!("barrier 0 {}", long(fired)),
@@ -198,7 +243,13 @@ impl Scenario for Symm {
                 self.in_time(r, took, LONG_MS)?;
             }
             match step {
-                1 => r.created += answers.iter().filter(|a| **a == Answer::Ok).count() as u64,
+                1 => {
+                    st.alloc_tried = true;
+                    for (i, a) in answers.iter().enumerate() {
+                        st.alloc_ok[i] = *a == Answer::Ok;
+                    }
+                    r.created += answers.iter().filter(|a| **a == Answer::Ok).count() as u64;
+                }
                 2 => {
                     st.rendezvous_tried = true;
                     for (i, a) in answers.iter().enumerate() {
@@ -240,15 +291,31 @@ impl Scenario for Symm {
         let (rank, ws, size): (usize, usize, usize) = (args[1].parse().unwrap(), args[2].parse().unwrap(), args[3].parse().unwrap());
         let mut block: Option<*mut u8> = None;
         let mut mem: Option<Arc<SymmetricMemory>> = None;
+        let mut server: Option<TcpServer> = None;
         let ms = |t: &str| Some(Duration::from_millis(t.parse().unwrap()));
         let ok = |res: storage_sharing::Result<()>| res.map_or_else(|e| err_reply(&e), |_| "ok".to_string());
         crate::round::serve(|w| match w {
-            ["alloc"] => {
-                let store = match FileStore::open(dir.join("store")) {
+            ["serve"] => match TcpServer::start("127.0.0.1", 0) {
+                Ok(s) => {
+                    let port = s.port();
+                    server = Some(s);
+                    format!("port {port}")
+                }
+                Err(e) => err_reply(&e),
+            },
+            ["alloc", medium @ ..] => {
+                let store: storage_sharing::Result<StoreRef> = match medium {
+                    ["file", _] => FileStore::open(dir.join("store")).map(|s| Arc::new(s) as StoreRef),
+                    // The timeout bounds connecting (retried until then, as
+                    // PyTorch's client does) and every reply.
+                    ["tcp", port, t] => TcpStore::open("127.0.0.1", port.parse().unwrap(), false, 0, ms(t)).map(|s| Arc::new(s) as StoreRef),
+                    _ => return format!("unknown store {medium:?}"),
+                };
+                let store = match store {
                     Ok(s) => s,
                     Err(e) => return err_reply(&e),
                 };
-                if let Err(e) = group::set_group_info(GROUP, rank as i64, ws as i64, Arc::new(store)) {
+                if let Err(e) = group::set_group_info(GROUP, rank as i64, ws as i64, store) {
                     return err_reply(&e);
                 }
                 match symm::alloc(DeviceType::Cpu, 0, size, Some(GROUP)) {
@@ -259,6 +326,7 @@ impl Scenario for Symm {
                     Err(e) => err_reply(&e),
                 }
             }
+            ["rdv", _] if block.is_none() => "none".into(),
             ["rdv", t] => match symm::rendezvous(block.unwrap(), None, ms(t)) {
                 Ok(h) => {
                     mem = Some(h);
@@ -266,6 +334,7 @@ impl Scenario for Symm {
                 }
                 Err(e) => err_reply(&e),
             },
+            ["write", _] if block.is_none() => "none".into(),
             ["write", seed] => {
                 let p = pattern(size - RING, seed.parse::<u64>().unwrap() + rank as u64);
                 // SAFETY: our own buffer holds `size` bytes.

@@ -329,3 +329,89 @@ fn daemon_does_not_keep_the_spawners_descriptors() {
     // SAFETY: closing what we opened.
     unsafe { libc::close(sv[0]) };
 }
+
+/// The manager's pid, from the connected socket's peer credentials.
+fn peer_pid(s: &UnixStream) -> i32 {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain data filled by getsockopt.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a connected socket we own; cred and len are valid.
+    let rc = unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
+    assert_eq!(rc, 0);
+    cred.pid
+}
+
+/// Found by the chaos soak (`ss_soak --only arena`): a client that sent
+/// several registrations and was killed before the manager read them left
+/// all but the first in /dev/shm. The reply to the first failed (the
+/// socket was closed), and the manager dropped the session without
+/// recording the registrations behind it. The manager is stopped while the
+/// client writes and closes, so it finds all of them waiting at once.
+#[test]
+fn registrations_of_a_client_gone_before_the_replies_are_all_abandoned() {
+    let path = start();
+    let s = connect(&path);
+    let manager = peer_pid(&s);
+    let names: Vec<String> = (0..3).map(|_| new_process_wide_shm_handle()).collect();
+    let mut batch = Vec::new();
+    for n in &names {
+        create_unmapped(n, 4096);
+        batch.extend_from_slice(&AllocInfo::new(std::process::id() as i32, false, n).unwrap().encode());
+    }
+    // SAFETY: signals to the daemon this test started.
+    assert_eq!(unsafe { libc::kill(manager, libc::SIGSTOP) }, 0);
+    (&s).write_all(&batch).unwrap();
+    drop(s);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(manager, libc::SIGCONT) }, 0);
+    let gone = wait_until(LIMIT, || names.iter().all(|n| !shm_exists(n)));
+    let left: Vec<&String> = names.iter().filter(|n| shm_exists(n)).collect();
+    for n in &names {
+        unlink(n);
+    }
+    assert!(gone, "registered names of a client gone before its replies left in /dev/shm: {left:?}");
+}
+
+/// Sets the modification time of `path` to `secs` seconds ago.
+fn backdate(path: &Path, secs: i64) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: plain data.
+    let mut now: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut now) };
+    let then = libc::timespec { tv_sec: now.tv_sec - secs, tv_nsec: 0 };
+    let times = [then, then];
+    // SAFETY: a NUL-terminated path and two timespecs.
+    assert_eq!(unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) }, 0);
+}
+
+/// Found by the chaos soak (561 folders after as many manager kills): a
+/// daemon killed with -9 leaves its socket folder in the temporary
+/// directory for good. The next daemon to start removes such folders
+/// (nothing listens on their socket); a live daemon's stays.
+#[test]
+fn a_killed_managers_socket_folder_is_swept_by_the_next_daemon() {
+    let killed = start();
+    let s = connect(&killed);
+    let pid = peer_pid(&s);
+    drop(s);
+    // SAFETY: a signal to the daemon this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    // SAFETY: probing the pid only.
+    assert!(wait_until(LIMIT, || unsafe { libc::kill(pid, 0) } != 0), "the daemon survived SIGKILL");
+    let killed_dir = Path::new(&killed).parent().unwrap().to_path_buf();
+    assert!(killed_dir.exists(), "a killed daemon cannot remove its folder");
+    // A live daemon, kept busy by a connection, whose socket is as old.
+    let live = start();
+    let _keep = connect(&live);
+    for sock in [&killed, &live] {
+        backdate(Path::new(sock), 120);
+    }
+    let next = start();
+    let swept = wait_until(LIMIT, || !killed_dir.exists());
+    assert!(Path::new(&live).exists(), "the folder of a live daemon was swept");
+    assert!(Path::new(&next).exists());
+    assert!(swept, "{} left after a new daemon started", killed_dir.display());
+}

@@ -21,7 +21,7 @@ use std::ffi::CString;
 use std::io::{ErrorKind as IoKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Idle time after which a daemon with no clients exits (libshm's value).
@@ -34,7 +34,8 @@ pub fn make_socket_dir() -> Result<PathBuf> {
         .iter()
         .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
         .unwrap_or_else(|| "/tmp".to_string());
-    let template = CString::new(format!("{}/torch-shm-dir-XXXXXX", base.trim_end_matches('/')))
+    sweep_stale_socket_dirs(Path::new(&base));
+    let template = CString::new(format!("{}/{SOCKET_DIR_PREFIX}XXXXXX", base.trim_end_matches('/')))
         .map_err(|_| Error::new(ErrorKind::InvalidArgument, "temporary folder path contains NUL"))?;
     let mut raw = template.into_bytes_with_nul();
     // SAFETY: raw is a writable NUL-terminated template.
@@ -45,12 +46,90 @@ pub fn make_socket_dir() -> Result<PathBuf> {
     Ok(PathBuf::from(String::from_utf8_lossy(&raw).into_owned()))
 }
 
+const SOCKET_DIR_PREFIX: &str = "torch-shm-dir-";
+const SOCKET_NAME: &str = "manager.sock";
+/// A socket file younger than this is never swept (its daemon may be
+/// between bind and listen).
+const STALE_AGE: Duration = Duration::from_secs(10);
+
+/// Removes the socket folders of daemons that were killed (a SIGKILL
+/// leaves `<base>/torch-shm-dir-XXXXXX/manager.sock` behind, one per
+/// killed daemon, for good): folders of this user, mode 0700, holding
+/// nothing but a socket that is older than [`STALE_AGE`] and on which
+/// nothing listens (connect is refused). A live daemon, even a stopped
+/// one, has a listening socket, so its folder stays. Returns how many went.
+pub fn sweep_stale_socket_dirs(base: &Path) -> usize {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let Ok(entries) = std::fs::read_dir(base) else { return 0 };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !(name.starts_with(SOCKET_DIR_PREFIX) && name.len() == SOCKET_DIR_PREFIX.len() + 6) {
+            continue;
+        }
+        let dir = e.path();
+        let Ok(meta) = std::fs::symlink_metadata(&dir) else { continue };
+        if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o777 != 0o700 {
+            continue;
+        }
+        let Ok(inner) = std::fs::read_dir(&dir) else { continue };
+        let inner: Vec<std::ffi::OsString> = inner.flatten().map(|x| x.file_name()).collect();
+        if inner.len() != 1 || inner[0] != SOCKET_NAME {
+            continue;
+        }
+        let sock = dir.join(SOCKET_NAME);
+        let Ok(sm) = std::fs::symlink_metadata(&sock) else { continue };
+        let old = sm.modified().ok().and_then(|t| t.elapsed().ok()).is_some_and(|age| age >= STALE_AGE);
+        if !sm.file_type().is_socket() || sm.uid() != me || !old || !nobody_listens(&sock) {
+            continue;
+        }
+        if std::fs::remove_file(&sock).is_ok() && std::fs::remove_dir(&dir).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// Whether connecting to the Unix socket at `path` is refused (nothing
+/// listens). Non-blocking: a live daemon with a full backlog is "busy",
+/// not refused, and never makes us wait.
+fn nobody_listens(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: plain data.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() {
+        return false;
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: a new socket we close below.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: addr is a valid sockaddr_un of the size given.
+    let rc = unsafe { libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t) };
+    let refused = rc != 0 && crate::error::errno() == libc::ECONNREFUSED;
+    // SAFETY: our descriptor.
+    unsafe { libc::close(fd) };
+    refused
+}
+
 struct Session {
     stream: UnixStream,
     peer_pid: i32,
     pending: Vec<u8>,
     /// Registrations not yet freed, per name.
     held: HashMap<String, u32>,
+    /// A reply could not be sent (the client is gone or stopped reading):
+    /// no more replies, but what it sent still counts.
+    mute: bool,
 }
 
 /// The daemon's state: listening socket, sessions, and what it tracks.
@@ -73,7 +152,7 @@ impl Server {
     /// Creates the folder and binds `<dir>/manager.sock`.
     pub fn bind() -> Result<Self> {
         let dir = make_socket_dir()?;
-        let socket = dir.join("manager.sock");
+        let socket = dir.join(SOCKET_NAME);
         let listener = match UnixListener::bind(&socket) {
             Ok(l) => l,
             Err(e) => {
@@ -187,7 +266,7 @@ impl Server {
                     let id = self.next_id;
                     self.next_id += 1;
                     self.note(format!("client {id} connected (pid {peer_pid})"));
-                    self.sessions.insert(id, Session { stream, peer_pid, pending: Vec::new(), held: HashMap::new() });
+                    self.sessions.insert(id, Session { stream, peer_pid, pending: Vec::new(), held: HashMap::new(), mute: false });
                 }
                 Err(e) if e.kind() == IoKind::WouldBlock => return,
                 Err(e) if e.kind() == IoKind::Interrupted => {}
@@ -211,6 +290,7 @@ impl Server {
                 Ok(n) => {
                     s.pending.extend_from_slice(&buf[..n]);
                     if let Err(e) = self.handle_pending(id) {
+                        self.drain(id);
                         return self.drop_session(id, e.message());
                     }
                 }
@@ -221,11 +301,16 @@ impl Server {
         }
     }
 
+    /// Records every complete message received. A reply that cannot be
+    /// sent does not stop the rest: a client killed right after sending
+    /// several registrations (its socket closed, so the first reply fails)
+    /// has registered them all, and all are abandoned with it.
     fn handle_pending(&mut self, id: u64) -> Result<()> {
+        let mut reply_failed = None;
         loop {
             let s = self.sessions.get_mut(&id).expect("live session");
             if s.pending.len() < ALLOC_INFO_SIZE {
-                return Ok(());
+                return reply_failed.map_or(Ok(()), Err);
             }
             let mut rec = [0u8; ALLOC_INFO_SIZE];
             rec.copy_from_slice(&s.pending[..ALLOC_INFO_SIZE]);
@@ -234,23 +319,56 @@ impl Server {
             validate_shm_name(&msg.filename).map_err(|e| Error::new(ErrorKind::Protocol, e.message().to_string()))?;
             if msg.free {
                 self.on_free(id, &msg.filename);
-            } else {
-                self.on_register(id, &msg.filename)?;
+            } else if let Err(e) = self.on_register(id, &msg.filename) {
+                reply_failed.get_or_insert(e);
+            }
+        }
+    }
+
+    /// Before a session is dropped for a failed reply: reads and records
+    /// what the client still sent (a dead client's last registrations may
+    /// be in the socket yet), without replying. Bounded, so a live client
+    /// that keeps writing cannot hold the daemon here.
+    fn drain(&mut self, id: u64) {
+        let mut buf = [0u8; 64 * ALLOC_INFO_SIZE];
+        for _ in 0..64 {
+            let Some(s) = self.sessions.get_mut(&id) else { return };
+            if !s.mute {
+                return;
+            }
+            match s.stream.read(&mut buf) {
+                Ok(0) => return,
+                Ok(n) => {
+                    s.pending.extend_from_slice(&buf[..n]);
+                    // Malformed input ends it; failed replies cannot happen (muted).
+                    if self.handle_pending(id).is_err() {
+                        return;
+                    }
+                }
+                Err(e) if e.kind() == IoKind::Interrupted => {}
+                Err(_) => return,
             }
         }
     }
 
     fn on_register(&mut self, id: u64, name: &str) -> Result<()> {
+        // Recorded before the reply: a client gone before reading it has
+        // still registered the name (it may have created it since).
+        self.tracked.insert(name.to_string());
         let s = self.sessions.get_mut(&id).expect("live session");
         *s.held.entry(name.to_string()).or_default() += 1;
+        if s.mute {
+            return Ok(());
+        }
         // The reply is 2 bytes; a client that never reads them fills its
         // socket buffer and is dropped instead of blocking everyone.
         match s.stream.write(OK_REPLY) {
-            Ok(2) => {}
-            Ok(_) | Err(_) => return Err(Error::new(ErrorKind::Protocol, "could not send OK (client not reading)")),
+            Ok(2) => Ok(()),
+            Ok(_) | Err(_) => {
+                s.mute = true;
+                Err(Error::new(ErrorKind::Protocol, "could not send OK (client gone or not reading)"))
+            }
         }
-        self.tracked.insert(name.to_string());
-        Ok(())
     }
 
     fn on_free(&mut self, id: u64, name: &str) {

@@ -5,7 +5,7 @@
 //! segment of the run left in /dev/shm, no daemon of the run alive, no
 //! descriptor leaked by this process.
 //!
-//! ss_soak --rounds N [--seed S] [--start R] [--only PATH] [--minutes M]
+//! ss_soak --rounds N [--seed S] [--start R] [--only PATH[,PATH...]] [--minutes M]
 //! A failure prints the seed and round: `--seed S --start R --rounds 1`
 //! replays it.
 
@@ -18,7 +18,7 @@ mod system;
 use rng::{round_seed, Rng};
 use round::Round;
 use scenario::{Cleanup, Scenario};
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
 /// How long the run waits at the end for managers to remove what killed
@@ -34,7 +34,8 @@ struct Options {
 }
 
 fn usage() -> ! {
-    eprintln!("usage: ss_soak --rounds N [--seed S] [--start R] [--only fd|name|refcounted|cuda_counters] [--minutes M]");
+    let names: Vec<&str> = scenario::all().iter().map(|s| s.name()).collect();
+    eprintln!("usage: ss_soak --rounds N [--seed S] [--start R] [--only {}] [--minutes M]", names.join("|"));
     std::process::exit(2)
 }
 
@@ -86,6 +87,8 @@ struct Totals {
     created: u64,
     exact_checks: u64,
     gc_removed: u64,
+    /// Rounds per path, and the paths' own figures (`Round::count`).
+    figures: BTreeMap<String, u64>,
     failures: Vec<String>,
 }
 
@@ -98,7 +101,13 @@ fn run(o: &Options) -> i32 {
     }
     let table = scenario::all();
     let chosen: Vec<&dyn Scenario> = match &o.only {
-        Some(name) => table.iter().copied().filter(|s| s.name() == name).collect(),
+        Some(names) => {
+            let names: Vec<&str> = names.split(',').collect();
+            if names.iter().any(|n| !table.iter().any(|s| s.name() == *n)) {
+                usage();
+            }
+            table.iter().copied().filter(|s| names.contains(&s.name())).collect()
+        }
         None => table.clone(),
     };
     if chosen.is_empty() {
@@ -125,7 +134,14 @@ fn run(o: &Options) -> i32 {
         t.manager_kills += u64::from(r.kill.manager);
         t.created += r.created;
         t.exact_checks += r.exact_checks;
+        *t.figures.entry(format!("rounds_{}", s.name())).or_insert(0) += 1;
+        for (k, v) in &r.figures {
+            *t.figures.entry(format!("{}.{k}", s.name())).or_insert(0) += v;
+        }
         let replay = format!("--seed {} --start {i} --rounds 1", o.seed);
+        if std::env::var_os("SS_SOAK_TRACE").is_some() {
+            eprintln!("round {i} [{}] pids {:?}: {}; {}", s.name(), r.pids, r.kill_text(), outcome.as_ref().map_or_else(|e| e.clone(), |_| "ok".into()));
+        }
         if let Err(e) = outcome {
             t.failures.push(format!("round {i} [{}] failed: {e} (replay: {replay})", s.name()));
         }
@@ -193,5 +209,7 @@ fn run(o: &Options) -> i32 {
         o.seed,
         started.elapsed().as_secs_f64()
     );
+    let figures: Vec<String> = t.figures.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    println!("ss_soak figures: {}", figures.join(" "));
     i32::from(!t.failures.is_empty())
 }

@@ -4,7 +4,8 @@
 
 use crate::rng::Rng;
 use crate::system::{daemons, TAG_VAR};
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -65,6 +66,8 @@ pub struct Round {
     pub exact_checks: u64,
     /// Every pid this round spawned (segment names carry the creator's pid).
     pub pids: HashSet<i32>,
+    /// A scenario's own figures (summed over the run and printed by name).
+    pub figures: BTreeMap<&'static str, u64>,
 }
 
 impl Round {
@@ -82,14 +85,28 @@ impl Round {
             created: 0,
             exact_checks: 0,
             pids: HashSet::new(),
+            figures: BTreeMap::new(),
         }
+    }
+
+    /// Adds `n` to the scenario's figure `what`.
+    pub fn count(&mut self, what: &'static str, n: u64) {
+        *self.figures.entry(what).or_insert(0) += n;
     }
 
     /// Starts `role` of `scenario` with `args`; `fd3`, if given, becomes
     /// the child's descriptor 3. Returns its index.
     pub fn spawn(&mut self, scenario: &str, role: &str, args: &[String], fd3: Option<OwnedFd>) -> usize {
+        self.spawn_env(scenario, role, args, fd3, &[])
+    }
+
+    /// Like [`Round::spawn`], with extra environment variables.
+    pub fn spawn_env(&mut self, scenario: &str, role: &str, args: &[String], fd3: Option<OwnedFd>, env: &[(&str, &OsStr)]) -> usize {
         let mut cmd = Command::new(std::env::current_exe().expect("own path"));
         cmd.arg("--role").arg(format!("{scenario}:{role}")).args(args);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
         cmd.env(TAG_VAR, &self.tag).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         if let Some(fd) = &fd3 {
             let raw = fd.as_raw_fd();
@@ -129,6 +146,11 @@ impl Round {
         !self.participants[idx].killed
     }
 
+    /// The process id of participant `idx`.
+    pub fn pid(&self, idx: usize) -> i32 {
+        self.participants[idx].child.id() as i32
+    }
+
     /// Sends `line` to participant `idx` and waits for its one-line answer.
     /// The round's kill fires when its step comes. A participant that dies
     /// without being the victim, or does not answer, is a failure.
@@ -136,7 +158,7 @@ impl Round {
         self.step += 1;
         let fire = self.kill.participant.is_none() && !self.kill.manager && self.step == self.plan.at_step;
         if fire && !self.plan.during {
-            self.fire(idx, false);
+            self.fire(&[idx], false);
         }
         if self.participants[idx].killed {
             return Ok(Reply::Killed);
@@ -149,7 +171,7 @@ impl Round {
         if fire && self.plan.during {
             let pause = self.rng.below(3000);
             std::thread::sleep(Duration::from_micros(pause));
-            self.fire(idx, true);
+            self.fire(&[idx], true);
         }
         if self.participants[idx].killed {
             return Ok(Reply::Killed);
@@ -173,7 +195,57 @@ impl Round {
         }
     }
 
-    fn fire(&mut self, target: usize, during: bool) {
+    /// A collective step: sends one command to every live participant of
+    /// `idxs` before waiting for any answer (each may need the others to
+    /// be under way, as in a barrier), then collects every answer. It is
+    /// one step of the round: the kill may fire before the command goes
+    /// out or 0–3 ms after it went to all. `line` is told whether the kill
+    /// has fired by the time the command is sent (a step after a kill can
+    /// ask for a short timeout). Answers come in the order of `idxs`.
+    pub fn collective(&mut self, idxs: &[usize], line: impl Fn(bool) -> String) -> Result<Vec<Reply>, String> {
+        self.step += 1;
+        let fire = self.kill.participant.is_none() && !self.kill.manager && self.step == self.plan.at_step;
+        if fire && !self.plan.during {
+            self.fire(idxs, false);
+        }
+        let line = line(self.fired());
+        let mut sent = Vec::with_capacity(idxs.len());
+        for &i in idxs {
+            let p = &mut self.participants[i];
+            if p.killed {
+                sent.push(Ok(()));
+                continue;
+            }
+            let stdin = p.stdin.as_mut().expect("stdin open");
+            sent.push(stdin.write_all(format!("{line}\n").as_bytes()).and_then(|_| stdin.flush()));
+        }
+        if fire && self.plan.during {
+            let pause = self.rng.below(3000);
+            std::thread::sleep(Duration::from_micros(pause));
+            self.fire(idxs, true);
+        }
+        let mut replies = Vec::with_capacity(idxs.len());
+        for (k, &i) in idxs.iter().enumerate() {
+            let p = &self.participants[i];
+            if p.killed {
+                replies.push(Reply::Killed);
+                continue;
+            }
+            if let Err(e) = &sent[k] {
+                return Err(format!("{} could not be sent <{line}>: {e}", p.role));
+            }
+            match p.lines.recv_timeout(REPLY_TIMEOUT) {
+                Ok(reply) => replies.push(Reply::Line(reply)),
+                Err(_) => return Err(format!("{} (pid {}) gave no answer to <{line}>: it crashed or hung", p.role, p.child.id())),
+            }
+        }
+        Ok(replies)
+    }
+
+    /// Kills the round's victim (the manager when planned and present,
+    /// else a random live participant); `mid_step` when the victim is one
+    /// of `targets`, whose command is under way.
+    fn fire(&mut self, targets: &[usize], during: bool) {
         if self.plan.manager {
             let found = daemons(&self.tag);
             if let Some(pid) = found.first() {
@@ -193,7 +265,17 @@ impl Round {
         let _ = p.child.wait();
         p.killed = true;
         self.kill.participant = Some(victim);
-        self.kill.mid_step = during && victim == target;
+        self.kill.mid_step = during && targets.contains(&victim);
+    }
+
+    /// What the kill did, in words (for `SS_SOAK_TRACE`).
+    pub fn kill_text(&self) -> String {
+        let when = if self.plan.during { "during" } else { "before" };
+        match (self.kill.manager, self.kill.participant) {
+            (true, _) => format!("manager killed at step {} ({when})", self.plan.at_step),
+            (false, Some(i)) => format!("{} (pid {}) killed at step {} ({when}{})", self.participants[i].role, self.participants[i].child.id(), self.plan.at_step, if self.kill.mid_step { ", mid-step" } else { "" }),
+            (false, None) => format!("no kill ({} steps, kill planned at {})", self.step, self.plan.at_step),
+        }
     }
 
     /// Whether the round's kill has fired.

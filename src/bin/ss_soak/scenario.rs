@@ -39,6 +39,9 @@ pub fn all() -> Vec<&'static dyn Scenario> {
         &crate::scenarios::by_name::ByName,
         &crate::scenarios::refcounted::Refcounted,
         &crate::scenarios::cuda_counters::CudaCounters,
+        &crate::scenarios::symm::Symm,
+        &crate::scenarios::content_store::ContentStore,
+        &crate::scenarios::arena::ArenaPath,
     ]
 }
 
@@ -78,4 +81,42 @@ pub fn holds_pattern(ptr: *const u8, len: usize, seed: u64) -> bool {
 /// `err <Kind> <message>` for a participant's reply.
 pub fn err_reply(e: &storage_sharing::Error) -> String {
     format!("err {:?} {}", e.kind(), e.message().replace('\n', " "))
+}
+
+/// A round's own folder under the temporary directory (a store, sockets),
+/// removed when dropped, whatever the round's outcome.
+pub struct RoundDir(pub std::path::PathBuf);
+
+impl RoundDir {
+    pub fn new(scenario: &str, tag: &str) -> Result<RoundDir, String> {
+        let dir = std::env::temp_dir().join(format!("ss-soak-{scenario}-{}", tag.replace(':', "-")));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+        Ok(RoundDir(dir))
+    }
+
+    pub fn arg(&self) -> String {
+        self.0.to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for RoundDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Entries of /dev/shm changed since `from` (seconds since the epoch)
+/// whose name contains `needle`.
+pub fn shm_entries_since(from: f64, needle: &str) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return Vec::new() };
+    dir.flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let m = e.metadata().ok()?;
+            let t = m.mtime() as f64 + m.mtime_nsec() as f64 * 1e-9;
+            (name.contains(needle) && t >= from - 1.0).then_some(name)
+        })
+        .collect()
 }

@@ -4,3 +4,6 @@ pub mod by_fd;
 pub mod by_name;
 pub mod cuda_counters;
 pub mod refcounted;
+pub mod symm;
+pub mod content_store;
+pub mod arena;

@@ -1,8 +1,9 @@
 //! Property-based fuzzing of the parsers that read bytes from another
 //! process: the manager protocol record, the CUDA IPC handle text form and
 //! memory-handle bytes, segment-name validation, TCPStore requests (parser
-//! and the server's scanner) and ADD counters, and the content store's
-//! native tensor record. (The TCPStore client and server over real
+//! and the server's scanner) and ADD counters, the content store's
+//! native tensor record, the shareable arena's handle and the
+//! symmetric-memory rendezvous request. (The TCPStore client and server over real
 //! sockets: tests/tcpstore_fuzz.rs; the torch.save readers:
 //! tests/torch_format_fuzz.rs.) Each target first
 //! replays its committed corpus (tests/corpus/<target>/, regression inputs

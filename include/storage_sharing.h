@@ -435,7 +435,9 @@ typedef struct {
   uint32_t hold_slot;
   uint32_t hold_generation;
   /**
-   * The segment's name (by name), NUL-terminated; empty by fd.
+   * The segment's name (by name), NUL-terminated; empty by fd. Every
+   * byte after the NUL is 0 (as `ss_arena_share` writes it); a handle
+   * with anything else there is refused.
    */
   char segment_name[SS_ARENA_NAME_LEN];
 } ss_arena_handle;

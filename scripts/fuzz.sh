@@ -13,7 +13,8 @@ secs="${1:-60}"
 shift || true
 only=" $* "
 for pair in manager_protocol:manager_protocol cuda_handle:cuda_handle shm_name:shm_names \
-    tcpstore_request:tcpstore_request tensor_record:tensor_record torch_file:torch_format torch_unpickle:torch_format; do
+    tcpstore_request:tcpstore_request tensor_record:tensor_record torch_file:torch_format torch_unpickle:torch_format \
+    arena_handle:arena_handle symm_request:symm_request; do
     target="${pair%%:*}" corpus="tests/corpus/${pair##*:}"
     if [ "$only" != "  " ] && [[ "$only" != *" $target "* ]]; then continue; fi
     scratch="$(mktemp -d)"

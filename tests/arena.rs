@@ -424,6 +424,12 @@ mod c_api {
             h.segment_name = [b'x' as i8; SS_ARENA_NAME_LEN];
             assert_eq!(open_remote(&h), Err(SS_ERR_INVALID_ARGUMENT), "no NUL in the name");
             let mut h = good;
+            h.segment_name[SS_ARENA_NAME_LEN - 1] = b'x' as i8;
+            assert_eq!(open_remote(&h), Err(SS_ERR_INVALID_ARGUMENT), "a byte after the name's NUL");
+            let mut h = good;
+            h.segment_name[10] = b'/' as i8;
+            assert_eq!(open_remote(&h), Err(SS_ERR_INVALID_ARGUMENT), "not an arena segment name");
+            let mut h = good;
             h.segment_name[10] = b'9' as i8;
             h.segment_name[11] = b'9' as i8;
             assert!(matches!(open_remote(&h), Err(SS_ERR_NOT_FOUND) | Err(SS_ERR_INVALID_ARGUMENT)));

@@ -1,8 +1,9 @@
 //! Property-based fuzzing of the parsers that read bytes from another
 //! process: the manager protocol record, the CUDA IPC handle text form and
 //! memory-handle bytes, segment-name validation, TCPStore requests (parser
-//! and the server's scanner) and ADD counters, and the content store's
-//! native tensor record. (The TCPStore client and server over real
+//! and the server's scanner) and ADD counters, the content store's
+//! native tensor record, the shareable arena's handle and the
+//! symmetric-memory rendezvous request. (The TCPStore client and server over real
 //! sockets: tests/tcpstore_fuzz.rs; the torch.save readers:
 //! tests/torch_format_fuzz.rs.) Each target first
 //! replays its committed corpus (tests/corpus/<target>/, regression inputs
@@ -525,8 +526,236 @@ proptest! {
     }
 }
 
-/// Writes the seed inputs of tests/corpus/tcpstore_request and
-/// tests/corpus/tensor_record (regression inputs are added by hand):
+// ---- shareable CPU arena: the handle a consumer decodes ----------------------
+
+use storage_sharing::arena::handle::{is_segment_name, ArenaHandle, Strategy as ArenaStrategy, MAX_NAME_LEN, WIRE_SIZE};
+use storage_sharing::arena::segment::SegmentKey;
+
+/// Decodes any bytes: a handle that decodes is valid and re-encodes to
+/// exactly the same bytes (one spelling per handle: the reserved word and
+/// the bytes after the name's NUL have one allowed value, 0); a refusal
+/// is `SizeMismatch`, `Corrupt` or `InvalidArgument` naming the handle.
+fn check_arena_handle(bytes: &[u8]) -> Option<ArenaHandle> {
+    match ArenaHandle::decode(bytes) {
+        Ok(h) => {
+            assert_eq!(&h.encode()[..], bytes, "{h:?} re-encodes differently");
+            h.validate().unwrap();
+            assert!(h.size > 0 && h.offset + h.size <= h.segment_data_size && h.key.producer_pid > 0);
+            Some(h)
+        }
+        Err(e) => {
+            assert!(matches!(e.kind(), ErrorKind::SizeMismatch | ErrorKind::Corrupt | ErrorKind::InvalidArgument), "{e}");
+            assert!(e.message().contains("arena handle"), "{}", e.message());
+            None
+        }
+    }
+}
+
+/// The name rule, written independently: numbers that print back as
+/// themselves, eight lowercase hex digits.
+fn model_segment_name(name: &str) -> bool {
+    let canonical = |s: &str| s.parse::<u128>().map_or(false, |v| v.to_string() == s);
+    let Some(rest) = name.strip_prefix("/ss_arena_") else { return false };
+    let mut parts = rest.splitn(3, '_');
+    let (Some(pid), Some(id), Some(tag)) = (parts.next(), parts.next(), parts.next()) else { return false };
+    canonical(pid) && canonical(id) && tag.len() == 8 && tag.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+}
+
+#[test]
+fn arena_handle_corpus() {
+    for (path, data) in corpus("arena_handle") {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let r = std::panic::catch_unwind(|| check_arena_handle(&data));
+        let got = r.unwrap_or_else(|_| panic!("corpus input {name} broke the arena handle decoder"));
+        // Seeds named ok_* are valid handles; everything else is refused.
+        assert_eq!(got.is_some(), name.starts_with("ok_"), "corpus input {name}");
+    }
+}
+
+fn any_arena_handle() -> impl Strategy<Value = ArenaHandle> {
+    let sizes = (1u64..1 << 40, any::<u64>(), any::<u64>()).prop_map(|(seg, a, b)| {
+        let offset = a % seg;
+        (seg, offset, 1 + b % (seg - offset))
+    });
+    (any::<bool>(), 1..=i32::MAX, any::<u64>(), prop_oneof![0u64..100, 0u64..1 << 40], sizes, any::<u32>(), any::<u32>(), any::<u32>())
+        .prop_map(|(by_name, pid, start, id, (seg, offset, size), slot, generation, tag)| ArenaHandle {
+            strategy: if by_name { ArenaStrategy::Name } else { ArenaStrategy::Fd },
+            key: SegmentKey { producer_pid: pid, producer_start: start, segment_id: id },
+            segment_data_size: seg,
+            offset,
+            size,
+            slot,
+            generation,
+            name: if by_name { format!("/ss_arena_{pid}_{id}_{tag:08x}") } else { String::new() },
+        })
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn arena_handle_round_trips(h in any_arena_handle()) {
+        prop_assert!(h.name.len() <= MAX_NAME_LEN);
+        prop_assert_eq!(check_arena_handle(&h.encode()), Some(h));
+    }
+
+    /// Random bytes, most of them behind a real magic and strategy so the
+    /// later checks run; also wrong lengths.
+    #[test]
+    fn arena_handle_any_bytes(bytes in proptest::collection::vec(any::<u8>(), WIRE_SIZE), head in 0u8..3,
+                              strategy in prop_oneof![1u32..3, any::<u32>()], len in prop_oneof![Just(WIRE_SIZE), 0..WIRE_SIZE + 9]) {
+        let mut bytes = bytes;
+        if head > 0 {
+            bytes[0..4].copy_from_slice(b"SSAH");
+            bytes[4..8].copy_from_slice(&strategy.to_le_bytes());
+        }
+        if head > 1 {
+            bytes[12..16].fill(0);
+        }
+        bytes.resize(len, 0);
+        check_arena_handle(&bytes);
+    }
+
+    /// Valid handles with a few bytes changed.
+    #[test]
+    fn arena_handle_mutated(h in any_arena_handle(), edits in proptest::collection::vec((0..WIRE_SIZE, any::<u8>()), 1..4)) {
+        let mut b = h.encode();
+        for (at, v) in edits {
+            b[at] = v;
+        }
+        check_arena_handle(&b);
+    }
+
+    /// The defect this section found: a non-zero reserved word or byte
+    /// after the name's NUL was ignored (many spellings of one handle).
+    #[test]
+    fn arena_handle_has_one_spelling(h in any_arena_handle(), pick in any::<usize>(), v in 1u8..=255) {
+        let mut b = h.encode();
+        let after_nul = 64 + h.name.len()..WIRE_SIZE;
+        let slack: Vec<usize> = (12..16).chain(after_nul.skip(1)).collect();
+        b[slack[pick % slack.len()]] = v;
+        let e = ArenaHandle::decode(&b).unwrap_err();
+        prop_assert_eq!(e.kind(), ErrorKind::Corrupt);
+        prop_assert!(e.message().contains("reserved word") || e.message().contains("after the name's NUL"), "{}", e.message());
+    }
+
+    #[test]
+    fn arena_segment_names_match_a_model(name in "/ss_arena_[0-9]{0,4}_?[0-9]{0,3}_?[0-9a-fA-F_/]{0,10}", real in any::<(u32, u32, u32)>()) {
+        prop_assert_eq!(is_segment_name(&name), model_segment_name(&name), "{:?}", name);
+        let made = format!("/ss_arena_{}_{}_{:08x}", real.0, real.1, real.2);
+        prop_assert!(is_segment_name(&made) && model_segment_name(&made), "{:?}", made);
+    }
+}
+
+// ---- symmetric memory: the rendezvous request every rank publishes ----------
+
+use storage_sharing::symm::request::{RendezvousRequest, HOSTNAME_LEN, REQUEST_SIZE};
+
+/// Parses any bytes as rank 5's request: what is accepted re-encodes to the
+/// same bytes except the 10 padding bytes (ignored: PyTorch leaves them
+/// unspecified), and parses again to the same value; a refusal is a
+/// `Protocol` error naming the rank.
+fn check_symm_request(bytes: &[u8]) -> Option<RendezvousRequest> {
+    match RendezvousRequest::from_bytes(bytes, 5) {
+        Ok(r) => {
+            let mut canonical = bytes.to_vec();
+            for p in RendezvousRequest::PADDING {
+                canonical[p].fill(0);
+            }
+            assert_eq!(r.to_bytes(), canonical, "{r:?} re-encodes differently");
+            assert_eq!(RendezvousRequest::from_bytes(&r.to_bytes(), 5).unwrap(), r);
+            assert!(r.pid > 0 && r.device_idx >= 0 && r.buffer_offset + r.buffer_size <= r.block_size);
+            assert!(r.hostname.contains(&0), "a host name ends with its NUL");
+            Some(r)
+        }
+        Err(e) => {
+            assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+            assert!(e.message().contains("rendezvous request of rank 5"), "{}", e.message());
+            None
+        }
+    }
+}
+
+#[test]
+fn symm_request_corpus() {
+    for (path, data) in corpus("symm_request") {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let r = std::panic::catch_unwind(|| check_symm_request(&data));
+        let got = r.unwrap_or_else(|_| panic!("corpus input {name} broke the request parser"));
+        assert_eq!(got.is_some(), name.starts_with("ok_"), "corpus input {name}");
+    }
+}
+
+fn host_bytes(host: &str) -> [u8; HOSTNAME_LEN] {
+    let mut h = [0u8; HOSTNAME_LEN];
+    h[..host.len()].copy_from_slice(host.as_bytes());
+    h
+}
+
+fn any_symm_request() -> impl Strategy<Value = RendezvousRequest> {
+    let layout = (0u64..1 << 40, 0u64..1 << 20, 0u64..1 << 40).prop_map(|(buf, off, extra)| (off + buf + extra, buf, off));
+    (0..=i32::MAX, 1..=i32::MAX, layout, any::<bool>(), any::<i32>(), "[a-z0-9.-]{0,64}").prop_map(
+        |(device_idx, pid, (block_size, buffer_size, buffer_offset), has_multicast_support, clique_id, host)| RendezvousRequest {
+            device_idx,
+            pid,
+            block_size,
+            buffer_size,
+            buffer_offset,
+            has_multicast_support,
+            clique_id,
+            hostname: host_bytes(&host),
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn symm_request_round_trips(r in any_symm_request()) {
+        prop_assert_eq!(check_symm_request(&r.to_bytes()), Some(r));
+    }
+
+    #[test]
+    fn symm_request_any_bytes(bytes in proptest::collection::vec(any::<u8>(), REQUEST_SIZE), len in prop_oneof![Just(REQUEST_SIZE), 0..REQUEST_SIZE + 9],
+                              zero_host_tail in any::<bool>()) {
+        let mut bytes = bytes;
+        if zero_host_tail {
+            // Past the first random byte of the host name, so the later checks run.
+            bytes[41..105].fill(0);
+        }
+        bytes.resize(len, 0);
+        check_symm_request(&bytes);
+    }
+
+    /// Valid requests with a few bytes changed: accepted only as another
+    /// valid request with the same single spelling.
+    #[test]
+    fn symm_request_mutated(r in any_symm_request(), edits in proptest::collection::vec((0..REQUEST_SIZE, any::<u8>()), 1..4)) {
+        let mut b = r.to_bytes();
+        for (at, v) in edits {
+            b[at] = v;
+        }
+        check_symm_request(&b);
+    }
+
+    /// Padding as a PyTorch rank may send it: ignored, same request.
+    #[test]
+    fn symm_request_padding_is_ignored(r in any_symm_request(), fill in proptest::collection::vec(any::<u8>(), 10)) {
+        let mut b = r.to_bytes();
+        let at: Vec<usize> = RendezvousRequest::PADDING.into_iter().flatten().collect();
+        prop_assert_eq!(at.len(), 10);
+        for (i, v) in at.into_iter().zip(fill) {
+            b[i] = v;
+        }
+        prop_assert_eq!(check_symm_request(&b), Some(r));
+    }
+}
+
+/// Writes the seed inputs of tests/corpus/tcpstore_request,
+/// tests/corpus/tensor_record, tests/corpus/arena_handle and
+/// tests/corpus/symm_request (regression inputs of the first two are
+/// added by hand):
 /// `cargo test --release --test fuzz_parsers -- --ignored write_seed_corpus`.
 #[test]
 #[ignore = "writes the committed seed corpus"]
@@ -600,4 +829,83 @@ fn write_seed_corpus() {
     put("tensor_record", "bad_truncated.bin", &rec[..rec.len() - 9]);
     put("tensor_record", "bad_empty.bin", b"");
     put("tensor_record", "bad_too_long.bin", &vec![0u8; MAX_RECORD_LEN + 1]);
+
+    let by_name = ArenaHandle {
+        strategy: ArenaStrategy::Name,
+        key: SegmentKey { producer_pid: 4242, producer_start: 123_456_789, segment_id: 7 },
+        segment_data_size: 64 << 20,
+        offset: 4096,
+        size: 1000,
+        slot: 3,
+        generation: 11,
+        name: "/ss_arena_4242_7_9f3c01aa".into(),
+    };
+    let by_fd = ArenaHandle { strategy: ArenaStrategy::Fd, name: String::new(), offset: 0, size: 64 << 20, ..by_name.clone() };
+    put("arena_handle", "ok_by_name.bin", &by_name.encode());
+    put("arena_handle", "ok_by_fd_whole_segment.bin", &by_fd.encode());
+    let h = by_name.encode();
+    let edit = |at: usize, v: &[u8]| {
+        let mut b = h;
+        b[at..at + v.len()].copy_from_slice(v);
+        b
+    };
+    put("arena_handle", "regression_reserved_word_nonzero.bin", &edit(12, &1u32.to_le_bytes()));
+    put("arena_handle", "regression_byte_after_name_nul.bin", &edit(64 + by_name.name.len() + 1, b"x"));
+    put("arena_handle", "bad_magic.bin", &edit(0, b"SSAX"));
+    put("arena_handle", "bad_strategy_7.bin", &edit(4, &7u32.to_le_bytes()));
+    put("arena_handle", "bad_pid_0.bin", &edit(8, &0u32.to_le_bytes()));
+    put("arena_handle", "bad_size_0.bin", &edit(48, &0u64.to_le_bytes()));
+    put("arena_handle", "bad_block_past_segment.bin", &edit(40, &(64u64 << 20).to_le_bytes()));
+    put("arena_handle", "bad_offset_overflows.bin", &edit(40, &u64::MAX.to_le_bytes()));
+    put("arena_handle", "bad_name_no_nul.bin", &edit(64, &[b'a'; MAX_NAME_LEN + 1]));
+    put("arena_handle", "bad_name_not_utf8.bin", &edit(74, &[0xff]));
+    put("arena_handle", "bad_name_slash.bin", &edit(74, b"/"));
+    put("arena_handle", "bad_name_uppercase_hex.bin", &edit(64 + 17, b"F"));
+    put("arena_handle", "bad_name_torch_prefix.bin", &edit(64, b"/torch_123_4_5\0\0\0\0\0\0\0\0\0\0\0"));
+    put("arena_handle", "bad_fd_with_name.bin", &edit(4, &1u32.to_le_bytes()));
+    put("arena_handle", "bad_name_empty.bin", &edit(64, &[0; MAX_NAME_LEN + 1]));
+    put("arena_handle", "bad_truncated.bin", &h[..WIRE_SIZE - 1]);
+    put("arena_handle", "bad_empty.bin", b"");
+
+    // Native-endian struct bytes (x86-64), as PyTorch sends them.
+    let cpu = RendezvousRequest {
+        device_idx: 0,
+        pid: 4242,
+        block_size: 20480,
+        buffer_size: 100,
+        buffer_offset: 12288,
+        has_multicast_support: false,
+        clique_id: 0,
+        hostname: host_bytes("trainer-01"),
+    };
+    let cuda = RendezvousRequest {
+        device_idx: 7,
+        block_size: 2 << 20,
+        buffer_size: 1 << 20,
+        buffer_offset: 16384,
+        has_multicast_support: true,
+        clique_id: 3,
+        hostname: host_bytes(&"n".repeat(HOSTNAME_LEN - 1)),
+        ..cpu.clone()
+    };
+    put("symm_request", "ok_cpu_rank.bin", &cpu.to_bytes());
+    put("symm_request", "ok_cuda_multicast_clique_3_longest_host.bin", &cuda.to_bytes());
+    let r = cpu.to_bytes();
+    let edit = |at: usize, v: &[u8]| {
+        let mut b = r.clone();
+        b[at..at + v.len()].copy_from_slice(v);
+        b
+    };
+    put("symm_request", "ok_padding_not_zero.bin", &{ let mut b = edit(33, &[0xa5; 3]); b[105..].fill(0x5a); b });
+    put("symm_request", "regression_multicast_byte_2.bin", &edit(32, &[2]));
+    put("symm_request", "regression_hostname_byte_after_nul.bin", &edit(40 + 11, b"x"));
+    put("symm_request", "regression_hostname_no_nul.bin", &edit(40, &[b'h'; HOSTNAME_LEN]));
+    put("symm_request", "bad_pid_0.bin", &edit(4, &0i32.to_ne_bytes()));
+    put("symm_request", "bad_pid_negative.bin", &edit(4, &(-1i32).to_ne_bytes()));
+    put("symm_request", "bad_device_negative.bin", &edit(0, &(-1i32).to_ne_bytes()));
+    put("symm_request", "bad_buffer_past_block.bin", &edit(16, &20000u64.to_ne_bytes()));
+    put("symm_request", "bad_buffer_offset_overflows.bin", &edit(24, &u64::MAX.to_ne_bytes()));
+    put("symm_request", "bad_older_40_byte_struct.bin", &r[..40]);
+    put("symm_request", "bad_104_bytes_no_clique_id.bin", &r[..104]);
+    put("symm_request", "bad_empty.bin", b"");
 }

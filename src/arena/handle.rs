@@ -68,6 +68,10 @@ impl ArenaHandle {
         b
     }
 
+    /// The inverse of [`encode`](Self::encode), strict: every byte of the
+    /// 112 has one allowed value per handle, so a handle has exactly one
+    /// spelling (the reserved word is 0, the name field is the name, its
+    /// NUL, then NULs only) and whatever decodes re-encodes to the same bytes.
     pub fn decode(b: &[u8]) -> Result<ArenaHandle> {
         if b.len() != WIRE_SIZE {
             return Err(Error::new(ErrorKind::SizeMismatch, format!("an arena handle is {WIRE_SIZE} bytes, got {}", b.len())));
@@ -77,13 +81,16 @@ impl ArenaHandle {
         if u32_at(0) != WIRE_MAGIC {
             return Err(Error::new(ErrorKind::Corrupt, "not an arena handle (bad magic)"));
         }
-        let name_bytes = &b[64..];
-        let len = name_bytes.iter().position(|c| *c == 0).unwrap_or(name_bytes.len());
-        let name = std::str::from_utf8(&name_bytes[..len])
-            .map_err(|_| Error::new(ErrorKind::Corrupt, "arena handle: segment name is not UTF-8"))?
-            .to_string();
+        let strategy = Strategy::from_u32(u32_at(4)).map_err(|e| e.context("bad arena handle"))?;
+        if u32_at(12) != 0 {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("arena handle: reserved word (bytes 12..16) is {:#010x}, must be 0", u32_at(12)),
+            ));
+        }
+        let name = name_from_field(&b[NAME_AT..]).map_err(|why| Error::new(ErrorKind::Corrupt, format!("arena handle: {why}")))?;
         let h = ArenaHandle {
-            strategy: Strategy::from_u32(u32_at(4))?,
+            strategy,
             key: SegmentKey { producer_pid: u32_at(8) as i32, producer_start: u64_at(16), segment_id: u64_at(24) },
             segment_data_size: u64_at(32),
             offset: u64_at(40),
@@ -112,13 +119,49 @@ impl ArenaHandle {
             ));
         }
         match self.strategy {
-            Strategy::Name if !self.name.starts_with("/ss_arena_") || self.name.len() > MAX_NAME_LEN => {
-                bad(format!("segment name <{}> is not an arena segment name", self.name))
-            }
+            Strategy::Name if self.name.len() > MAX_NAME_LEN || !is_segment_name(&self.name) => bad(format!(
+                "segment name {:?} is not an arena segment name (/ss_arena_<pid>_<id>_<8 hex digits>, at most {MAX_NAME_LEN} bytes)",
+                self.name
+            )),
             Strategy::Fd if !self.name.is_empty() => bad("a by-fd handle carries no name".into()),
             _ => Ok(()),
         }
     }
+}
+
+/// Where the name field starts in the wire form.
+const NAME_AT: usize = WIRE_SIZE - (MAX_NAME_LEN + 1);
+
+/// Reads a segment-name field of `MAX_NAME_LEN + 1` bytes in the one form
+/// [`ArenaHandle::encode`] and `ss_arena_share` write: the name, its NUL,
+/// then NULs only. Any other byte after the NUL would make a second
+/// spelling of the same handle. The error says what is wrong.
+pub fn name_from_field(field: &[u8]) -> std::result::Result<String, String> {
+    let len = field
+        .iter()
+        .position(|c| *c == 0)
+        .ok_or_else(|| format!("the segment name field has no NUL in its {} bytes", field.len()))?;
+    if let Some(i) = field[len..].iter().position(|c| *c != 0) {
+        return Err(format!(
+            "byte {} of the segment name field, after the name's NUL at {len}, is {:#04x}, must be 0",
+            len + i,
+            field[len + i]
+        ));
+    }
+    std::str::from_utf8(&field[..len]).map(str::to_string).map_err(|_| "the segment name is not UTF-8".to_string())
+}
+
+/// `/ss_arena_<pid>_<id>_<8 lowercase hex digits>`, numbers in decimal with
+/// no leading zero: the names `Segment::create` makes, and only those.
+pub fn is_segment_name(name: &str) -> bool {
+    let decimal = |s: &str| !s.is_empty() && s.bytes().all(|c| c.is_ascii_digit()) && (s.len() == 1 || !s.starts_with('0'));
+    let Some(rest) = name.strip_prefix("/ss_arena_") else { return false };
+    let parts: Vec<&str> = rest.split('_').collect();
+    parts.len() == 3
+        && decimal(parts[0])
+        && decimal(parts[1])
+        && parts[2].len() == 8
+        && parts[2].bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 struct Writer<'a> {
@@ -156,7 +199,39 @@ mod tests {
         assert_eq!(ArenaHandle::decode(&b[..10]).unwrap_err().kind(), ErrorKind::SizeMismatch);
         let past = ArenaHandle { offset: 1 << 20, ..h.clone() };
         assert_eq!(ArenaHandle::decode(&past.encode()).unwrap_err().kind(), ErrorKind::InvalidArgument);
-        let other = ArenaHandle { name: "/torch_1_2_3".into(), ..h };
+        let other = ArenaHandle { name: "/torch_1_2_3".into(), ..h.clone() };
         assert_eq!(other.validate().unwrap_err().kind(), ErrorKind::InvalidArgument);
+    }
+
+    #[test]
+    fn one_spelling_per_handle() {
+        let h = ArenaHandle {
+            strategy: Strategy::Name,
+            key: SegmentKey { producer_pid: 42, producer_start: 77, segment_id: 3 },
+            segment_data_size: 1 << 20,
+            offset: 0,
+            size: 1,
+            slot: 0,
+            generation: 1,
+            name: "/ss_arena_42_3_0000abcd".into(),
+        };
+        let good = h.encode();
+        let mut b = good;
+        b[13] = 1;
+        let e = ArenaHandle::decode(&b).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt);
+        assert!(e.message().contains("reserved word"), "{}", e.message());
+        let mut b = good;
+        b[WIRE_SIZE - 1] = b'x';
+        let e = ArenaHandle::decode(&b).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt);
+        assert!(e.message().contains("after the name's NUL"), "{}", e.message());
+        for name in ["/ss_arena_42_3_0000ABCD", "/ss_arena_042_3_0000abcd", "/ss_arena_42_3_abcd", "/ss_arena_/_3_0000abcd", "/ss_arena_42_3_0000abcd_"] {
+            let other = ArenaHandle { name: name.into(), ..h.clone() };
+            assert_eq!(other.validate().unwrap_err().kind(), ErrorKind::InvalidArgument, "{name}");
+        }
+        assert!(is_segment_name("/ss_arena_1_0_00000000"));
+        assert_eq!(name_from_field(b"/ss_arena_\0\0"), Ok("/ss_arena_".to_string()));
+        assert!(name_from_field(b"abc").unwrap_err().contains("no NUL"));
     }
 }

@@ -98,6 +98,7 @@ impl Segment {
         let (fd, name) = match strategy {
             Strategy::Fd => (memfd(id)?, None),
             Strategy::Name => {
+                // The one form `handle::is_segment_name` accepts in a handle.
                 let name = format!("/ss_arena_{}_{}_{:08x}", me.0, id, random_u32());
                 manager = register_with_manager(&name);
                 match shm_create(&name) {

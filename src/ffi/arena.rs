@@ -62,7 +62,9 @@ pub struct ss_arena_handle {
     /// The hold this share took in the segment's counter area.
     pub hold_slot: u32,
     pub hold_generation: u32,
-    /// The segment's name (by name), NUL-terminated; empty by fd.
+    /// The segment's name (by name), NUL-terminated; empty by fd. Every
+    /// byte after the NUL is 0 (as `ss_arena_share` writes it); a handle
+    /// with anything else there is refused.
     pub segment_name: [c_char; SS_ARENA_NAME_LEN],
 }
 
@@ -121,11 +123,9 @@ fn handle_to_c(h: &ArenaHandle) -> ss_arena_handle {
 
 fn handle_from_c(h: &ss_arena_handle) -> Result<ArenaHandle> {
     let bytes: Vec<u8> = h.segment_name.iter().map(|c| *c as u8).collect();
-    let len = bytes.iter().position(|b| *b == 0).ok_or_else(|| {
-        Error::new(ErrorKind::InvalidArgument, "bad arena handle: segment_name is not NUL-terminated")
-    })?;
-    let name = std::str::from_utf8(&bytes[..len])
-        .map_err(|_| Error::new(ErrorKind::InvalidArgument, "bad arena handle: segment_name is not UTF-8"))?;
+    // The form ss_arena_share writes: name, NUL, NULs (one spelling per handle).
+    let name = arena::handle::name_from_field(&bytes)
+        .map_err(|why| Error::new(ErrorKind::InvalidArgument, format!("bad arena handle: segment_name: {why}")))?;
     let out = ArenaHandle {
         strategy: Strategy::from_u32(h.strategy).map_err(|e| e.context("bad arena handle"))?,
         key: SegmentKey { producer_pid: h.producer_pid, producer_start: h.producer_start, segment_id: h.segment_id },
@@ -134,7 +134,7 @@ fn handle_from_c(h: &ss_arena_handle) -> Result<ArenaHandle> {
         size: h.size,
         slot: h.hold_slot,
         generation: h.hold_generation,
-        name: name.to_string(),
+        name,
     };
     out.validate()?;
     Ok(out)

@@ -62,8 +62,16 @@ impl RendezvousRequest {
         b
     }
 
-    /// Parses rank `rank`'s value; anything but the exact size is an error.
+    /// Parses rank `rank`'s value. Strict wherever PyTorch's bytes are
+    /// defined: the exact size, `has_multicast_support` 0 or 1 (a C++
+    /// `bool`), the host name NUL-terminated with only NULs after it (the
+    /// struct is value-initialised before `gethostname`), a positive pid, a
+    /// device index >= 0 and a buffer inside its block. The 10 padding bytes
+    /// (33..36 and 105..112) are not read: C++ leaves the padding of an
+    /// aggregate-initialised struct unspecified, so a PyTorch rank may send
+    /// anything there. Every other byte re-encodes as it came.
     pub fn from_bytes(b: &[u8], rank: usize) -> Result<Self> {
+        let bad = |why: String| Err(Error::new(ErrorKind::Protocol, format!("rendezvous request of rank {rank}: {why}")));
         if b.len() != REQUEST_SIZE {
             return Err(Error::new(
                 ErrorKind::Protocol,
@@ -72,17 +80,49 @@ impl RendezvousRequest {
         }
         let i32_at = |o: usize| i32::from_ne_bytes(b[o..o + 4].try_into().unwrap());
         let u64_at = |o: usize| u64::from_ne_bytes(b[o..o + 8].try_into().unwrap());
-        Ok(RendezvousRequest {
+        let has_multicast_support = match b[OFF_MULTICAST] {
+            0 => false,
+            1 => true,
+            v => return bad(format!("has_multicast_support (byte {OFF_MULTICAST}) is {v}, a bool must be 0 or 1")),
+        };
+        let hostname: [u8; HOSTNAME_LEN] = b[OFF_HOST..OFF_HOST + HOSTNAME_LEN].try_into().unwrap();
+        let Some(nul) = hostname.iter().position(|&c| c == 0) else {
+            return bad(format!("hostname (bytes {OFF_HOST}..{}) has no NUL", OFF_HOST + HOSTNAME_LEN));
+        };
+        if let Some(i) = hostname[nul..].iter().position(|&c| c != 0) {
+            return bad(format!(
+                "byte {} of hostname, after its NUL at {nul}, is {:#04x}, must be 0",
+                nul + i,
+                hostname[nul + i]
+            ));
+        }
+        let req = RendezvousRequest {
             device_idx: i32_at(OFF_DEVICE),
             pid: i32_at(OFF_PID),
             block_size: u64_at(OFF_BLOCK),
             buffer_size: u64_at(OFF_BUFFER),
             buffer_offset: u64_at(OFF_OFFSET),
-            has_multicast_support: b[OFF_MULTICAST] != 0,
+            has_multicast_support,
             clique_id: i32_at(OFF_CLIQUE),
-            hostname: b[OFF_HOST..OFF_HOST + HOSTNAME_LEN].try_into().unwrap(),
-        })
+            hostname,
+        };
+        if req.pid <= 0 {
+            return bad(format!("pid {}", req.pid));
+        }
+        if req.device_idx < 0 {
+            return bad(format!("device index {}", req.device_idx));
+        }
+        if req.buffer_offset.checked_add(req.buffer_size).map_or(true, |end| end > req.block_size) {
+            return bad(format!(
+                "buffer of {} bytes at offset {} does not fit its block of {} bytes",
+                req.buffer_size, req.buffer_offset, req.block_size
+            ));
+        }
+        Ok(req)
     }
+
+    /// Where `to_bytes` writes padding: never read by `from_bytes`.
+    pub const PADDING: [std::ops::Range<usize>; 2] = [OFF_MULTICAST + 1..OFF_CLIQUE, OFF_HOST + HOSTNAME_LEN..REQUEST_SIZE];
 
     /// The host name as text (up to its NUL).
     pub fn host(&self) -> String {
@@ -114,5 +154,40 @@ mod tests {
         let e = RendezvousRequest::from_bytes(&bytes[..40], 3).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Protocol);
         assert!(e.message().contains("rank 3"), "{}", e.message());
+    }
+
+    #[test]
+    fn strict_where_pytorch_bytes_are_defined() {
+        let layout = Layout { block_size: 20480, buffer_size: 100, buffer_offset: 12288, signal_pad_size: 9216 };
+        let good = RendezvousRequest::new(0, &layout).to_bytes();
+        let refused = |at: usize, v: u8, what: &str| {
+            let mut b = good.clone();
+            b[at] = v;
+            let e = RendezvousRequest::from_bytes(&b, 1).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Protocol);
+            assert!(e.message().contains(what), "{}", e.message());
+        };
+        refused(OFF_MULTICAST, 2, "has_multicast_support");
+        refused(REQUEST_SIZE - 8, b'x', "after its NUL");
+        let base = RendezvousRequest::new(0, &layout);
+        for (r, what) in [
+            (RendezvousRequest { pid: 0, ..base.clone() }, "pid 0"),
+            (RendezvousRequest { device_idx: -1, ..base.clone() }, "device index -1"),
+            (RendezvousRequest { buffer_offset: u64::MAX, ..base.clone() }, "does not fit"),
+            (RendezvousRequest { buffer_size: 8193, ..base.clone() }, "does not fit"),
+        ] {
+            let e = RendezvousRequest::from_bytes(&r.to_bytes(), 1).unwrap_err();
+            assert!(e.message().contains(what), "{}", e.message());
+        }
+        let mut b = good.clone();
+        b[OFF_HOST..OFF_HOST + HOSTNAME_LEN].fill(b'a');
+        assert!(RendezvousRequest::from_bytes(&b, 1).unwrap_err().message().contains("no NUL"));
+        // Padding is PyTorch's to leave unset: ignored.
+        let mut b = good.clone();
+        for r in RendezvousRequest::PADDING {
+            b[r].fill(0xa5);
+        }
+        let r = RendezvousRequest::from_bytes(&b, 1).unwrap();
+        assert_eq!(r.to_bytes(), good);
     }
 }

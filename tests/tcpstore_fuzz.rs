@@ -670,6 +670,34 @@ fn a_client_that_never_reads_stalls_no_one() {
     drop(hog);
 }
 
+/// Regression (review): the rank whose request woke a parked WAIT wrote
+/// that reply itself, waiting for the woken connection's write lock. A
+/// client that parked a WAIT and then pipelined requests whose replies it
+/// never reads holds that lock (its own thread is blocked writing to it)
+/// for the 10 s write timeout, so the waking rank's connection stalled
+/// with it: its next call timed out. Now a waker only queues the reply
+/// when the connection is busy, and the writer there sends it.
+#[test]
+fn waking_a_client_that_never_reads_stalls_no_one() {
+    let store = TcpStore::open("127.0.0.1", 0, true, 0, Some(Duration::from_secs(5))).unwrap();
+    store.set("big", &vec![7u8; 1 << 20]).unwrap();
+    let mut hog = TcpStream::connect(("127.0.0.1", store.port())).unwrap();
+    let mut req = Request::Validate(VALIDATION_MAGIC).to_bytes();
+    Request::Wait(vec![b"/go".to_vec()]).encode(&mut req);
+    for _ in 0..64 {
+        Request::Get(b"/big".to_vec()).encode(&mut req);
+    }
+    hog.write_all(&req).unwrap();
+    // 64 MiB of replies nobody reads: the server's writes to the hog block.
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    store.set("go", b"1").unwrap();
+    assert_eq!(store.get("go", None).unwrap(), b"1");
+    store.add("n", 1).unwrap();
+    println!("waking the hog and two more calls in {:?}", t.elapsed());
+    drop(hog);
+}
+
 /// Regression: when accept failed (out of descriptors: the pending
 /// connection stays queued) the accept loop retried at once, forever, one
 /// core at 100 %. The child runs at a low RLIMIT_NOFILE, fills it, and

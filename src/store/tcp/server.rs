@@ -24,13 +24,16 @@ const ACCEPT_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
 struct Outbox {
     queue: Mutex<Vec<u8>>,
     stream: Mutex<TcpStream>,
+    /// Set by a thread that queued bytes without writing them (see
+    /// [`Outbox::flush`]).
+    orphans: AtomicBool,
 }
 
 type Out = Arc<Outbox>;
 
 impl Outbox {
     fn new(stream: TcpStream) -> Out {
-        Arc::new(Outbox { queue: Mutex::new(Vec::new()), stream: Mutex::new(stream) })
+        Arc::new(Outbox { queue: Mutex::new(Vec::new()), stream: Mutex::new(stream), orphans: AtomicBool::new(false) })
     }
 
     /// Queues bytes (call with the state lock held; never blocks on I/O).
@@ -38,19 +41,50 @@ impl Outbox {
         self.queue.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(bytes);
     }
 
-    /// Writes everything queued, in order (call without the state lock).
-    /// A write that fails or times out shuts the connection down, which
-    /// ends its reader thread.
-    fn flush(&self) -> std::io::Result<()> {
-        let mut stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+    /// Writes what is queued, in order (call without the state lock). A
+    /// write that fails or times out shuts the connection down, which ends
+    /// its reader thread.
+    ///
+    /// `wait` (the connection's own thread, after its request): waits for
+    /// the write side and writes until the queue is empty, so a client that
+    /// does not read stalls its own requests and nothing else. Without
+    /// `wait` (another connection's thread, which only woke a waiter here):
+    /// when someone is writing already, leaves the bytes to that writer
+    /// and returns at once; otherwise writes what is queued now, once.
+    fn flush(&self, wait: bool) -> std::io::Result<()> {
+        if !wait {
+            // Before trying the lock: a writer that holds it looks at this
+            // flag after letting go, and sends what we queued.
+            self.orphans.store(true, Ordering::SeqCst);
+        }
         loop {
-            let pending = std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()));
-            if pending.is_empty() {
-                return Ok(());
+            let mut stream = if wait {
+                self.stream.lock().unwrap_or_else(|p| p.into_inner())
+            } else {
+                match self.stream.try_lock() {
+                    Ok(s) => s,
+                    Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                    Err(std::sync::TryLockError::WouldBlock) => return Ok(()),
+                }
+            };
+            // Whatever was queued before this is taken below.
+            self.orphans.store(false, Ordering::SeqCst);
+            loop {
+                let pending = std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()));
+                if pending.is_empty() {
+                    break;
+                }
+                if let Err(e) = stream.write_all(&pending) {
+                    let _ = stream.shutdown(Shutdown::Both);
+                    return Err(e);
+                }
+                if !wait {
+                    break;
+                }
             }
-            if let Err(e) = stream.write_all(&pending) {
-                let _ = stream.shutdown(Shutdown::Both);
-                return Err(e);
+            drop(stream);
+            if !self.orphans.load(Ordering::SeqCst) {
+                return Ok(());
             }
         }
     }
@@ -183,7 +217,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         };
         let _ = stream.set_nodelay(true);
         // A client that stops reading its replies must not stall everyone
-        // (replies are written under the state lock): give up on it.
+        // (its connection's thread would block in write for good): give up on it.
         let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
         let (Ok(out), Ok(keep)) = (stream.try_clone(), stream.try_clone()) else { continue };
         let id = {
@@ -315,10 +349,10 @@ fn handle(req: Request, out: &Out, id: u64, shared: &Shared) -> std::result::Res
     let result = update(req, out, id, shared, &mut woken);
     for w in &woken {
         if !Arc::ptr_eq(w, out) {
-            let _ = w.flush();
+            let _ = w.flush(false);
         }
     }
-    let flushed = out.flush();
+    let flushed = out.flush(true);
     result.and(flushed.map_err(|_| ()))
 }
 

@@ -10,11 +10,17 @@ mkdir -p "$dest"
 dest=$(cd "$dest" && pwd)
 
 exe() { # the executable cargo reports for a target, e.g. "tests/cuda_gpu.rs"
-    grep -F "($target" | grep -F "$1" | sed -E 's/.*\((.*)\)$/\1/' | head -1
+    # (cargo prints the path relative to the workspace, or absolute)
+    local path
+    path=$(grep -F "Executable $1 (" | sed -E 's/.*\((.*)\)$/\1/' | head -1)
+    case "$path" in /*) echo "$path" ;; "") echo "no executable for $1" >&2; return 1 ;; *) echo "$PWD/$path" ;; esac
 }
 tests=$(cargo test --release --no-run 2>&1)
 bench=$(cargo bench --bench cuda_ipc --no-run 2>&1)
+symm_bench=$(cargo bench --bench symm_cuda --no-run 2>&1)
 cp "$(echo "$tests" | exe "tests/cuda_gpu.rs")" "$dest/cuda_gpu"
+cp "$(echo "$tests" | exe "tests/symm_cuda.rs")" "$dest/symm_cuda"
+cp "$(echo "$symm_bench" | exe "benches/symm_cuda.rs")" "$dest/symm_cuda_bench"
 cp "$(echo "$tests" | exe "unittests src/lib.rs")" "$dest/lib_tests"
 cp "$(echo "$bench" | exe "benches/cuda_ipc.rs")" "$dest/cuda_ipc"
 cargo build --release --lib --bins

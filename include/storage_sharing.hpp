@@ -699,18 +699,9 @@ public:
     /* The value of key, waiting until it is set (Error with SS_ERR_TIMEOUT,
      * naming the key, when timeout_ms passes first). */
     std::vector<uint8_t> get(const std::string &key, int64_t timeout_ms = 0) const {
-        std::vector<uint8_t> buf(256);
-        for (;;) {
-            std::size_t len = 0;
-            ss_status st = ss_store_get(handle_.get(), key.c_str(), timeout_ms, buf.data(), buf.size(), &len);
-            if (st == SS_ERR_BUFFER_TOO_SMALL && len > buf.size()) {
-                buf.resize(len);  // longer than our buffer: ask again
-                continue;
-            }
-            check(st, "ss_store_get");
-            buf.resize(len);
-            return buf;
-        }
+        return read_value(256, "ss_store_get", [&](void *buf, std::size_t size, std::size_t *len) {
+            return ss_store_get(handle_.get(), key.c_str(), timeout_ms, buf, size, len);
+        });
     }
     std::string get_string(const std::string &key, int64_t timeout_ms = 0) const {
         std::vector<uint8_t> v = get(key, timeout_ms);
@@ -745,19 +736,12 @@ public:
     /* c10d's compare-and-set: desired after a swap, else the current value
      * (expected when the key is missing). */
     std::vector<uint8_t> compare_set(const std::string &key, const std::string &expected, const std::string &desired) const {
-        std::vector<uint8_t> buf(expected.size() > desired.size() ? expected.size() : desired.size());
-        for (;;) {
-            std::size_t len = 0;
-            ss_status st = ss_store_compare_set(handle_.get(), key.c_str(), expected.data(), expected.size(), desired.data(),
-                                                desired.size(), buf.data(), buf.size(), &len);
-            if (st == SS_ERR_BUFFER_TOO_SMALL && len > buf.size()) {
-                buf.resize(len);  // a longer current value: ask again (no second swap)
-                continue;
-            }
-            check(st, "ss_store_compare_set");
-            buf.resize(len);
-            return buf;
-        }
+        // A retry after a longer current value does not swap a second time.
+        const std::size_t size = expected.size() > desired.size() ? expected.size() : desired.size();
+        return read_value(size, "ss_store_compare_set", [&](void *buf, std::size_t buf_len, std::size_t *len) {
+            return ss_store_compare_set(handle_.get(), key.c_str(), expected.data(), expected.size(), desired.data(),
+                                        desired.size(), buf, buf_len, len);
+        });
     }
 
     /* Deletes key; whether it was set. */
@@ -780,6 +764,25 @@ public:
     explicit operator bool() const noexcept { return static_cast<bool>(handle_); }
 
 private:
+    /* Runs call(buf, size, &len) with a buffer of `size` bytes, and again
+     * with a larger one while it answers SS_ERR_BUFFER_TOO_SMALL with a
+     * longer length; the bytes written. */
+    template <typename Call>
+    static std::vector<uint8_t> read_value(std::size_t size, const char *what, Call call) {
+        std::vector<uint8_t> buf(size);
+        for (;;) {
+            std::size_t len = 0;
+            ss_status st = call(buf.data(), buf.size(), &len);
+            if (st == SS_ERR_BUFFER_TOO_SMALL && len > buf.size()) {
+                buf.resize(len);  // longer than our buffer: ask again
+                continue;
+            }
+            check(st, what);
+            buf.resize(len);
+            return buf;
+        }
+    }
+
     template <class T>
     struct adopted {
         /* Runs f, turning exceptions into status codes: nothing may unwind

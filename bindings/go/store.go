@@ -158,11 +158,20 @@ func (s *Store) Get(key string, timeout time.Duration) ([]byte, error) {
 		return nil, err
 	}
 	defer freeCString(k)
-	buf := make([]byte, 256)
+	return s.readValue(op, 256, func(h *C.ss_store, buf unsafe.Pointer, size C.size_t, n *C.size_t) C.ss_status {
+		return C.ss_store_get(h, k, ms, buf, size, n)
+	})
+}
+
+// readValue runs call with a buffer of size bytes (at least 1), and again
+// with a larger one while the library answers ErrBufferTooSmall with a
+// longer length; it returns the bytes written.
+func (s *Store) readValue(op string, size int, call func(h *C.ss_store, buf unsafe.Pointer, size C.size_t, n *C.size_t) C.ss_status) ([]byte, error) {
+	buf := make([]byte, size)
 	for {
 		var n C.size_t
 		err := s.with(op, func(h *C.ss_store) C.ss_status {
-			return C.ss_store_get(h, k, ms, unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &n)
+			return call(h, unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &n)
 		})
 		if e, ok := err.(*Error); ok && e.Status == ErrBufferTooSmall && int(n) > len(buf) {
 			buf = make([]byte, int(n)) // the value is longer: ask again
@@ -262,22 +271,10 @@ func (s *Store) CompareSet(key string, expected, desired []byte) ([]byte, error)
 	if len(desired) > size {
 		size = len(desired)
 	}
-	buf := make([]byte, size+1)
-	for {
-		var n C.size_t
-		err := s.with(op, func(h *C.ss_store) C.ss_status {
-			return C.ss_store_compare_set(h, k, e, C.size_t(len(expected)), d, C.size_t(len(desired)),
-				unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &n)
-		})
-		if se, ok := err.(*Error); ok && se.Status == ErrBufferTooSmall && int(n) > len(buf) {
-			buf = make([]byte, int(n)) // a longer current value: ask again (no second swap)
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		return buf[:int(n)], nil
-	}
+	// A retry after a longer current value does not swap a second time.
+	return s.readValue(op, size+1, func(h *C.ss_store, buf unsafe.Pointer, bufLen C.size_t, n *C.size_t) C.ss_status {
+		return C.ss_store_compare_set(h, k, e, C.size_t(len(expected)), d, C.size_t(len(desired)), buf, bufLen, n)
+	})
 }
 
 // DeleteKey deletes key and reports whether it was set.

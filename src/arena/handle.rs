@@ -180,18 +180,23 @@ impl Writer<'_> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn encode_decode_roundtrip_and_rejects() {
-        let h = ArenaHandle {
+    /// A by-name handle of segment 3 of producer 42.
+    fn by_name() -> ArenaHandle {
+        ArenaHandle {
             strategy: Strategy::Name,
             key: SegmentKey { producer_pid: 42, producer_start: 77, segment_id: 3 },
             segment_data_size: 1 << 20,
-            offset: 4096,
-            size: 100,
-            slot: 5,
-            generation: 9,
+            offset: 0,
+            size: 1,
+            slot: 0,
+            generation: 1,
             name: "/ss_arena_42_3_0000abcd".into(),
-        };
+        }
+    }
+
+    #[test]
+    fn encode_decode_roundtrip_and_rejects() {
+        let h = ArenaHandle { offset: 4096, size: 100, slot: 5, generation: 9, ..by_name() };
         assert_eq!(ArenaHandle::decode(&h.encode()).unwrap(), h);
         let mut b = h.encode();
         b[0] ^= 1;
@@ -205,16 +210,7 @@ mod tests {
 
     #[test]
     fn one_spelling_per_handle() {
-        let h = ArenaHandle {
-            strategy: Strategy::Name,
-            key: SegmentKey { producer_pid: 42, producer_start: 77, segment_id: 3 },
-            segment_data_size: 1 << 20,
-            offset: 0,
-            size: 1,
-            slot: 0,
-            generation: 1,
-            name: "/ss_arena_42_3_0000abcd".into(),
-        };
+        let h = ArenaHandle { offset: 0, size: 1, slot: 0, generation: 1, ..by_name() };
         let good = h.encode();
         let mut b = good;
         b[13] = 1;

@@ -10,7 +10,11 @@
 //! Where there is no driver or device it prints `skipped: no CUDA device`.
 //! Run: `cargo bench --bench symm_cuda` (SS_BENCH_QUICK=1 for fewer rounds).
 
-use cudarc::driver::sys::{self, CUresult};
+#[path = "../tests/common/cuda_ctx.rs"]
+mod cuda_ctx;
+
+use cuda_ctx::{make_primary_current, ok};
+use cudarc::driver::sys;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -21,24 +25,11 @@ use storage_sharing::symm::{self, group, DeviceType};
 const ROLE_ENV: &str = "SS_SYMM_CUDA_BENCH_RANK";
 const NOP_PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry ss_nop()\n{\n\tret;\n}\n\0";
 
-fn ok(r: CUresult, what: &str) {
-    assert_eq!(r, CUresult::CUDA_SUCCESS, "{what}");
-}
 
 fn rounds() -> usize {
     if std::env::var_os("SS_BENCH_QUICK").is_some() { 200 } else { 2000 }
 }
 
-fn make_current() {
-    // SAFETY: the driver is loaded; out-pointers are ours.
-    unsafe {
-        let mut dev = 0;
-        ok(sys::cuDeviceGet(&mut dev, 0), "cuDeviceGet");
-        let mut ctx = std::ptr::null_mut();
-        ok(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain");
-        ok(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-    }
-}
 
 fn stream_sync(s: usize) {
     // SAFETY: our stream, context current.
@@ -107,7 +98,7 @@ fn run_rank(rank: usize) {
     let alloc_time = started.elapsed();
     let h = symm::rendezvous(p, None, t).unwrap();
     let rendezvous_time = started.elapsed() - alloc_time;
-    make_current();
+    make_primary_current();
     let mut s: sys::CUstream = std::ptr::null_mut();
     // SAFETY: context current; out-pointer ours.
     ok(unsafe { sys::cuStreamCreate(&mut s, 1) }, "cuStreamCreate");

@@ -3,7 +3,11 @@
 //! CUDA-unavailable statuses. Tests print "skipped: ..." and pass where
 //! there is no device (or no torch with CUDA for the interop tests).
 
-use cudarc::driver::sys::{self, CUresult};
+#[path = "common/cuda_ctx.rs"]
+mod cuda_ctx;
+
+use cuda_ctx::{make_primary_current, ok};
+use cudarc::driver::sys;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -13,9 +17,6 @@ use storage_sharing::ErrorKind;
 const ROLE_ENV: &str = "SS_CUDA_GPU_ROLE";
 const PATTERN: u32 = 0x0C0F_FEE1;
 
-fn ok(r: CUresult, what: &str) {
-    assert_eq!(r, CUresult::CUDA_SUCCESS, "{what}");
-}
 
 /// True with device 0's primary context current on this thread; prints
 /// why and returns false where CUDA cannot be used.
@@ -24,14 +25,7 @@ fn gpu_ready() -> bool {
         println!("skipped: no usable CUDA device: {e}");
         return false;
     }
-    // SAFETY: driver loaded (checked above); out-pointers are ours.
-    unsafe {
-        let mut dev = 0;
-        ok(sys::cuDeviceGet(&mut dev, 0), "cuDeviceGet");
-        let mut ctx = std::ptr::null_mut();
-        ok(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain");
-        ok(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-    }
+    make_primary_current();
     true
 }
 

@@ -9,7 +9,11 @@
 mod common;
 
 use common::{child_command, my_role, pattern};
-use cudarc::driver::sys::{self, CUresult};
+#[path = "common/cuda_ctx.rs"]
+mod cuda_ctx;
+
+use cuda_ctx::{make_primary_current, ok};
+use cudarc::driver::sys;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Output, Stdio};
 use std::sync::Arc;
@@ -67,9 +71,6 @@ fn compute_modes_that_keep_ranks_off_one_device() {
     assert!(one_device_blocker(7).unwrap().contains("compute mode 7"));
 }
 
-fn ok(r: CUresult, what: &str) {
-    assert_eq!(r, CUresult::CUDA_SUCCESS, "{what}");
-}
 
 fn test_dir(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ss-symm-cuda-{}-{tag}", std::process::id()));
@@ -154,28 +155,18 @@ impl Rank {
         group::set_group_info("world", self.rank as i64, self.ws as i64, self.store.clone()).unwrap();
         let p = symm::alloc(DeviceType::Cuda, 0, size, Some("world")).unwrap();
         let h = symm::rendezvous(p, None, t(60_000)).unwrap();
-        make_current();
+        make_primary_current();
         (p, h)
     }
 }
 
-fn make_current() {
-    // SAFETY: the driver is loaded (the allocation succeeded); out-pointers ours.
-    unsafe {
-        let mut dev = 0;
-        ok(sys::cuDeviceGet(&mut dev, 0), "cuDeviceGet");
-        let mut ctx = std::ptr::null_mut();
-        ok(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain");
-        ok(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-    }
-}
 
 fn t(ms: u64) -> Option<Duration> {
     Some(Duration::from_millis(ms))
 }
 
 fn sync() {
-    // SAFETY: context current (make_current).
+    // SAFETY: context current (make_primary_current).
     ok(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize");
 }
 
@@ -358,7 +349,7 @@ fn role_c_api(me: Rank) {
         assert_eq!(ss_symm_alloc(SS_DEVICE_CUDA, 0, 4096, c"world".as_ptr(), &mut p), SS_OK, "{}", last());
         let mut h = null_mut();
         assert_eq!(ss_symm_rendezvous(p, null(), 60_000, &mut h), SS_OK, "{}", last());
-        make_current();
+        make_primary_current();
         let mut arr = null_mut();
         assert_eq!(ss_symm_mem_buffer_ptrs_dev(h, &mut arr), SS_OK);
         let bytes = download(arr.cast(), 8 * me.ws);

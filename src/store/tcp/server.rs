@@ -303,7 +303,8 @@ impl State {
 /// `key` was set (or its queue filled): queues the answer of every waiter
 /// now complete and notes their connections in `woken`, to flush.
 fn wake(st: &mut State, woken: &mut Vec<Out>, key: &[u8]) {
-    let count = st.counter(key);
+    // Parsed only if a barrier waits on this key (not on every set).
+    let mut count: Option<Option<i64>> = None;
     let mut i = 0;
     while i < st.waiters.len() {
         let done = match &mut st.waiters[i].until {
@@ -311,7 +312,10 @@ fn wake(st: &mut State, woken: &mut Vec<Out>, key: &[u8]) {
                 missing.retain(|k| k != key);
                 missing.is_empty()
             }
-            Until::Count { key: k, world_size } => k == key && count.is_some_and(|c| c >= *world_size),
+            Until::Count { key: k, world_size } => {
+                let world_size = *world_size;
+                k == key && count.get_or_insert_with(|| st.counter(key)).is_some_and(|c| c >= world_size)
+            }
         };
         if done {
             let w = st.waiters.swap_remove(i);

@@ -1,38 +1,70 @@
 #!/usr/bin/env bash
 # Runs every test of the project: the README's test command (and .ci/run's).
-# Installs what a fresh machine lacks (cmake) first.
+# Installs what a fresh machine lacks first: apt packages (cmake, C/C++
+# compilers, pkg-config, Go) and PyTorch, from the Python package index, in
+# a virtual environment of its own under target/ (reused while it imports).
+# Prints the minutes each part took at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+target="${CARGO_TARGET_DIR:-$PWD/target}"
+mkdir -p "$target"
+timings=()
+part_start=$SECONDS
+# Closes the timing of the part that just ended: `part_done NAME`.
+part_done() {
+    local took=$((SECONDS - part_start))
+    timings+=("$(printf '%-26s %3d min %02d s' "$1" $((took / 60)) $((took % 60)))")
+    part_start=$SECONDS
+}
 
 need_apt=()
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v cc >/dev/null || need_apt+=(gcc)
+command -v c++ >/dev/null || need_apt+=(g++)
+command -v pkg-config >/dev/null || need_apt+=(pkg-config)
+command -v go >/dev/null || need_apt+=(golang-go)
+python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "== installing ${need_apt[*]}"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}"
 fi
 
-# --- packaging and bindings (issue 5): tools ------------------------------
-# C++ for the RAII tests, pkg-config and Go for the consumer and Go tests.
-pkg_apt=()
-command -v c++ >/dev/null || pkg_apt+=(g++)
-command -v pkg-config >/dev/null || pkg_apt+=(pkg-config)
-command -v go >/dev/null || pkg_apt+=(golang-go)
-if [ ${#pkg_apt[@]} -gt 0 ]; then
-    echo "== installing ${pkg_apt[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkg_apt[@]}"
+# PyTorch for the interop tests: every test that talks to a PyTorch process
+# uses $SS_TEST_PYTHON. Under CI such a test fails when torch is missing.
+venv="$target/torch-venv"
+if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+    echo "== installing PyTorch into $venv (about 5 GB with its CUDA libraries; CPU use only)"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check torch numpy
 fi
-# --- end packaging tools -----------------------------------------------------
+export SS_TEST_PYTHON="$venv/bin/python"
+echo "== PyTorch $("$SS_TEST_PYTHON" -c 'import torch; print(torch.__version__)') at $SS_TEST_PYTHON"
+part_done "install (apt, PyTorch)"
 
-target="${CARGO_TARGET_DIR:-$PWD/target}"
+echo "== lint gate: rustfmt, clippy -D warnings, rustdoc -D warnings"
+cargo fmt --check
+cargo clippy --release --all-targets --quiet -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps --quiet
+part_done "lint gate"
 
 echo "== cargo build (release library for the C tests)"
 cargo build --release --lib --bins
+part_done "cargo build"
 
 echo "== cargo test"
+export SS_TORCH_TESTS_LOG="$target/torch-interop-tests.txt"
+rm -f "$SS_TORCH_TESTS_LOG"
 cargo test --release
+torch_tests=$(sort -u "$SS_TORCH_TESTS_LOG" 2>/dev/null | wc -l)
+echo "== PyTorch interop tests run against $SS_TEST_PYTHON: $torch_tests"
+if [ -n "${CI:-}" ] && [ "$torch_tests" -eq 0 ]; then
+    echo "no PyTorch interop test ran under CI" >&2
+    exit 1
+fi
+part_done "cargo test"
 
 echo "== C tests (ctest, -Wall -Wextra -Wpedantic -Werror, and under ASan+UBSan)"
 for variant in plain asan; do
@@ -42,11 +74,13 @@ for variant in plain asan; do
     cmake --build "$build" -j2 >/dev/null
     ctest --test-dir "$build" --output-on-failure -j2
 done
-# --- reliability (issue 12): the sanitizer build really links ASan+UBSan ----
+# The sanitizer build really links ASan+UBSan.
 bash scripts/check_sanitizers.sh "$target/ctests-asan"
-# --- end reliability -------------------------------------------------------------
+part_done "C and C++ tests"
 
-# --- packaging and bindings (issue 5) ----------------------------------------
 echo "== packaging: install to a temp prefix; SONAME; find_package (shared, static), pkg-config, README examples; go test"
 bash tests/packaging/run.sh "$target/release"
-# --- end packaging -------------------------------------------------------------
+part_done "packaging, Go"
+
+echo "== minutes per part"
+printf '%s\n' "${timings[@]}"

@@ -108,8 +108,11 @@ fn manager_folder_is_0700_and_other_uids_cannot_connect() {
         println!("manager_folder_is_0700_and_other_uids_cannot_connect: other-uid part skipped: not root, cannot switch uid");
         return;
     }
-    // The same binary, as uid/gid 65534 (nobody), tries to connect.
-    let mut cmd = child_command("connect", &[&path]);
+    // This test binary, as uid/gid 65534 (nobody), tries to connect: a copy
+    // of it, since the checkout may sit in a folder nobody cannot enter.
+    let nobody_dir = NobodyDir::new("connect");
+    let exe = nobody_dir.copy_of(&std::env::current_exe().unwrap());
+    let mut cmd = child_command_of(&exe, "connect", &[&path]);
     // SAFETY: only async-signal-safe syscalls between fork and exec.
     unsafe {
         cmd.pre_exec(|| {
@@ -121,11 +124,12 @@ fn manager_folder_is_0700_and_other_uids_cannot_connect() {
     }
     let out = cmd.output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() && !text.contains("refused") {
-        println!("other-uid part skipped: the test binary cannot run as nobody here: {}", String::from_utf8_lossy(&out.stderr));
-        return;
-    }
-    assert!(text.contains("refused: PermissionDenied"), "uid 65534 reached the manager: {text}");
+    assert!(
+        text.contains("refused: PermissionDenied"),
+        "uid 65534 reached the manager, or could not run: {}\nstdout: {text}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
     drop(client);
 }
 
@@ -138,10 +142,14 @@ fn manager_refuses_a_peer_of_another_uid_even_root() {
         println!("manager_refuses_a_peer_of_another_uid_even_root: skipped: not root, cannot switch uid");
         return;
     }
-    let tmp = std::env::temp_dir().join(format!("ss-peercred-{}", std::process::id()));
+    // The manager runs from a copy, and keeps its socket in a folder, that
+    // nobody can reach wherever the checkout and TMPDIR are.
+    let nobody_dir = NobodyDir::new("peercred");
+    let manager = nobody_dir.copy_of(&manager_bin());
+    let tmp = nobody_dir.path.join("tmp");
     std::fs::create_dir(&tmp).unwrap();
     std::os::unix::fs::chown(&tmp, Some(65534), Some(65534)).unwrap();
-    let mut cmd = std::process::Command::new(manager_bin());
+    let mut cmd = std::process::Command::new(manager);
     cmd.env("TMPDIR", &tmp)
         .env("SS_SHM_MANAGER_LOG", "1")
         .stdin(std::process::Stdio::null())
@@ -162,9 +170,7 @@ fn manager_refuses_a_peer_of_another_uid_even_root() {
     let socket = first_line.trim().to_string();
     if !socket.starts_with('/') {
         let out = child.wait_with_output().unwrap();
-        std::fs::remove_dir_all(&tmp).unwrap();
-        println!("manager_refuses_a_peer_of_another_uid_even_root: skipped: the manager cannot run as nobody here: {first_line} {}", String::from_utf8_lossy(&out.stderr));
-        return;
+        panic!("the manager could not run as nobody: {first_line} {}", String::from_utf8_lossy(&out.stderr));
     }
     let mut stream = std::os::unix::net::UnixStream::connect(&socket).expect("root passes the 0700 folder");
     stream.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
@@ -175,7 +181,6 @@ fn manager_refuses_a_peer_of_another_uid_even_root() {
     // With no client left the daemon exits on its own after its idle time.
     let out = child.wait_with_output().unwrap();
     let log = String::from_utf8_lossy(&out.stderr);
-    std::fs::remove_dir_all(&tmp).unwrap();
     assert!(log.contains("refused a client of uid 0"), "manager log: {log}");
     assert!(!log.contains("client 0 connected"), "manager log: {log}");
 }
@@ -245,4 +250,41 @@ fn garbage_in_a_counter_file_gives_typed_errors() {
     println!("short counter file: {e}");
     std::mem::forget(f);
     let _ = std::fs::remove_file(format!("/dev/shm{name}"));
+}
+
+/// A fresh folder that uid 65534 can enter (mode 0755, under the first of
+/// TMPDIR, /tmp, /var/tmp whose every ancestor it can traverse), removed on
+/// drop: the tests that run a binary as nobody run a copy from here.
+struct NobodyDir {
+    path: std::path::PathBuf,
+}
+
+impl NobodyDir {
+    fn new(tag: &str) -> NobodyDir {
+        let others_can_enter = |dir: &std::path::Path| {
+            dir.ancestors().all(|d| std::fs::metadata(d).map(|m| m.permissions().mode() & 0o001 != 0).unwrap_or(false))
+        };
+        let base = [std::env::temp_dir(), "/tmp".into(), "/var/tmp".into()]
+            .into_iter()
+            .find(|d| others_can_enter(d))
+            .expect("no folder that uid 65534 can traverse among TMPDIR, /tmp, /var/tmp");
+        let path = base.join(format!("ss-nobody-{tag}-{}", std::process::id()));
+        std::fs::create_dir(&path).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        NobodyDir { path }
+    }
+
+    /// A copy of `bin` in this folder that anyone may run.
+    fn copy_of(&self, bin: &std::path::Path) -> std::path::PathBuf {
+        let copy = self.path.join(bin.file_name().unwrap());
+        std::fs::copy(bin, &copy).unwrap();
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+        copy
+    }
+}
+
+impl Drop for NobodyDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
 }

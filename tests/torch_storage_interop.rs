@@ -76,15 +76,9 @@ elif mode == "fd_ours":
     recv()
 "#;
 
-fn python() -> Option<String> {
-    let py = std::env::var("SS_TEST_PYTHON").unwrap_or_else(|_| "python3".to_string());
-    let ok = Command::new(&py).args(["-c", "import torch"]).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
-    if ok {
-        Some(py)
-    } else {
-        println!("skipped: torch not installed");
-        None
-    }
+/// The Python with torch for `test`, or None (skip) where there is none.
+fn python(test: &str) -> Option<String> {
+    common::torch_available(test).then(common::python)
 }
 
 struct Py {
@@ -138,7 +132,7 @@ impl Py {
 
 #[test]
 fn torch_registers_with_our_manager() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("torch_registers_with_our_manager") else { return };
     use_built_manager();
     let s = Storage::from_bytes(&pattern(30_000, 7)).unwrap();
     let h = s.share_filename().unwrap();
@@ -159,7 +153,7 @@ fn torch_registers_with_our_manager() {
 
 #[test]
 fn torch_killed_holding_our_segment_is_cleaned_by_our_manager() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("torch_killed_holding_our_segment_is_cleaned_by_our_manager") else { return };
     use_built_manager();
     let s = Storage::from_bytes(&pattern(30_000, 7)).unwrap();
     let h = s.share_filename().unwrap();
@@ -178,7 +172,7 @@ fn torch_killed_holding_our_segment_is_cleaned_by_our_manager() {
 
 #[test]
 fn we_register_with_torch_shm_manager() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("we_register_with_torch_shm_manager") else { return };
     let mut p = Py::start(&py, "share_theirs");
     let line = p.recv();
     let parts: Vec<&str> = line.split(' ').collect();
@@ -202,7 +196,7 @@ fn we_register_with_torch_shm_manager() {
 
 #[test]
 fn torch_fd_tuple_opened_here() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("torch_fd_tuple_opened_here") else { return };
     let mut p = Py::start(&py, "fd_theirs");
     let mut buf = [0u8; 32];
     let (n, fds) = recv_fds(p.sock.as_raw_fd(), &mut buf, 1).unwrap();
@@ -219,7 +213,7 @@ fn torch_fd_tuple_opened_here() {
 
 #[test]
 fn our_fd_tuple_opened_by_torch() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("our_fd_tuple_opened_by_torch") else { return };
     let s = Storage::from_bytes(&pattern(20_000, 17)).unwrap();
     let (fd, n) = s.share_fd().unwrap();
     let mut p = Py::start(&py, "fd_ours");

@@ -16,7 +16,12 @@ pub const ROLE_VAR: &str = "SS_TEST_CHILD_ROLE";
 
 /// A command that runs this test binary's `child_role` entry with `role`.
 pub fn child_command(role: &str, args: &[&str]) -> Command {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    child_command_of(&std::env::current_exe().unwrap(), role, args)
+}
+
+/// [`child_command`] through `exe`, a copy of this test binary.
+pub fn child_command_of(exe: &std::path::Path, role: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new(exe);
     cmd.args(["--ignored", "--exact", "child_role", "--nocapture", "--test-threads=1"])
         .env(ROLE_VAR, role)
         .env("SS_TEST_CHILD_ARGS", args.join("\u{1f}"));
@@ -57,7 +62,11 @@ pub fn python() -> String {
     std::env::var("SS_TEST_PYTHON").unwrap_or_else(|_| "python3".to_string())
 }
 
-/// Whether that Python can import torch; prints the skip line when not.
+/// Whether that Python can import torch. Where it cannot, a test prints
+/// its skip line and returns, except under CI (`CI` set), where PyTorch is
+/// part of the test command and its absence fails the test. Each test that
+/// goes on is recorded in `$SS_TORCH_TESTS_LOG`, so the test command can
+/// say how many interop tests really ran.
 pub fn torch_available(test: &str) -> bool {
     let ok = Command::new(python())
         .args(["-c", "import torch"])
@@ -65,9 +74,29 @@ pub fn torch_available(test: &str) -> bool {
         .map(|o| o.status.success())
         .unwrap_or(false);
     if !ok {
+        assert!(
+            !running_in_ci(),
+            "{test}: PyTorch is required under CI but `{} -c 'import torch'` failed (set SS_TEST_PYTHON)",
+            python()
+        );
         println!("{test}: skipped: torch not installed (set SS_TEST_PYTHON to a Python with torch)");
+        return false;
     }
-    ok
+    record_torch_test(test);
+    true
+}
+
+/// Whether the `CI` variable asks for the strict mode (set, not "0"/"false").
+pub fn running_in_ci() -> bool {
+    std::env::var("CI").map(|v| !v.is_empty() && v != "0" && v != "false").unwrap_or(false)
+}
+
+/// Appends `test` to `$SS_TORCH_TESTS_LOG` (one line each; O_APPEND keeps
+/// lines from parallel test threads and binaries whole).
+fn record_torch_test(test: &str) {
+    let Ok(log) = std::env::var("SS_TORCH_TESTS_LOG") else { return };
+    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&log).expect("open SS_TORCH_TESTS_LOG");
+    file.write_all(format!("{test}\n").as_bytes()).expect("write SS_TORCH_TESTS_LOG");
 }
 
 pub const ROLE_ENV: &str = "SS_TEST_ROLE";

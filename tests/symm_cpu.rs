@@ -347,17 +347,20 @@ fn role_persistent(me: Rank) {
 fn role_broadcast(me: Rank) {
     use std::io::{Read, Seek, Write};
     use std::os::fd::AsRawFd;
-    use storage_sharing::symm::{exchange, ipc_channel::IpcChannel};
+    use storage_sharing::symm::{exchange, ipc_channel::{IpcChannel, PeerSocket}};
     me.join("bcast");
     let info = group::get_group_info("bcast").unwrap();
-    let pid = std::process::id() as i32;
-    let pids: Vec<i32> = exchange::all_gather(&info, "bcast", &pid.to_ne_bytes(), t(20_000))
+    let channel = IpcChannel::open().unwrap();
+    let mine = format!("{} {}", std::process::id(), channel.name());
+    let peers: Vec<PeerSocket> = exchange::all_gather(&info, "bcast", mine.as_bytes(), t(20_000))
         .unwrap()
         .iter()
-        .map(|b| i32::from_ne_bytes(b[..4].try_into().unwrap()))
+        .map(|b| {
+            let (pid, name) = std::str::from_utf8(b).unwrap().split_once(' ').unwrap();
+            PeerSocket { pid: pid.parse().unwrap(), name: name.to_string() }
+        })
         .collect();
     let deadline = Some(Instant::now() + Duration::from_secs(20));
-    let channel = IpcChannel::new("bcast", deadline).unwrap();
     let mut own = None;
     if me.rank == 0 {
         // SAFETY: memfd_create with a NUL-terminated name.
@@ -368,7 +371,7 @@ fn role_broadcast(me: Rank) {
         f.write_all(b"from rank 0").unwrap();
         own = Some(f);
     }
-    let got = channel.broadcast(own.as_ref().map(|f| f.as_raw_fd()), 0, me.rank, &pids, deadline).unwrap();
+    let got = channel.broadcast(own.as_ref().map(|f| f.as_raw_fd()), 0, me.rank, &peers, deadline).unwrap();
     if me.rank == 0 {
         assert!(got.is_none(), "the source gets nothing back");
     } else {
@@ -378,8 +381,8 @@ fn role_broadcast(me: Rank) {
         f.read_to_string(&mut text).unwrap();
         assert_eq!(text, "from rank 0");
     }
-    // A broadcast of nothing: a datagram without a descriptor.
-    let got = channel.broadcast(None, 0, me.rank, &pids, deadline).unwrap();
+    // A broadcast of nothing: a message without a descriptor.
+    let got = channel.broadcast(None, 0, me.rank, &peers, deadline).unwrap();
     assert!(got.is_none());
     exchange::all_gather(&info, "bcast", &[0], t(20_000)).unwrap();
     drop(channel);
@@ -558,6 +561,50 @@ fn role_c_api(me: Rank) {
     println!("ok");
 }
 
+/// Sets this rank's signal pad to `extra[rank]` bytes, then meets a peer
+/// whose pad differs: refused on both ranks, naming both pads.
+fn role_pad_mismatch(me: Rank) {
+    let pads: Vec<usize> = me.extra.iter().map(|a| a.parse().unwrap()).collect();
+    registry::set_signal_pad_size(pads[me.rank]).unwrap();
+    me.join("world");
+    let p = symm::alloc(DeviceType::Cpu, 0, 4096, Some("world")).unwrap();
+    let e = symm::rendezvous(p, None, t(20_000)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::SizeMismatch, "{}", e.message());
+    let want = format!("rank 1 has a signal pad of {} bytes but rank 0 has {} bytes", pads[1], pads[0]);
+    assert!(e.message().contains(&want), "{}", e.message());
+    println!("rank {} pad mismatch: {}", me.rank, e.message());
+}
+
+/// World sizes no host can hold are refused when the group is set; a
+/// rendezvous of a large world whose ranks never come times out with a
+/// short message.
+fn role_world_bounds(me: Rank) {
+    for ws in [i32::MAX as i64, 1_000_000, 4097] {
+        let e = group::set_group_info("huge", 0, ws, me.store.clone()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{ws}: {}", e.message());
+        assert!(e.message().contains(&format!("world_size {ws}")) && e.message().contains("at most 4096"), "{}", e.message());
+    }
+    // SAFETY: a valid group name and store handle, as in role_c_api.
+    unsafe {
+        use storage_sharing::ffi::ss_status::*;
+        let dir = std::ffi::CString::new(me.dir.join("store").to_str().unwrap()).unwrap();
+        let mut store = std::ptr::null_mut();
+        assert_eq!(storage_sharing::ffi::store::ss_store_file_open(dir.as_ptr(), &mut store), SS_OK);
+        let st = storage_sharing::ffi::symm::ss_symm_set_group_info(c"huge".as_ptr(), 0, i32::MAX, store);
+        storage_sharing::ffi::store::ss_store_free(store);
+        assert_eq!(st, SS_ERR_INVALID_ARGUMENT);
+    }
+    group::set_group_info("wide", 0, 4096, me.store.clone()).unwrap();
+    let p = symm::alloc(DeviceType::Cpu, 0, 64, Some("wide")).unwrap();
+    let e = symm::rendezvous(p, None, t(300)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{}", e.message());
+    let m = e.message();
+    assert!(m.len() < 1000, "a {}-byte message: {}", m.len(), &m[..300]);
+    assert!(m.contains("rank(s) 1, 2, 3, 4, 5, 6, 7, 8 and 4087 more never arrived"), "{m}");
+    symm::free(p).unwrap();
+    println!("ok");
+}
+
 #[test]
 #[ignore]
 fn child_role() {
@@ -578,6 +625,8 @@ fn child_role() {
         "broadcast" => role_broadcast(me),
         "bad_args" => role_bad_args(me),
         "c_api" => role_c_api(me),
+        "pad_mismatch" => role_pad_mismatch(me),
+        "world_bounds" => role_world_bounds(me),
         other => panic!("unknown role {other}"),
     }
 }
@@ -732,4 +781,82 @@ fn rank_killed_mid_barrier_makes_the_others_time_out() {
     assert!(new.is_empty(), "left in /dev/shm: {new:?}");
     assert_no_sockets_left(&dir);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Pads of 12288 and 9216 bytes give blocks of one size (the buffer starts
+/// on the same page), yet a put to a rank whose pad is smaller can never be
+/// waited for: the rendezvous compares the pads themselves.
+#[test]
+fn signal_pad_mismatch_is_refused_naming_both_pads() {
+    for (tag, pads) in [("pad-same-block", ["9216", "12288"]), ("pad-other-block", ["9216", "4096"])] {
+        let dir = test_dir(tag);
+        let outs = finish(spawn_ranks("pad_mismatch", &dir, 2, &[], &pads));
+        assert_all_ok(&outs);
+        assert_no_sockets_left(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn world_size_is_bounded_and_missing_ranks_are_summed_up() {
+    run_ranks("world_bounds", "world-bounds", 1, &[]);
+}
+
+/// The abstract-namespace descriptor sockets of process `pid`, as the
+/// kernel lists them (`@symm_mem-<pid>-...`).
+fn abstract_sockets_of(pid: u32) -> Vec<String> {
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap();
+    let mine = format!("@symm_mem-{pid}");
+    table
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(7))
+        .filter(|name| *name == mine || name.starts_with(&format!("{mine}-")))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A rank killed with -9 while its descriptor socket is open (its peers
+/// published their requests, but never open their sockets) leaves nothing
+/// behind: no file in its TMPDIR, no socket in the kernel's table.
+#[test]
+fn rank_killed_with_its_descriptor_socket_open_leaves_nothing() {
+    let dir = test_dir("killed-socket");
+    let store = FileStore::open(dir.join("store")).unwrap();
+    let mut sleeper = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+    let layout = storage_sharing::symm::cpu_backend::layout_for(64, registry::DEFAULT_SIGNAL_PAD_SIZE).unwrap();
+    let mut fake = storage_sharing::symm::request::RendezvousRequest::new(0, &layout);
+    fake.pid = sleeper.id() as i32;
+    for r in [0, 2] {
+        storage_sharing::store::Store::set(&store, &format!("symmetric_memory-world/CPUSymmetricMemory/0/{r}"), &fake.to_bytes()).unwrap();
+    }
+    let mut ranks = spawn_ranks("waits_to_be_killed", &dir, 3, &[1], &[]);
+    let pid = ranks[0].1.id();
+    let file = dir.join(format!("symm_mem-{pid}"));
+    let end = Instant::now() + Duration::from_secs(60);
+    while !file.exists() && abstract_sockets_of(pid).is_empty() {
+        assert!(Instant::now() < end, "rank 1 never opened its descriptor socket");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    ranks[0].1.kill().unwrap();
+    ranks[0].1.wait().unwrap();
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    assert_no_sockets_left(&dir);
+    assert_eq!(abstract_sockets_of(pid), Vec::<String>::new());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A TMPDIR longer than a Unix socket path can be (108 bytes) does not
+/// stop a rendezvous.
+#[test]
+fn long_tmpdir_does_not_stop_a_rendezvous() {
+    let mut dir = test_dir("long-tmpdir");
+    while dir.as_os_str().len() < 160 {
+        dir.push("a-rather-long-folder-name-for-a-temporary-folder");
+    }
+    std::fs::create_dir_all(&dir).unwrap();
+    let outs = finish(spawn_ranks("exchange", &dir, 2, &[], &["4096"]));
+    assert_all_ok(&outs);
+    let _ = std::fs::remove_dir_all(test_dir("long-tmpdir"));
 }

@@ -605,6 +605,57 @@ fn role_world_bounds(me: Rank) {
     println!("ok");
 }
 
+/// Rank 0 of a two-rank group whose rank 1 the test plays by hand: what
+/// this rank maps as rank 1's buffer must be what the test sent, not what
+/// a stranger sent first.
+fn role_meets_the_test(me: Rank) {
+    me.join("world");
+    let p = symm::alloc(DeviceType::Cpu, 0, 64, Some("world")).unwrap();
+    let h = symm::rendezvous(p, None, t(30_000)).unwrap();
+    assert_eq!(&buffer(&h, 1)[..6], b"honest");
+    symm::free(p).unwrap();
+    println!("ok");
+}
+
+/// Rank 0 of a two-rank group whose rank 1 published a socket that some
+/// other process listens on: the descriptor is not sent.
+fn role_refuses_a_stranger_socket(me: Rank) {
+    me.join("world");
+    let p = symm::alloc(DeviceType::Cpu, 0, 64, Some("world")).unwrap();
+    let e = symm::rendezvous(p, None, t(30_000)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Permission, "{}", e.message());
+    assert!(e.message().contains("its block descriptor was not sent"), "{}", e.message());
+    println!("ok");
+}
+
+/// Connects to the socket named by `extra[0]` and sends a block that says
+/// "forged", as rank 1 would.
+fn role_stranger(me: Rank) {
+    use std::os::fd::AsRawFd;
+    let conn = storage_sharing::symm::abstract_socket::connect(&me.extra[0]).unwrap();
+    let block = memfd_block(b"forged");
+    // The rank may have closed the connection already (EPIPE): refused either way.
+    match storage_sharing::storage::send_fds(conn.as_raw_fd(), &1u32.to_ne_bytes(), &[block.as_raw_fd()]) {
+        Ok(_) => println!("sent"),
+        Err(e) => assert_eq!(e.kind(), ErrorKind::PeerGone, "{}", e.message()),
+    }
+}
+
+/// A memfd as large as a 64-byte CPU block, `text` at its buffer.
+fn memfd_block(text: &[u8]) -> std::fs::File {
+    use std::io::{Seek, SeekFrom, Write};
+    let layout = storage_sharing::symm::cpu_backend::layout_for(64, registry::DEFAULT_SIGNAL_PAD_SIZE).unwrap();
+    // SAFETY: memfd_create with a NUL-terminated name.
+    let fd = unsafe { libc::memfd_create(c"test-block".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: the descriptor was just created and is ours alone.
+    let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    f.set_len(layout.block_size as u64).unwrap();
+    f.seek(SeekFrom::Start(layout.buffer_offset as u64)).unwrap();
+    f.write_all(text).unwrap();
+    f
+}
+
 #[test]
 #[ignore]
 fn child_role() {
@@ -627,6 +678,9 @@ fn child_role() {
         "c_api" => role_c_api(me),
         "pad_mismatch" => role_pad_mismatch(me),
         "world_bounds" => role_world_bounds(me),
+        "meets_the_test" => role_meets_the_test(me),
+        "refuses_a_stranger_socket" => role_refuses_a_stranger_socket(me),
+        "stranger" => role_stranger(me),
         other => panic!("unknown role {other}"),
     }
 }
@@ -859,4 +913,86 @@ fn long_tmpdir_does_not_stop_a_rendezvous() {
     let outs = finish(spawn_ranks("exchange", &dir, 2, &[], &["4096"]));
     assert_all_ok(&outs);
     let _ = std::fs::remove_dir_all(test_dir("long-tmpdir"));
+}
+
+/// Publishes, as rank 1 of group "world", a request for process `pid` and
+/// the descriptor socket `socket`.
+fn publish_rank1(store: &FileStore, pid: u32, socket: &str) {
+    use storage_sharing::store::Store;
+    let layout = storage_sharing::symm::cpu_backend::layout_for(64, registry::DEFAULT_SIGNAL_PAD_SIZE).unwrap();
+    let mut req = storage_sharing::symm::request::RendezvousRequest::new(0, &layout);
+    req.pid = pid as i32;
+    let mut side = (registry::DEFAULT_SIGNAL_PAD_SIZE as u64).to_le_bytes().to_vec();
+    side.extend_from_slice(socket.as_bytes());
+    let key = "symmetric_memory-world/CPUSymmetricMemory/0/1";
+    store.set(&format!("{key}/side"), &side).unwrap();
+    store.set(key, &req.to_bytes()).unwrap();
+}
+
+/// Waits until `fd` is readable; panics after 30 s.
+fn readable(fd: std::os::fd::RawFd) {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one pollfd on the stack for the duration of the call.
+    assert_eq!(unsafe { libc::poll(&mut p, 1, 30_000) }, 1, "nothing came in 30 s");
+}
+
+/// The descriptor sockets are abstract names anyone may connect to: a rank
+/// closes unread a connection of any process but the peer it waits for
+/// (here a stranger sends a forged block before the true rank 1 does).
+#[test]
+fn a_stranger_connection_is_not_taken_for_a_peer() {
+    use std::os::fd::AsRawFd;
+    use storage_sharing::store::Store;
+    use storage_sharing::symm::abstract_socket;
+    let dir = test_dir("stranger-conn");
+    let store = FileStore::open(dir.join("store")).unwrap();
+    let name = abstract_socket::unique_name();
+    let listener = abstract_socket::listen(&name).unwrap();
+    publish_rank1(&store, std::process::id(), &name);
+    let rank0 = spawn_ranks("meets_the_test", &dir, 2, &[0], &[]);
+    // Ring step 1: rank 0 sends us its block.
+    readable(listener.as_raw_fd());
+    let conn = abstract_socket::accept(listener.as_raw_fd()).unwrap();
+    assert_eq!(abstract_socket::peer(conn.as_raw_fd()).unwrap().0, rank0[0].1.id() as i32);
+    let mut origin = [0u8; 4];
+    let (_, fds) = storage_sharing::storage::recv_fds(conn.as_raw_fd(), &mut origin, 1).unwrap();
+    assert_eq!((u32::from_ne_bytes(origin), fds.len()), (0, 1));
+    // Rank 0 now waits for rank 1: a stranger comes first.
+    let side = store.get("symmetric_memory-world/CPUSymmetricMemory/0/0/side", Some(Duration::from_secs(30))).unwrap();
+    let socket0 = String::from_utf8(side[8..].to_vec()).unwrap();
+    let d = dir.to_str().unwrap().to_string();
+    common::run_ok(child_command("stranger", &[d.as_str(), "9", "2", socket0.as_str()]));
+    let honest = memfd_block(b"honest");
+    let out = abstract_socket::connect(&socket0).unwrap();
+    storage_sharing::storage::send_fds(out.as_raw_fd(), &1u32.to_ne_bytes(), &[honest.as_raw_fd()]).unwrap();
+    // The closing barrier of the rendezvous (exchange 1).
+    store.set("symmetric_memory-world/CPUSymmetricMemory/1/1", &0i32.to_ne_bytes()).unwrap();
+    let outs = finish(rank0);
+    assert_all_ok(&outs);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rank sends its block only to the peer's own process: a socket name
+/// published for rank 1 that another process listens on gets nothing.
+#[test]
+fn a_block_is_not_sent_to_a_stranger_socket() {
+    use std::os::fd::AsRawFd;
+    use storage_sharing::symm::abstract_socket;
+    let dir = test_dir("stranger-socket");
+    let store = FileStore::open(dir.join("store")).unwrap();
+    let mut sleeper = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+    let name = abstract_socket::unique_name();
+    let listener = abstract_socket::listen(&name).unwrap();
+    // Rank 1 is the sleeper, but this process listens on its socket.
+    publish_rank1(&store, sleeper.id(), &name);
+    let outs = finish(spawn_ranks("refuses_a_stranger_socket", &dir, 2, &[0], &[]));
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    assert_all_ok(&outs);
+    // Rank 0 connected, saw who listens, and closed without sending.
+    let conn = abstract_socket::accept(listener.as_raw_fd()).unwrap();
+    let mut buf = [0u8; 4];
+    let (n, fds) = storage_sharing::storage::recv_fds(conn.as_raw_fd(), &mut buf, 1).unwrap();
+    assert_eq!((n, fds.len()), (0, 0), "rank 0 sent something to a stranger");
+    let _ = std::fs::remove_dir_all(&dir);
 }

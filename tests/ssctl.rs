@@ -156,3 +156,38 @@ fn demo_symm_two_ranks_exchange_data() {
     assert!(text.contains("read rank 0's buffer in place: as rank 0 wrote it"), "{text}");
     assert!(text.contains("read \"hello from rank 0, through your own buffer\""), "{text}");
 }
+
+/// Processes whose command line mentions `needle`.
+fn processes_mentioning(needle: &str) -> Vec<String> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()))
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(needle))
+        .collect()
+}
+
+/// A size that is not a whole number of KiB in range is a usage error
+/// (exit 2, a message) that starts nothing and leaves nothing behind.
+#[test]
+fn demo_symm_refuses_bad_sizes() {
+    let tmp = std::env::temp_dir().join(format!("ssctl-demo-bad-{}", std::process::id()));
+    for arg in ["0", "-5", "lots", "1048577", "99999999999999999999999"] {
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_ssctl")).args(["demo", "symm", arg]).env("TMPDIR", &tmp).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{arg}: {err}");
+        assert!(err.contains(&format!("demo symm: the size must be a whole number of KiB from 1 to 1048576 (got {arg:?})")), "{arg}: {err}");
+        let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
+        assert!(left.is_empty(), "{arg}: left in TMPDIR: {left:?}");
+        let tmp_str = tmp.to_string_lossy().into_owned();
+        assert_eq!(processes_mentioning(&tmp_str), Vec::<String>::new(), "{arg}: a rank is still running");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_ssctl")).args(["demo", "symm", "64", "extra"]).env("TMPDIR", &tmp).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unexpected argument \"extra\""));
+    let _ = std::fs::remove_dir_all(&tmp);
+}

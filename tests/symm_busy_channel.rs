@@ -1,11 +1,10 @@
-//! The descriptor socket of a rendezvous is one per process (its path holds
-//! the pid, as PyTorch's), so rendezvous of one process take turns. Waiting
-//! for the turn must honour the caller's timeout, and a child forked while
-//! a parent thread holds the turn must not inherit it (the child has its
-//! own pid, so its own socket): found by a user-level attack in review.
+//! Every rendezvous has a descriptor socket of its own (an abstract name
+//! with a random part), so a rendezvous that waits for its peers blocks
+//! neither a child forked meanwhile nor another rendezvous of the same
+//! process, and it still gives up at its own timeout.
 //!
-//! One test in its own binary: no other test of this process may hold the
-//! turn meanwhile.
+//! One test in its own binary: no other test of this process runs a
+//! rendezvous meanwhile.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,8 +43,8 @@ fn waiting_rendezvous_neither_blocks_a_forked_child_nor_ignores_timeouts() {
     let _ = std::fs::remove_dir_all(&dir);
     let store: StoreRef = Arc::new(FileStore::open(dir.join("store")).unwrap());
     // Rank 0 of 2. "Rank 1" is a request published by hand for a live
-    // process that never opens its socket, so rank 0 holds the process's
-    // descriptor socket for its whole 4 s, retrying to send to it.
+    // process that never publishes its socket, so rank 0 keeps its own
+    // descriptor socket open for its whole 4 s, waiting for it.
     let mut sleeper = std::process::Command::new("sleep").arg("30").spawn().unwrap();
     let mut fake = RendezvousRequest::new(0, &layout_for(4096, registry::signal_pad_size()).unwrap());
     fake.pid = sleeper.id() as i32;
@@ -72,12 +71,10 @@ fn waiting_rendezvous_neither_blocks_a_forked_child_nor_ignores_timeouts() {
     let child = wait_child(pid, Duration::from_secs(3));
 
     // A second rendezvous in this process while the first one waits: it
-    // may not run, but it must give up at its own timeout.
+    // has its own socket, so it runs.
     group::set_group_info("second", 0, 1, store.clone()).unwrap();
     let q = symm::alloc(DeviceType::Cpu, 0, 4096, Some("second")).unwrap();
-    let start = Instant::now();
-    let second = symm::rendezvous(q, None, Some(Duration::from_millis(200)));
-    let took = start.elapsed();
+    let second = symm::rendezvous(q, None, Some(Duration::from_millis(2000)));
 
     let first = waiter.join().unwrap().unwrap_err();
     let _ = sleeper.kill();
@@ -85,12 +82,7 @@ fn waiting_rendezvous_neither_blocks_a_forked_child_nor_ignores_timeouts() {
     assert_eq!(first.kind(), ErrorKind::Timeout, "{first}");
     assert!(first.message().contains("rank 1"), "{first}");
     assert_eq!(child, Some(0), "the forked child's rendezvous failed (1) or hung past its timeout (None)");
-    let e = second.unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
-    assert!(e.message().contains("waits"), "the message should name the group holding the socket: {e}");
-    assert!(took < Duration::from_millis(2500), "waited {took:?} for a 200 ms timeout");
-    // Once the first one is over, the second runs.
-    symm::rendezvous(q, None, Some(Duration::from_millis(1000))).unwrap();
+    second.unwrap();
     symm::free(q).unwrap();
     symm::free(p).unwrap();
     let _ = std::fs::remove_dir_all(&dir);

@@ -347,17 +347,20 @@ fn role_persistent(me: Rank) {
 fn role_broadcast(me: Rank) {
     use std::io::{Read, Seek, Write};
     use std::os::fd::AsRawFd;
-    use storage_sharing::symm::{exchange, ipc_channel::IpcChannel};
+    use storage_sharing::symm::{exchange, ipc_channel::{IpcChannel, PeerSocket}};
     me.join("bcast");
     let info = group::get_group_info("bcast").unwrap();
-    let pid = std::process::id() as i32;
-    let pids: Vec<i32> = exchange::all_gather(&info, "bcast", &pid.to_ne_bytes(), t(20_000))
+    let channel = IpcChannel::open().unwrap();
+    let mine = format!("{} {}", std::process::id(), channel.name());
+    let peers: Vec<PeerSocket> = exchange::all_gather(&info, "bcast", mine.as_bytes(), t(20_000))
         .unwrap()
         .iter()
-        .map(|b| i32::from_ne_bytes(b[..4].try_into().unwrap()))
+        .map(|b| {
+            let (pid, name) = std::str::from_utf8(b).unwrap().split_once(' ').unwrap();
+            PeerSocket { pid: pid.parse().unwrap(), name: name.to_string() }
+        })
         .collect();
     let deadline = Some(Instant::now() + Duration::from_secs(20));
-    let channel = IpcChannel::new("bcast", deadline).unwrap();
     let mut own = None;
     if me.rank == 0 {
         // SAFETY: memfd_create with a NUL-terminated name.
@@ -368,7 +371,7 @@ fn role_broadcast(me: Rank) {
         f.write_all(b"from rank 0").unwrap();
         own = Some(f);
     }
-    let got = channel.broadcast(own.as_ref().map(|f| f.as_raw_fd()), 0, me.rank, &pids, deadline).unwrap();
+    let got = channel.broadcast(own.as_ref().map(|f| f.as_raw_fd()), 0, me.rank, &peers, deadline).unwrap();
     if me.rank == 0 {
         assert!(got.is_none(), "the source gets nothing back");
     } else {
@@ -378,8 +381,8 @@ fn role_broadcast(me: Rank) {
         f.read_to_string(&mut text).unwrap();
         assert_eq!(text, "from rank 0");
     }
-    // A broadcast of nothing: a datagram without a descriptor.
-    let got = channel.broadcast(None, 0, me.rank, &pids, deadline).unwrap();
+    // A broadcast of nothing: a message without a descriptor.
+    let got = channel.broadcast(None, 0, me.rank, &peers, deadline).unwrap();
     assert!(got.is_none());
     exchange::all_gather(&info, "bcast", &[0], t(20_000)).unwrap();
     drop(channel);
@@ -558,6 +561,101 @@ fn role_c_api(me: Rank) {
     println!("ok");
 }
 
+/// Sets this rank's signal pad to `extra[rank]` bytes, then meets a peer
+/// whose pad differs: refused on both ranks, naming both pads.
+fn role_pad_mismatch(me: Rank) {
+    let pads: Vec<usize> = me.extra.iter().map(|a| a.parse().unwrap()).collect();
+    registry::set_signal_pad_size(pads[me.rank]).unwrap();
+    me.join("world");
+    let p = symm::alloc(DeviceType::Cpu, 0, 4096, Some("world")).unwrap();
+    let e = symm::rendezvous(p, None, t(20_000)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::SizeMismatch, "{}", e.message());
+    let want = format!("rank 1 has a signal pad of {} bytes but rank 0 has {} bytes", pads[1], pads[0]);
+    assert!(e.message().contains(&want), "{}", e.message());
+    println!("rank {} pad mismatch: {}", me.rank, e.message());
+}
+
+/// World sizes no host can hold are refused when the group is set; a
+/// rendezvous of a large world whose ranks never come times out with a
+/// short message.
+fn role_world_bounds(me: Rank) {
+    for ws in [i32::MAX as i64, 1_000_000, 4097] {
+        let e = group::set_group_info("huge", 0, ws, me.store.clone()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{ws}: {}", e.message());
+        assert!(e.message().contains(&format!("world_size {ws}")) && e.message().contains("at most 4096"), "{}", e.message());
+    }
+    // SAFETY: a valid group name and store handle, as in role_c_api.
+    unsafe {
+        use storage_sharing::ffi::ss_status::*;
+        let dir = std::ffi::CString::new(me.dir.join("store").to_str().unwrap()).unwrap();
+        let mut store = std::ptr::null_mut();
+        assert_eq!(storage_sharing::ffi::store::ss_store_file_open(dir.as_ptr(), &mut store), SS_OK);
+        let st = storage_sharing::ffi::symm::ss_symm_set_group_info(c"huge".as_ptr(), 0, i32::MAX, store);
+        storage_sharing::ffi::store::ss_store_free(store);
+        assert_eq!(st, SS_ERR_INVALID_ARGUMENT);
+    }
+    group::set_group_info("wide", 0, 4096, me.store.clone()).unwrap();
+    let p = symm::alloc(DeviceType::Cpu, 0, 64, Some("wide")).unwrap();
+    let e = symm::rendezvous(p, None, t(300)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{}", e.message());
+    let m = e.message();
+    assert!(m.len() < 1000, "a {}-byte message: {}", m.len(), &m[..300]);
+    assert!(m.contains("rank(s) 1, 2, 3, 4, 5, 6, 7, 8 and 4087 more never arrived"), "{m}");
+    symm::free(p).unwrap();
+    println!("ok");
+}
+
+/// Rank 0 of a two-rank group whose rank 1 the test plays by hand: what
+/// this rank maps as rank 1's buffer must be what the test sent, not what
+/// a stranger sent first.
+fn role_meets_the_test(me: Rank) {
+    me.join("world");
+    let p = symm::alloc(DeviceType::Cpu, 0, 64, Some("world")).unwrap();
+    let h = symm::rendezvous(p, None, t(30_000)).unwrap();
+    assert_eq!(&buffer(&h, 1)[..6], b"honest");
+    symm::free(p).unwrap();
+    println!("ok");
+}
+
+/// Rank 0 of a two-rank group whose rank 1 published a socket that some
+/// other process listens on: the descriptor is not sent.
+fn role_refuses_a_stranger_socket(me: Rank) {
+    me.join("world");
+    let p = symm::alloc(DeviceType::Cpu, 0, 64, Some("world")).unwrap();
+    let e = symm::rendezvous(p, None, t(30_000)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Permission, "{}", e.message());
+    assert!(e.message().contains("its block descriptor was not sent"), "{}", e.message());
+    println!("ok");
+}
+
+/// Connects to the socket named by `extra[0]` and sends a block that says
+/// "forged", as rank 1 would.
+fn role_stranger(me: Rank) {
+    use std::os::fd::AsRawFd;
+    let conn = storage_sharing::symm::abstract_socket::connect(&me.extra[0]).unwrap();
+    let block = memfd_block(b"forged");
+    // The rank may have closed the connection already (EPIPE): refused either way.
+    match storage_sharing::storage::send_fds(conn.as_raw_fd(), &1u32.to_ne_bytes(), &[block.as_raw_fd()]) {
+        Ok(_) => println!("sent"),
+        Err(e) => assert_eq!(e.kind(), ErrorKind::PeerGone, "{}", e.message()),
+    }
+}
+
+/// A memfd as large as a 64-byte CPU block, `text` at its buffer.
+fn memfd_block(text: &[u8]) -> std::fs::File {
+    use std::io::{Seek, SeekFrom, Write};
+    let layout = storage_sharing::symm::cpu_backend::layout_for(64, registry::DEFAULT_SIGNAL_PAD_SIZE).unwrap();
+    // SAFETY: memfd_create with a NUL-terminated name.
+    let fd = unsafe { libc::memfd_create(c"test-block".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: the descriptor was just created and is ours alone.
+    let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    f.set_len(layout.block_size as u64).unwrap();
+    f.seek(SeekFrom::Start(layout.buffer_offset as u64)).unwrap();
+    f.write_all(text).unwrap();
+    f
+}
+
 #[test]
 #[ignore]
 fn child_role() {
@@ -578,6 +676,11 @@ fn child_role() {
         "broadcast" => role_broadcast(me),
         "bad_args" => role_bad_args(me),
         "c_api" => role_c_api(me),
+        "pad_mismatch" => role_pad_mismatch(me),
+        "world_bounds" => role_world_bounds(me),
+        "meets_the_test" => role_meets_the_test(me),
+        "refuses_a_stranger_socket" => role_refuses_a_stranger_socket(me),
+        "stranger" => role_stranger(me),
         other => panic!("unknown role {other}"),
     }
 }
@@ -731,5 +834,165 @@ fn rank_killed_mid_barrier_makes_the_others_time_out() {
         .collect();
     assert!(new.is_empty(), "left in /dev/shm: {new:?}");
     assert_no_sockets_left(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Pads of 12288 and 9216 bytes give blocks of one size (the buffer starts
+/// on the same page), yet a put to a rank whose pad is smaller can never be
+/// waited for: the rendezvous compares the pads themselves.
+#[test]
+fn signal_pad_mismatch_is_refused_naming_both_pads() {
+    for (tag, pads) in [("pad-same-block", ["9216", "12288"]), ("pad-other-block", ["9216", "4096"])] {
+        let dir = test_dir(tag);
+        let outs = finish(spawn_ranks("pad_mismatch", &dir, 2, &[], &pads));
+        assert_all_ok(&outs);
+        assert_no_sockets_left(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn world_size_is_bounded_and_missing_ranks_are_summed_up() {
+    run_ranks("world_bounds", "world-bounds", 1, &[]);
+}
+
+/// The abstract-namespace descriptor sockets of process `pid`, as the
+/// kernel lists them (`@symm_mem-<pid>-...`).
+fn abstract_sockets_of(pid: u32) -> Vec<String> {
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap();
+    let mine = format!("@symm_mem-{pid}");
+    table
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(7))
+        .filter(|name| *name == mine || name.starts_with(&format!("{mine}-")))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A rank killed with -9 while its descriptor socket is open (its peers
+/// published their requests, but never open their sockets) leaves nothing
+/// behind: no file in its TMPDIR, no socket in the kernel's table.
+#[test]
+fn rank_killed_with_its_descriptor_socket_open_leaves_nothing() {
+    let dir = test_dir("killed-socket");
+    let store = FileStore::open(dir.join("store")).unwrap();
+    let mut sleeper = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+    let layout = storage_sharing::symm::cpu_backend::layout_for(64, registry::DEFAULT_SIGNAL_PAD_SIZE).unwrap();
+    let mut fake = storage_sharing::symm::request::RendezvousRequest::new(0, &layout);
+    fake.pid = sleeper.id() as i32;
+    for r in [0, 2] {
+        storage_sharing::store::Store::set(&store, &format!("symmetric_memory-world/CPUSymmetricMemory/0/{r}"), &fake.to_bytes()).unwrap();
+    }
+    let mut ranks = spawn_ranks("waits_to_be_killed", &dir, 3, &[1], &[]);
+    let pid = ranks[0].1.id();
+    let file = dir.join(format!("symm_mem-{pid}"));
+    let end = Instant::now() + Duration::from_secs(60);
+    while !file.exists() && abstract_sockets_of(pid).is_empty() {
+        assert!(Instant::now() < end, "rank 1 never opened its descriptor socket");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    ranks[0].1.kill().unwrap();
+    ranks[0].1.wait().unwrap();
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    assert_no_sockets_left(&dir);
+    assert_eq!(abstract_sockets_of(pid), Vec::<String>::new());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A TMPDIR longer than a Unix socket path can be (108 bytes) does not
+/// stop a rendezvous.
+#[test]
+fn long_tmpdir_does_not_stop_a_rendezvous() {
+    let mut dir = test_dir("long-tmpdir");
+    while dir.as_os_str().len() < 160 {
+        dir.push("a-rather-long-folder-name-for-a-temporary-folder");
+    }
+    std::fs::create_dir_all(&dir).unwrap();
+    let outs = finish(spawn_ranks("exchange", &dir, 2, &[], &["4096"]));
+    assert_all_ok(&outs);
+    let _ = std::fs::remove_dir_all(test_dir("long-tmpdir"));
+}
+
+/// Publishes, as rank 1 of group "world", a request for process `pid` and
+/// the descriptor socket `socket`.
+fn publish_rank1(store: &FileStore, pid: u32, socket: &str) {
+    use storage_sharing::store::Store;
+    let layout = storage_sharing::symm::cpu_backend::layout_for(64, registry::DEFAULT_SIGNAL_PAD_SIZE).unwrap();
+    let mut req = storage_sharing::symm::request::RendezvousRequest::new(0, &layout);
+    req.pid = pid as i32;
+    let mut side = (registry::DEFAULT_SIGNAL_PAD_SIZE as u64).to_le_bytes().to_vec();
+    side.extend_from_slice(socket.as_bytes());
+    let key = "symmetric_memory-world/CPUSymmetricMemory/0/1";
+    store.set(&format!("{key}/side"), &side).unwrap();
+    store.set(key, &req.to_bytes()).unwrap();
+}
+
+/// Waits until `fd` is readable; panics after 30 s.
+fn readable(fd: std::os::fd::RawFd) {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one pollfd on the stack for the duration of the call.
+    assert_eq!(unsafe { libc::poll(&mut p, 1, 30_000) }, 1, "nothing came in 30 s");
+}
+
+/// The descriptor sockets are abstract names anyone may connect to: a rank
+/// closes unread a connection of any process but the peer it waits for
+/// (here a stranger sends a forged block before the true rank 1 does).
+#[test]
+fn a_stranger_connection_is_not_taken_for_a_peer() {
+    use std::os::fd::AsRawFd;
+    use storage_sharing::store::Store;
+    use storage_sharing::symm::abstract_socket;
+    let dir = test_dir("stranger-conn");
+    let store = FileStore::open(dir.join("store")).unwrap();
+    let name = abstract_socket::unique_name();
+    let listener = abstract_socket::listen(&name).unwrap();
+    publish_rank1(&store, std::process::id(), &name);
+    let rank0 = spawn_ranks("meets_the_test", &dir, 2, &[0], &[]);
+    // Ring step 1: rank 0 sends us its block.
+    readable(listener.as_raw_fd());
+    let conn = abstract_socket::accept(listener.as_raw_fd()).unwrap();
+    assert_eq!(abstract_socket::peer(conn.as_raw_fd()).unwrap().0, rank0[0].1.id() as i32);
+    let mut origin = [0u8; 4];
+    let (_, fds) = storage_sharing::storage::recv_fds(conn.as_raw_fd(), &mut origin, 1).unwrap();
+    assert_eq!((u32::from_ne_bytes(origin), fds.len()), (0, 1));
+    // Rank 0 now waits for rank 1: a stranger comes first.
+    let side = store.get("symmetric_memory-world/CPUSymmetricMemory/0/0/side", Some(Duration::from_secs(30))).unwrap();
+    let socket0 = String::from_utf8(side[8..].to_vec()).unwrap();
+    let d = dir.to_str().unwrap().to_string();
+    common::run_ok(child_command("stranger", &[d.as_str(), "9", "2", socket0.as_str()]));
+    let honest = memfd_block(b"honest");
+    let out = abstract_socket::connect(&socket0).unwrap();
+    storage_sharing::storage::send_fds(out.as_raw_fd(), &1u32.to_ne_bytes(), &[honest.as_raw_fd()]).unwrap();
+    // The closing barrier of the rendezvous (exchange 1).
+    store.set("symmetric_memory-world/CPUSymmetricMemory/1/1", &0i32.to_ne_bytes()).unwrap();
+    let outs = finish(rank0);
+    assert_all_ok(&outs);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rank sends its block only to the peer's own process: a socket name
+/// published for rank 1 that another process listens on gets nothing.
+#[test]
+fn a_block_is_not_sent_to_a_stranger_socket() {
+    use std::os::fd::AsRawFd;
+    use storage_sharing::symm::abstract_socket;
+    let dir = test_dir("stranger-socket");
+    let store = FileStore::open(dir.join("store")).unwrap();
+    let mut sleeper = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+    let name = abstract_socket::unique_name();
+    let listener = abstract_socket::listen(&name).unwrap();
+    // Rank 1 is the sleeper, but this process listens on its socket.
+    publish_rank1(&store, sleeper.id(), &name);
+    let outs = finish(spawn_ranks("refuses_a_stranger_socket", &dir, 2, &[0], &[]));
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    assert_all_ok(&outs);
+    // Rank 0 connected, saw who listens, and closed without sending.
+    let conn = abstract_socket::accept(listener.as_raw_fd()).unwrap();
+    let mut buf = [0u8; 4];
+    let (n, fds) = storage_sharing::storage::recv_fds(conn.as_raw_fd(), &mut buf, 1).unwrap();
+    assert_eq!((n, fds.len()), (0, 0), "rank 0 sent something to a stranger");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -51,7 +51,10 @@ unsafe fn opt_group<'a>(p: *const c_char) -> Result<Option<&'a str>> {
 /// Registers group `group`: this process is `rank` of `world_size`, and the
 /// ranks meet through `store`. The group keeps its own reference to the
 /// store (free yours whenever you like). A second call for the same name is
-/// `SS_ERR_ALREADY_EXISTS`, as in PyTorch.
+/// `SS_ERR_ALREADY_EXISTS`, as in PyTorch. `world_size` is 1 to 4096 (every
+/// rank of symmetric memory runs on one host; 4096 is far beyond the GPUs
+/// or cores of any host), `rank` in [0, world_size); anything else is
+/// `SS_ERR_INVALID_ARGUMENT`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_set_group_info(group: *const c_char, rank: c_int, world_size: c_int, store: *const SsStore) -> ss_status {
     ffi_status!("ss_symm_set_group_info", {
@@ -120,8 +123,10 @@ pub unsafe extern "C" fn ss_symm_set_signal_pad_size(size: usize) -> ss_status {
 }
 
 /// Allocates a symmetric block whose buffer holds `size` bytes on device
-/// `device_type` (`SS_DEVICE_CPU`, `SS_DEVICE_CUDA`) `device_idx` (0 for
-/// CPU); `group` (may be NULL) is the default group of its rendezvous.
+/// `device_type` (`SS_DEVICE_CPU`, `SS_DEVICE_CUDA`) `device_idx`;
+/// `group` (may be NULL) is the default group of its rendezvous.
+/// CPU: `device_idx` is 0 or -1 (both mean the one CPU device, -1 as in
+/// PyTorch's "no index"); any other value is `SS_ERR_INVALID_ARGUMENT`.
 /// Writes the buffer's address to `*out`. Free it with `ss_symm_free`.
 /// CUDA: `device_idx` is the device ordinal; the buffer is device memory
 /// (`SS_ERR_CUDA_UNAVAILABLE` with the reason where there is no driver or
@@ -203,9 +208,15 @@ pub unsafe extern "C" fn ss_symm_free(ptr: *mut c_void) -> ss_status {
 
 /// Rendezvous of the block at `ptr` with the other ranks of `group` (NULL:
 /// the group given at allocation): every rank must call it with a block of
-/// the same size. `timeout_ms` 0 waits forever; ranks that do not arrive in
-/// time give `SS_ERR_TIMEOUT` naming them. A second call for the same block
-/// and group returns the same object. `*out` is owned by the block.
+/// the same size and signal pad size (a different pad is
+/// `SS_ERR_SIZE_MISMATCH` naming both pads and ranks). `timeout_ms` 0 waits
+/// forever; ranks that do not arrive in time give `SS_ERR_TIMEOUT` naming
+/// the first 8 of them and counting the rest. Block descriptors travel over
+/// Linux abstract-namespace sockets that vanish with their process (nothing
+/// in TMPDIR), checked with `SO_PEERCRED` to be the peer ranks' processes
+/// (pid from their rendezvous requests, same uid): ranks must share a pid
+/// and network namespace. A second call for the same block and group
+/// returns the same object. `*out` is owned by the block.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_rendezvous(ptr: *mut c_void, group: *const c_char, timeout_ms: i64, out: *mut *mut SsSymmMem) -> ss_status {
     ffi_status!("ss_symm_rendezvous", {

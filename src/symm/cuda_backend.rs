@@ -7,7 +7,7 @@
 //!   `cuMemMap` and `cuMemSetAccess`, laid out `[signal pad | buffer]` with
 //!   the pad zeroed (see [`super::cuda_plan::layout`]);
 //! - the rendezvous exports it with `cuMemExportToShareableHandle`, the
-//!   descriptors travel round the same datagram-socket ring as the CPU
+//!   descriptors travel round the same socket ring as the CPU
 //!   backend's, and every peer's block is imported and mapped here;
 //! - put_signal / wait_signal / barrier are PTX kernels (`cuda_signals.ptx`,
 //!   JIT-compiled by the driver) launched on the caller's stream; a kernel
@@ -904,7 +904,7 @@ impl CudaBlock {
                 }
             }
         }
-        // No ring datagram may still be in flight when the broadcast starts.
+        // No ring message may still be in flight when the broadcast starts.
         coll.all_gather(&[1])?;
         let got = coll.broadcast_fd(0, export.as_ref().map(|f| f.as_raw_fd()))?;
         drop(export);

@@ -28,6 +28,13 @@ impl GroupInfo {
     }
 }
 
+/// The most ranks a group may have. Symmetric memory lives on one host, and
+/// every rank maps every peer's block and takes part in a ring of
+/// `world_size` steps: 4096 ranks is far more processes than the GPUs or
+/// cores of any host, while a larger world is a mistake to report at once,
+/// not a rendezvous to run (its store keys alone could exhaust memory).
+pub const MAX_WORLD_SIZE: usize = 4096;
+
 static GROUPS: Lazy<ForkSafeMutex<HashMap<String, Arc<GroupInfo>>>> = Lazy::new(|| ForkSafeMutex::new(HashMap::new()));
 
 fn groups() -> std::sync::MutexGuard<'static, HashMap<String, Arc<GroupInfo>>> {
@@ -35,7 +42,8 @@ fn groups() -> std::sync::MutexGuard<'static, HashMap<String, Arc<GroupInfo>>> {
 }
 
 /// Registers group `name`: this process is `rank` of `world_size`, and the
-/// ranks meet through `store`. A second call for the same name is an error.
+/// ranks meet through `store`. A second call for the same name is an error,
+/// and so is a world of more than [`MAX_WORLD_SIZE`] ranks.
 pub fn set_group_info(name: &str, rank: i64, world_size: i64, store: StoreRef) -> Result<()> {
     if name.is_empty() {
         return Err(Error::new(ErrorKind::InvalidArgument, "set_group_info: the group name is empty"));
@@ -44,6 +52,15 @@ pub fn set_group_info(name: &str, rank: i64, world_size: i64, store: StoreRef) -
         return Err(Error::new(
             ErrorKind::InvalidArgument,
             format!("set_group_info: world_size of group {name} must be positive (got {world_size})"),
+        ));
+    }
+    if world_size as u64 > MAX_WORLD_SIZE as u64 {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "set_group_info: world_size {world_size} of group {name} is too large: at most {MAX_WORLD_SIZE} ranks \
+                 (symmetric memory runs every rank on one host)"
+            ),
         ));
     }
     if rank < 0 || rank >= world_size {

@@ -1,123 +1,79 @@
-//! Passing block descriptors between the ranks of one host, as PyTorch's
-//! `IpcChannel`: each process binds a Unix datagram socket at
-//! `<TMPDIR|TMP|TEMP|TEMPDIR or /tmp>/symm_mem-<pid>` (unlinked when the
-//! channel is dropped) and descriptors travel with SCM_RIGHTS.
+//! Passing block descriptors between the ranks of one host, in the manner
+//! of PyTorch's `IpcChannel` (descriptors travel with SCM_RIGHTS), over
+//! sockets that leave nothing behind: each rendezvous listens on its own
+//! abstract-namespace socket (see [`abstract_socket`]), named
+//! `symm_mem-<pid>-<random>` and published to the peers through the store
+//! after it listens. Every message is one short connection: the sender
+//! checks that the listener is the peer's process, the receiver that the
+//! connecting process is the peer it waits for (pid from the peer's
+//! rendezvous request, same user), so neither hands a descriptor to, nor
+//! maps one from, a stranger.
 //!
 //! The all-gather is a ring: at step k (1..ws) each rank sends the
 //! descriptor it holds to rank+1 and receives the one of rank-k from rank-1,
-//! which it forwards at the next step. Each datagram carries the origin
+//! which it forwards at the next step. Each message carries the origin
 //! rank (4 bytes) so a receiver checks it got what the ring promises.
 
+use super::abstract_socket;
+use super::exchange::vec_for;
 use crate::error::{Error, ErrorKind, Result};
 use crate::storage::{recv_fds, send_fds};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::net::UnixDatagram;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// The socket path holds only the pid, so one process runs one channel at
-/// a time: concurrent rendezvous of one process take turns. The turn is
-/// the pid of its holder (0: free) rather than a mutex, so that waiting
-/// for it honours the caller's deadline, and a child forked while a parent
-/// thread holds it (a pid that is not the child's) takes it over: the
-/// child's socket has its own path.
-static TURN: AtomicI32 = AtomicI32::new(0);
-/// The group whose rendezvous holds the turn, for the message of whoever
-/// waits for it (only ever try-locked by waiters).
-static TURN_GROUP: Mutex<String> = Mutex::new(String::new());
-
-/// This process's turn at the descriptor socket; given back when dropped.
-struct Turn;
-
-impl Turn {
-    fn take(group: &str, deadline: Option<Instant>) -> Result<Turn> {
-        let me = std::process::id() as i32;
-        let mut pause = Duration::from_micros(200);
-        loop {
-            let holder = TURN.load(Ordering::Acquire);
-            // Free, or held by the process we were forked from.
-            if (holder == 0 || holder != me)
-                && TURN.compare_exchange(holder, me, Ordering::AcqRel, Ordering::Acquire).is_ok()
-            {
-                if let Ok(mut g) = TURN_GROUP.try_lock() {
-                    *g = group.to_string();
-                }
-                return Ok(Turn);
-            }
-            if deadline.is_some_and(|d| Instant::now() + pause > d) {
-                let other = TURN_GROUP.try_lock().map(|g| g.clone()).unwrap_or_default();
-                return Err(Error::new(
-                    ErrorKind::Timeout,
-                    format!(
-                        "rendezvous of group {group} timed out waiting for this process's descriptor socket, \
-                         which the rendezvous of group {} still holds (one rendezvous per process at a time)",
-                        if other.is_empty() { "?" } else { &other }
-                    ),
-                ));
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(5));
-        }
-    }
+/// Where a rank listens: its process and its socket's name.
+#[derive(Clone, Debug)]
+pub struct PeerSocket {
+    pub pid: i32,
+    pub name: String,
 }
 
-impl Drop for Turn {
-    fn drop(&mut self) {
-        let _ = TURN.compare_exchange(std::process::id() as i32, 0, Ordering::AcqRel, Ordering::Acquire);
-    }
-}
-
-/// The temporary folder, by the variables PyTorch reads, in its order.
-pub fn temp_dir() -> PathBuf {
-    for var in ["TMPDIR", "TMP", "TEMP", "TEMPDIR"] {
-        if let Ok(v) = std::env::var(var) {
-            if !v.is_empty() {
-                return PathBuf::from(v);
-            }
-        }
-    }
-    PathBuf::from("/tmp")
-}
-
-/// The socket path of process `pid`.
-pub fn socket_path(pid: i32) -> PathBuf {
-    temp_dir().join(format!("symm_mem-{pid}"))
-}
-
+/// This process's listening socket for one rendezvous; it is gone (with
+/// its name) when the channel is dropped or the process dies.
 pub struct IpcChannel {
-    sock: UnixDatagram,
-    path: PathBuf,
-    _turn: Turn,
+    listener: OwnedFd,
+    name: String,
 }
+
+/// How often a receiver looks whether the peer it waits for still lives.
+const LIVENESS_CHECK: Duration = Duration::from_millis(100);
 
 impl IpcChannel {
-    /// Binds this process's socket for a rendezvous of `group` (replacing
-    /// a stale file a dead process with the same pid left behind), waiting
-    /// until `deadline` for another rendezvous of this process to finish.
-    pub fn new(group: &str, deadline: Option<Instant>) -> Result<IpcChannel> {
-        let turn = Turn::take(group, deadline)?;
-        let path = socket_path(std::process::id() as i32);
-        // Only this process could be using its own pid's path, and it
-        // holds the turn: any file there is stale.
-        let _ = std::fs::remove_file(&path);
-        let sock = UnixDatagram::bind(&path).map_err(|e| io_error(e, format!("unable to bind the socket {}", path.display())))?;
-        Ok(IpcChannel { sock, path, _turn: turn })
+    /// Listens on a fresh abstract name. Channels of one process (of
+    /// concurrent rendezvous) have different names and never wait for
+    /// each other.
+    pub fn open() -> Result<IpcChannel> {
+        let mut last = None;
+        for _ in 0..4 {
+            let name = abstract_socket::unique_name();
+            match abstract_socket::listen(&name) {
+                Ok(listener) => return Ok(IpcChannel { listener, name }),
+                Err(e) if e.raw_os_error() == Some(libc::EADDRINUSE) => last = Some((name, e)),
+                Err(e) => return Err(io_error(e, format!("unable to listen on the abstract socket @{name}"))),
+            }
+        }
+        let (name, e) = last.expect("the loop ran");
+        Err(io_error(e, format!("unable to find a free abstract socket name (last tried @{name})")))
     }
 
-    /// Ring all-gather of `own` among processes `pids` (indexed by rank);
-    /// returns every peer's descriptor (`None` at `rank`).
-    pub fn all_gather(&self, own: RawFd, rank: usize, pids: &[i32], deadline: Option<Instant>) -> Result<Vec<Option<OwnedFd>>> {
-        let ws = pids.len();
+    /// The abstract name this channel listens on (without the leading NUL).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Ring all-gather of `own` among `peers` (indexed by rank); returns
+    /// every peer's descriptor (`None` at `rank`).
+    pub fn all_gather(&self, own: RawFd, rank: usize, peers: &[PeerSocket], deadline: Option<Instant>) -> Result<Vec<Option<OwnedFd>>> {
+        let ws = peers.len();
         let next = (rank + 1) % ws;
         let prev = (rank + ws - 1) % ws;
-        let mut fds: Vec<Option<OwnedFd>> = (0..ws).map(|_| None).collect();
+        let mut fds: Vec<Option<OwnedFd>> = vec_for(ws, "block descriptors")?;
+        fds.extend((0..ws).map(|_| None));
         let mut holding = (rank, own);
         for step in 1..ws {
-            self.send(&[holding.1], holding.0, next, pids[next], deadline)?;
+            self.send(&[holding.1], holding.0, next, &peers[next], deadline)?;
             let origin = (rank + ws - step) % ws;
-            let (got_origin, fd) = self.recv(prev, pids[prev], deadline)?;
+            let (got_origin, fd) = self.recv(prev, &peers[prev], deadline)?;
             if got_origin != origin {
                 return Err(Error::new(
                     ErrorKind::Protocol,
@@ -130,91 +86,130 @@ impl IpcChannel {
         Ok(fds)
     }
 
-    /// Rank `src`'s descriptor (or none: a datagram without one) on every
+    /// Rank `src`'s descriptor (or none: a message without one) on every
     /// rank: `src` sends it to each other rank, the others receive it. The
-    /// caller makes sure no ring datagram is still in flight (a store
-    /// barrier after the ring), as both share this socket.
-    pub fn broadcast(&self, fd: Option<RawFd>, src: usize, rank: usize, pids: &[i32], deadline: Option<Instant>) -> Result<Option<OwnedFd>> {
+    /// caller makes sure no ring message is still in flight (a store
+    /// barrier after the ring), as both use this socket.
+    pub fn broadcast(&self, fd: Option<RawFd>, src: usize, rank: usize, peers: &[PeerSocket], deadline: Option<Instant>) -> Result<Option<OwnedFd>> {
         if rank == src {
             let fds: Vec<RawFd> = fd.into_iter().collect();
-            for (r, &pid) in pids.iter().enumerate().filter(|&(r, _)| r != src) {
-                self.send(&fds, src, r, pid, deadline)?;
+            for (r, peer) in peers.iter().enumerate().filter(|&(r, _)| r != src) {
+                self.send(&fds, src, r, peer, deadline)?;
             }
             return Ok(None);
         }
-        let (origin, fd) = self.recv_any(src, pids[src], deadline)?;
+        let (origin, fd) = self.recv_any(src, &peers[src], deadline)?;
         if origin != src {
             return Err(Error::new(
                 ErrorKind::Protocol,
-                format!("descriptor broadcast: rank {rank} expected a datagram of rank {src}, got one of rank {origin}"),
+                format!("descriptor broadcast: rank {rank} expected a message of rank {src}, got one of rank {origin}"),
             ));
         }
         Ok(fd)
     }
 
-    /// Sends descriptors `fds` (of rank `origin`) to rank `to_rank`. The peer
-    /// binds its socket only after the request all-gather, so a missing or
-    /// refusing socket is retried while the peer process lives, until
-    /// `deadline`.
-    fn send(&self, fds: &[RawFd], origin: usize, to_rank: usize, to_pid: i32, deadline: Option<Instant>) -> Result<()> {
-        let path = socket_path(to_pid);
-        let out = UnixDatagram::unbound().map_err(|e| io_error(e, "unable to create a datagram socket".into()))?;
+    /// Sends descriptors `fds` (of rank `origin`) to rank `to_rank`, after
+    /// checking that the process listening there is that rank's. A socket
+    /// nobody listens on is retried while the peer process lives (its
+    /// rendezvous may not have reached us yet), until `deadline`.
+    fn send(&self, fds: &[RawFd], origin: usize, to_rank: usize, to: &PeerSocket, deadline: Option<Instant>) -> Result<()> {
+        let reach = || format!("unable to reach rank {to_rank} (pid {}) at @{}", to.pid, to.name);
         let mut pause = Duration::from_micros(50);
-        loop {
-            let e = match out.connect(&path) {
-                Ok(()) => break,
+        let conn = loop {
+            let e = match abstract_socket::connect(&to.name) {
+                Ok(c) => break c,
                 Err(e) => e,
             };
-            let not_yet = matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ECONNREFUSED));
-            let reach = || format!("unable to reach rank {to_rank} (pid {to_pid}) at {}", path.display());
+            let not_yet = matches!(e.raw_os_error(), Some(libc::ECONNREFUSED) | Some(libc::EAGAIN));
             if !not_yet {
                 return Err(io_error(e, reach()));
             }
-            if !process_alive(to_pid) {
-                return Err(Error::new(
-                    ErrorKind::PeerGone,
-                    format!("{}: the process exited before opening its descriptor socket", reach()),
-                ));
+            if !process_alive(to.pid) {
+                return Err(Error::new(ErrorKind::PeerGone, format!("{}: the process exited", reach())));
             }
             if deadline.is_some_and(|d| Instant::now() + pause > d) {
-                return Err(Error::new(
-                    ErrorKind::Timeout,
-                    format!("{}: its descriptor socket did not open in time", reach()),
-                ));
+                return Err(Error::new(ErrorKind::Timeout, format!("{}: nobody accepted in time", reach())));
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(5));
+        };
+        let (pid, uid) = abstract_socket::peer(conn.as_raw_fd()).map_err(|e| io_error(e, reach()))?;
+        if !is_expected(pid, uid, to.pid) {
+            return Err(Error::new(
+                ErrorKind::Permission,
+                format!(
+                    "{}: the socket belongs to pid {pid} (uid {uid}), not to rank {to_rank}'s process {} of uid {}; \
+                     its block descriptor was not sent",
+                    reach(),
+                    to.pid,
+                    my_uid()
+                ),
+            ));
         }
-        send_fds(out.as_raw_fd(), &(origin as u32).to_ne_bytes(), fds)
-            .map_err(|e| e.context(format!("sending a block descriptor to rank {to_rank} (pid {to_pid})")))?;
+        send_fds(conn.as_raw_fd(), &(origin as u32).to_ne_bytes(), fds)
+            .map_err(|e| e.context(format!("sending a block descriptor to rank {to_rank} (pid {})", to.pid)))?;
         Ok(())
     }
 
-    fn recv(&self, from_rank: usize, from_pid: i32, deadline: Option<Instant>) -> Result<(usize, OwnedFd)> {
-        match self.recv_any(from_rank, from_pid, deadline)? {
+    fn recv(&self, from_rank: usize, from: &PeerSocket, deadline: Option<Instant>) -> Result<(usize, OwnedFd)> {
+        match self.recv_any(from_rank, from, deadline)? {
             (origin, Some(fd)) => Ok((origin, fd)),
             (_, None) => Err(Error::new(
                 ErrorKind::Protocol,
-                format!("datagram from rank {from_rank} had no descriptor, expected one"),
+                format!("message from rank {from_rank} had no descriptor, expected one"),
             )),
         }
     }
 
-    /// One datagram: its origin rank and its descriptor, if it has one.
-    fn recv_any(&self, from_rank: usize, from_pid: i32, deadline: Option<Instant>) -> Result<(usize, Option<OwnedFd>)> {
-        wait_readable(self.sock.as_raw_fd(), deadline).map_err(|e| {
-            e.context(format!("waiting for a block descriptor from rank {from_rank} (pid {from_pid})"))
-        })?;
+    /// One message of rank `from_rank`: its origin rank and its descriptor,
+    /// if it has one. Connections of any other process are closed unread.
+    fn recv_any(&self, from_rank: usize, from: &PeerSocket, deadline: Option<Instant>) -> Result<(usize, Option<OwnedFd>)> {
+        let waiting = || format!("waiting for a block descriptor from rank {from_rank} (pid {})", from.pid);
+        let mut refused: Option<(i32, u32)> = None;
+        let conn = loop {
+            match wait_readable(self.listener.as_raw_fd(), deadline, from.pid) {
+                Ok(()) => {}
+                Err(e) => {
+                    let e = e.context(waiting());
+                    return Err(match refused {
+                        Some((pid, uid)) => e.context(format!("(a connection of pid {pid}, uid {uid}, was refused)")),
+                        None => e,
+                    });
+                }
+            }
+            let conn = match abstract_socket::accept(self.listener.as_raw_fd()) {
+                Ok(c) => c,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(io_error(e, format!("accept on @{}", self.name))),
+            };
+            let (pid, uid) = abstract_socket::peer(conn.as_raw_fd()).map_err(|e| io_error(e, waiting()))?;
+            if is_expected(pid, uid, from.pid) {
+                break conn;
+            }
+            refused = Some((pid, uid));
+        };
+        wait_readable(conn.as_raw_fd(), deadline, from.pid).map_err(|e| e.context(waiting()))?;
         let mut buf = [0u8; 4];
-        let (n, mut fds) = recv_fds(self.sock.as_raw_fd(), &mut buf, 1)?;
+        let (n, mut fds) = recv_fds(conn.as_raw_fd(), &mut buf, 1)?;
         if n != 4 || fds.len() > 1 {
             return Err(Error::new(
                 ErrorKind::Protocol,
-                format!("datagram from rank {from_rank} had {n} bytes and {} descriptors, expected 4 and at most 1", fds.len()),
+                format!("message from rank {from_rank} had {n} bytes and {} descriptors, expected 4 and at most 1", fds.len()),
             ));
         }
         Ok((u32::from_ne_bytes(buf) as usize, fds.pop()))
     }
+}
+
+/// Whether the process at the other end (`pid`, `uid`) is the rank's
+/// process `want` of this user.
+fn is_expected(pid: i32, uid: u32, want: i32) -> bool {
+    pid == want && uid == my_uid()
+}
+
+fn my_uid() -> u32 {
+    // SAFETY: getuid cannot fail.
+    unsafe { libc::getuid() }
 }
 
 /// Whether process `pid` exists (EPERM: it does, owned by someone else).
@@ -223,29 +218,25 @@ fn process_alive(pid: i32) -> bool {
     unsafe { libc::kill(pid, 0) == 0 || crate::error::errno() == libc::EPERM }
 }
 
-impl Drop for IpcChannel {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
 fn io_error(e: std::io::Error, what: String) -> Error {
     Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), what)
 }
 
-/// Polls `fd` for input until `deadline` (None: forever).
-fn wait_readable(fd: RawFd, deadline: Option<Instant>) -> Result<()> {
+/// Polls `fd` for input until `deadline` (None: forever); gives up early
+/// with `PeerGone` once process `peer` has exited.
+fn wait_readable(fd: RawFd, deadline: Option<Instant>, peer: i32) -> Result<()> {
     loop {
-        let ms = match deadline {
-            None => -1,
+        let slice = match deadline {
+            None => LIVENESS_CHECK,
             Some(d) => {
                 let left = d.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     return Err(Error::new(ErrorKind::Timeout, "timed out"));
                 }
-                left.as_millis().clamp(1, i32::MAX as u128) as i32
+                left.min(LIVENESS_CHECK)
             }
         };
+        let ms = slice.as_millis().clamp(1, i32::MAX as u128) as i32;
         let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
         // SAFETY: one pollfd on the stack for the duration of the call.
         let rc = unsafe { libc::poll(&mut p, 1, ms) };
@@ -255,8 +246,8 @@ fn wait_readable(fd: RawFd, deadline: Option<Instant>) -> Result<()> {
         if rc < 0 && crate::error::errno() != libc::EINTR {
             return Err(Error::last_os_error("poll"));
         }
-        if rc == 0 && deadline.is_none() {
-            std::thread::sleep(Duration::ZERO);
+        if rc == 0 && !process_alive(peer) {
+            return Err(Error::new(ErrorKind::PeerGone, format!("process {peer} exited")));
         }
     }
 }

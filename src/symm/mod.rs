@@ -7,11 +7,12 @@
 //! backend name), [`group`] info (rank, world size, store), the
 //! [`alloc`]ation table (plain and persistent blocks, the rendezvous cache),
 //! the [`rendezvous`] itself (store all-gather + descriptor ring over
-//! Unix datagram sockets), and the [`cpu_backend`], a real multi-process
+//! abstract-namespace Unix sockets), and the [`cpu_backend`], a real multi-process
 //! backend in shared memory that PyTorch does not have, and the
 //! [`cuda_backend`] (driver VMM and PTX signal kernels), both through the
 //! traits of [`backend`].
 
+pub mod abstract_socket;
 pub mod alloc;
 pub mod backend;
 pub mod cpu_backend;

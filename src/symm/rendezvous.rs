@@ -1,13 +1,15 @@
-//! Rendezvous of one block over one group (ATEN_COMPAT 9.4): all-gather the
-//! request through the store, check every rank's sizes against rank 0's,
-//! bind the descriptor socket, pass the block descriptors round the ring,
-//! map the peers, and meet once more through the store before the sockets go.
+//! Rendezvous of one block over one group (ATEN_COMPAT 9.4): open the
+//! descriptor socket, all-gather the request (with this library's pad size
+//! and socket name beside it) through the store, check every rank's pad and
+//! sizes against rank 0's, pass the block descriptors round the ring, map
+//! the peers, and meet once more through the store before the sockets go.
 
 use super::backend::{Collective, SymmBlock};
 use super::exchange;
 use super::group::GroupInfo;
 use super::handle::SymmetricMemory;
-use super::ipc_channel::IpcChannel;
+use super::abstract_socket;
+use super::ipc_channel::{IpcChannel, PeerSocket};
 use super::request::RendezvousRequest;
 use crate::error::{Error, ErrorKind, Result};
 use crate::store::Timeout;
@@ -21,32 +23,82 @@ pub fn run(block: &dyn SymmBlock, backend: &str, group: &GroupInfo, timeout: Tim
     let prefix = exchange::prefix(group, backend);
     let mut mine = RendezvousRequest::new(block.device_idx(), &layout);
     mine.has_multicast_support = block.multicast_capable();
-    let gathered = exchange::all_gather(group, &prefix, &mine.to_bytes(), timeout)?;
+    // Listening before the peers learn the name: whoever connects to it
+    // reaches this process. The socket vanishes with the process, so a
+    // rank killed while it waits for the others leaves nothing behind.
+    let channel = IpcChannel::open()?;
+    let side = SideInfo { signal_pad_size: layout.signal_pad_size as u64, socket: channel.name().to_string() };
+    let (gathered, sides) = exchange::all_gather_with_side(group, &prefix, &mine.to_bytes(), &side.to_bytes(), timeout)?;
+    let context = |e: Error| e.context(format!("rendezvous of group {}", group.name));
     let requests = gathered
         .iter()
         .enumerate()
         .map(|(r, b)| RendezvousRequest::from_bytes(b, r))
         .collect::<Result<Vec<_>>>()
-        .map_err(|e| e.context(format!("rendezvous of group {}", group.name)))?;
+        .map_err(context)?;
+    let sides = sides.iter().enumerate().map(|(r, b)| SideInfo::from_bytes(b, r)).collect::<Result<Vec<_>>>().map_err(context)?;
+    check_pads(&sides, group)?;
     check_requests(&requests, group)?;
     block.check_requests(&requests, &group.name)?;
 
-    // Bound only now, after the long wait for the peers: a rank killed
-    // while it waits leaves no socket file behind. A peer that sends
-    // before we are bound retries (see `IpcChannel::send`).
-    let channel = IpcChannel::new(&group.name, deadline)?;
-
     let own = block.export()?;
-    let pids: Vec<i32> = requests.iter().map(|r| r.pid).collect();
+    let peers: Vec<PeerSocket> = requests.iter().zip(sides).map(|(r, s)| PeerSocket { pid: r.pid, name: s.socket }).collect();
     let fds = channel
-        .all_gather(own.as_raw_fd(), group.rank, &pids, deadline)
+        .all_gather(own.as_raw_fd(), group.rank, &peers, deadline)
         .map_err(|e| e.context(format!("rendezvous of group {} on rank {}", group.name, group.rank)))?;
-    let coll = RendezvousCollective { channel: &channel, group, prefix: &prefix, pids: &pids, deadline };
-    let peers = block.import(group.rank, fds, &requests, &coll)?;
+    let coll = RendezvousCollective { channel: &channel, group, prefix: &prefix, peers: &peers, deadline };
+    let peer_access = block.import(group.rank, fds, &requests, &coll)?;
     let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
     exchange::barrier(group, &prefix, left)?;
     drop(channel);
-    Ok(SymmetricMemory::new(group.rank, group.world_size, layout, &group.name, peers))
+    Ok(SymmetricMemory::new(group.rank, group.world_size, layout, &group.name, peer_access))
+}
+
+/// What this library's ranks publish next to PyTorch's request: the
+/// signal pad size (which the request does not carry: pads of 9216 and
+/// 12288 bytes give blocks of one size) and the name of the descriptor
+/// socket. Bytes: the pad size as a little-endian u64, then the name.
+struct SideInfo {
+    signal_pad_size: u64,
+    socket: String,
+}
+
+impl SideInfo {
+    fn to_bytes(&self) -> Vec<u8> {
+        let mut b = self.signal_pad_size.to_le_bytes().to_vec();
+        b.extend_from_slice(self.socket.as_bytes());
+        b
+    }
+
+    fn from_bytes(b: &[u8], rank: usize) -> Result<SideInfo> {
+        let bad = |why: &str| Error::new(ErrorKind::Protocol, format!("rendezvous details of rank {rank}: {why}"));
+        if b.len() <= 8 || b.len() > 8 + abstract_socket::MAX_NAME {
+            return Err(bad(&format!("{} bytes, expected 9 to {}", b.len(), 8 + abstract_socket::MAX_NAME)));
+        }
+        let signal_pad_size = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+        let socket = std::str::from_utf8(&b[8..])
+            .ok()
+            .filter(|n| n.starts_with("symm_mem-") && n.bytes().all(|c| c.is_ascii_graphic()))
+            .ok_or_else(|| bad("the socket name is not symm_mem-<...> in plain ASCII"))?;
+        Ok(SideInfo { signal_pad_size, socket: socket.to_string() })
+    }
+}
+
+/// Every rank must have rank 0's signal pad size: a signal put into a
+/// larger pad than the waiter's lands where nobody waits for it.
+fn check_pads(sides: &[SideInfo], group: &GroupInfo) -> Result<()> {
+    let first = sides[0].signal_pad_size;
+    match sides.iter().enumerate().find(|(_, s)| s.signal_pad_size != first) {
+        None => Ok(()),
+        Some((r, s)) => Err(Error::new(
+            ErrorKind::SizeMismatch,
+            format!(
+                "rendezvous of group {}: rank {r} has a signal pad of {} bytes but rank 0 has {first} bytes; \
+                 every rank must set the same signal pad size (ss_symm_set_signal_pad_size)",
+                group.name, s.signal_pad_size
+            ),
+        )),
+    }
 }
 
 /// The rendezvous's store and descriptor socket, for a backend's further
@@ -55,14 +107,14 @@ struct RendezvousCollective<'a> {
     channel: &'a IpcChannel,
     group: &'a GroupInfo,
     prefix: &'a str,
-    pids: &'a [i32],
+    peers: &'a [PeerSocket],
     deadline: Option<Instant>,
 }
 
 impl Collective for RendezvousCollective<'_> {
     fn broadcast_fd(&self, src: usize, fd: Option<RawFd>) -> Result<Option<OwnedFd>> {
         self.channel
-            .broadcast(fd, src, self.group.rank, self.pids, self.deadline)
+            .broadcast(fd, src, self.group.rank, self.peers, self.deadline)
             .map_err(|e| e.context(format!("rendezvous of group {} on rank {}", self.group.name, self.group.rank)))
     }
 

@@ -17,10 +17,35 @@ const TIMEOUT: Option<Duration> = Some(Duration::from_secs(30));
 const MESSAGE: &[u8] = b"hello from rank 0, through your own buffer";
 const BARRIERS: u32 = 5_000;
 
+/// The buffer size when none is given, and the largest one taken (KiB).
+const DEFAULT_KIB: usize = 1024;
+const MAX_KIB: usize = 1 << 20;
+
+/// The buffer size in bytes the arguments ask for, or the usage error.
+/// Checked before anything starts, so a bad argument leaves nothing behind.
+fn size_arg(args: &[String]) -> Result<usize, String> {
+    let kib = match args {
+        [] => DEFAULT_KIB,
+        [kib] => kib
+            .parse::<usize>()
+            .ok()
+            .filter(|k| (1..=MAX_KIB).contains(k))
+            .ok_or_else(|| format!("demo symm: the size must be a whole number of KiB from 1 to {MAX_KIB} (got {kib:?})"))?,
+        [_, extra, ..] => return Err(format!("demo symm: unexpected argument {extra:?} (usage: ssctl demo symm [KiB])")),
+    };
+    Ok(kib << 10)
+}
+
 pub fn run(args: &[String]) -> i32 {
-    let kib: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(1024);
+    let size = match size_arg(args) {
+        Ok(size) => size,
+        Err(usage) => {
+            eprintln!("{usage}");
+            return 2;
+        }
+    };
     let dir = std::env::temp_dir().join(format!("ssctl-demo-symm-{}", std::process::id()));
-    let result = parent(&dir, kib << 10);
+    let result = parent(&dir, size);
     let _ = std::fs::remove_dir_all(&dir);
     match result {
         Ok(()) => 0,
@@ -38,6 +63,10 @@ fn parent(dir: &Path, size: usize) -> Result<(), Box<dyn std::error::Error>> {
         .args([CHILD_COMMAND, dir.to_str().ok_or("store path is not UTF-8")?, &size.to_string()])
         .spawn()?;
     let result = rank(dir, 0, size);
+    if result.is_err() {
+        // Rank 1 would wait for us until its timeout.
+        let _ = child.kill();
+    }
     let status = child.wait()?;
     result?;
     if !status.success() {

@@ -276,7 +276,12 @@ impl Arena {
         if h.segment_data_size != seg.seg.data_size() as u64 {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
-                format!("bad arena handle: segment size {} is not segment {}'s {}", h.segment_data_size, h.key.segment_id, seg.seg.data_size()),
+                format!(
+                    "bad arena handle: segment size {} is not segment {}'s {}",
+                    h.segment_data_size,
+                    h.key.segment_id,
+                    seg.seg.data_size()
+                ),
             ));
         }
         if h.slot as usize >= seg.seg.nslots() {

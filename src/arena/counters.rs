@@ -94,11 +94,7 @@ impl HoldSlot {
         if recorded != (offset, size) {
             return Err(Refusal::OtherBlock(recorded.0, recorded.1));
         }
-        if self
-            .tag
-            .compare_exchange(tag(generation, IN_FLIGHT), tag(generation, ADOPTING), Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-        {
+        if self.tag.compare_exchange(tag(generation, IN_FLIGHT), tag(generation, ADOPTING), Ordering::AcqRel, Ordering::Acquire).is_err() {
             return Err(Refusal::NotInFlight);
         }
         // The record as the claim of this generation published it.

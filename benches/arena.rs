@@ -298,7 +298,7 @@ fn section_stream(n: usize, torch: Option<&str>, torch_n: usize) {
             "| {way} | {n} | {} ({} bad) | {} | {:.0} | {pf} / {pm} | {} / {} |",
             f[0], f[1], human(secs), n as f64 / secs, f[2], f[3]
         );
-        println!("|  (segments used: {}) | | | | | | |", arena.stats().segments);
+        println!("|  (segments used: {}) | | | | | | |", arena.stats().unwrap().segments);
     }
     let floor = floor_messages(n);
     println!("| floor: the same {n} 113-byte messages over a socket pair, no blocks | {n} | {n} | {} | {:.0} | - | - |", human(floor), n as f64 / floor);

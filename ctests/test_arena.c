@@ -169,10 +169,89 @@ static void test_errors(void) {
     ss_arena_view_free(NULL);
 }
 
+/* A handle whose block (offset, size), hold (slot, generation) or segment
+ * differs from what the segment records for the share opens nothing and
+ * cancels nothing; the real handle still opens, with its own size. */
+static void test_altered_handles(uint32_t strategy) {
+    ss_arena *a = open_arena(strategy);
+    void *p = NULL, *q = NULL;
+    CHECK_OK(ss_arena_alloc(a, 4096, 4096, &p));
+    CHECK_OK(ss_arena_alloc(a, 4096, 4096, &q));
+    CHECK((char *)q == (char *)p + 4096);
+    memset(p, 1, 4096);
+    memset(q, 2, 4096);
+    ss_arena_handle good, neighbour;
+    CHECK_OK(ss_arena_share(a, p, &good));
+    CHECK_OK(ss_arena_share(a, q, &neighbour));
+    if (strategy == SS_ARENA_BY_FD) {
+        int fd = -1;
+        CHECK_OK(ss_arena_segment_fd(a, good.segment_id, &fd));
+        CHECK_OK(ss_arena_import_segment_fd(&good, dup(fd)));
+    }
+    for (int i = 0; i < 10; i++) {
+        ss_arena_handle h = good;
+        switch (i) {
+        case 0: h.size = 1; break;
+        case 1: h.size = 8192; break; /* would reach the neighbour */
+        case 2: h.size = 4095; break;
+        case 3: h.size = 4097; break;
+        case 4: h.offset += 4096; break;
+        case 5: h.offset += 4096; h.size = 4096; h.hold_slot = neighbour.hold_slot + 1; break;
+        case 6: h.hold_slot = neighbour.hold_slot; break;
+        case 7: h.hold_generation += 1; break;
+        case 8: h.segment_size *= 2; break;
+        default: h.producer_start += 1; break;
+        }
+        ss_arena_view *v = NULL;
+        ss_status st = ss_arena_open_remote(&h, &v);
+        if (st == SS_OK) {
+            fprintf(stderr, "altered handle %d (offset %llu, size %llu, slot %u) opened\n", i,
+                    (unsigned long long)h.offset, (unsigned long long)h.size, h.hold_slot);
+            exit(1);
+        }
+        if (i < 4) {
+            CHECK(st == SS_ERR_INVALID_ARGUMENT);
+            CHECK(strstr(ss_last_error_message(), "size") != NULL);
+        }
+        CHECK(ss_arena_unshare(a, &h) != SS_OK);
+    }
+    ss_arena_view *v = NULL, *w = NULL;
+    CHECK_OK(ss_arena_open_remote(&good, &v));
+    CHECK_OK(ss_arena_open_remote(&neighbour, &w));
+    CHECK(ss_arena_view_size(v) == 4096);
+    CHECK(*(unsigned char *)ss_arena_view_data(v) == 1 && *(unsigned char *)ss_arena_view_data(w) == 2);
+    ss_arena_view_free(v);
+    ss_arena_view_free(w);
+    ss_arena_close(a);
+}
+
+/* Only segment_size set (below 4 MiB): the default large threshold
+ * follows it, a quarter of the segment. */
+static void test_segment_size_alone(void) {
+    ss_arena_options o;
+    CHECK_OK(ss_arena_options_default(&o));
+    o.segment_size = (size_t)1 << 20;
+    ss_arena *a = NULL;
+    CHECK_OK(ss_arena_open(&o, &a));
+    void *small = NULL, *large = NULL;
+    CHECK_OK(ss_arena_alloc(a, (size_t)200 << 10, 64, &small));
+    CHECK_OK(ss_arena_alloc(a, (size_t)300 << 10, 64, &large));
+    ss_arena_stats st;
+    CHECK_OK(ss_arena_stats_get(a, &st));
+    CHECK(st.segments == 2);
+    ss_arena_close(a);
+    o.large_threshold = (size_t)512 << 10;
+    CHECK_STATUS(ss_arena_open(&o, &a), SS_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(ss_last_error_message(), "large_threshold") != NULL);
+}
+
 int main(void) {
     test_send_to_child(SS_ARENA_BY_FD);
     test_send_to_child(SS_ARENA_BY_NAME);
     test_errors();
+    test_altered_handles(SS_ARENA_BY_FD);
+    test_altered_handles(SS_ARENA_BY_NAME);
+    test_segment_size_alone();
     puts("test_arena: ok");
     return 0;
 }

@@ -397,7 +397,9 @@ typedef struct {
   uint32_t max_holds;
   /**
    * Blocks above this many bytes get a segment of their own, released
-   * when they are freed (default 1 MiB; at most segment_size / 4).
+   * when they are freed (at least 64, at most segment_size / 4). 0 (the
+   * default): automatic, 1 MiB or segment_size / 4 if that is less, so
+   * setting segment_size alone always works.
    */
   size_t large_threshold;
 } ss_arena_options;
@@ -569,13 +571,23 @@ extern "C" {
 
 /**
  * Fills `*out` with the default options: 64 MiB segments by fd, 4096
- * holds per segment, blocks above 1 MiB in segments of their own.
+ * holds per segment, and an automatic large threshold (0: blocks above
+ * 1 MiB, or above a quarter of a smaller segment_size, get segments of
+ * their own).
  */
 ss_status ss_arena_options_default(ss_arena_options *out);
 
 /**
  * A new arena with `options` (NULL: the defaults). No segment is made
  * until the first allocation. Release with `ss_arena_close`.
+ *
+ * The arena is this process's. In a child forked from it, every call
+ * on the inherited arena (alloc, free, share, unshare, segment_fd,
+ * collect, stats, send, ss_storage_new_in_arena) fails with
+ * `SS_ERR_INVALID_ARGUMENT` ("arena was created by pid X; this is a
+ * forked child") and changes nothing of the parent's; blocks allocated
+ * before the fork stay readable, views inherited from the parent keep
+ * the parent's holds, and `ss_arena_close` there releases nothing.
  */
 ss_status ss_arena_open(const ss_arena_options *options, ss_arena **out);
 

@@ -642,7 +642,7 @@ public:
      * processes of one host; use a fresh folder per job. */
     static Store open_file(const std::string &path) {
         ss_store *raw = nullptr;
-        check(ss_store_file_open(path.c_str(), &raw), "ss_store_file_open");
+        check(ss_store_file_open(c_string_arg(path, "ss_store_file_open", "path"), &raw), "ss_store_file_open");
         return Store(raw);
     }
     /* Joins (or with is_master serves) a PyTorch c10d TCPStore at host:port,
@@ -650,7 +650,8 @@ public:
      * timeout). Port 0 with is_master picks a free port (tcp_port()). */
     static Store open_tcp(const std::string &host, int port, bool is_master, int world_size, int64_t timeout_ms) {
         ss_store *raw = nullptr;
-        check(ss_store_tcp_open(host.c_str(), port, is_master, world_size, timeout_ms, &raw), "ss_store_tcp_open");
+        const char *c_host = c_string_arg(host, "ss_store_tcp_open", "host");
+        check(ss_store_tcp_open(c_host, port, is_master, world_size, timeout_ms, &raw), "ss_store_tcp_open");
         return Store(raw);
     }
     /* A store calling the host's functions with ctx (see ss_store_callbacks). */
@@ -691,7 +692,7 @@ public:
     }
 
     void set(const std::string &key, const void *data, std::size_t len) const {
-        check(ss_store_set(handle_.get(), key.c_str(), data, len), "ss_store_set");
+        check(ss_store_set(handle_.get(), c_string_arg(key, "ss_store_set", "key"), data, len), "ss_store_set");
     }
     void set(const std::string &key, const std::string &value) const { set(key, value.data(), value.size()); }
     void set(const std::string &key, const std::vector<uint8_t> &value) const { set(key, value.data(), value.size()); }
@@ -699,8 +700,9 @@ public:
     /* The value of key, waiting until it is set (Error with SS_ERR_TIMEOUT,
      * naming the key, when timeout_ms passes first). */
     std::vector<uint8_t> get(const std::string &key, int64_t timeout_ms = 0) const {
+        const char *c_key = c_string_arg(key, "ss_store_get", "key");
         return read_value(256, "ss_store_get", [&](void *buf, std::size_t size, std::size_t *len) {
-            return ss_store_get(handle_.get(), key.c_str(), timeout_ms, buf, size, len);
+            return ss_store_get(handle_.get(), c_key, timeout_ms, buf, size, len);
         });
     }
     std::string get_string(const std::string &key, int64_t timeout_ms = 0) const {
@@ -711,23 +713,19 @@ public:
     /* Adds delta to the integer under key (missing = 0); the new value. */
     int64_t add(const std::string &key, int64_t delta) const {
         int64_t out = 0;
-        check(ss_store_add(handle_.get(), key.c_str(), delta, &out), "ss_store_add");
+        check(ss_store_add(handle_.get(), c_string_arg(key, "ss_store_add", "key"), delta, &out), "ss_store_add");
         return out;
     }
 
     /* Waits until every key is set (SS_ERR_TIMEOUT names the missing ones). */
     void wait(const std::vector<std::string> &keys, int64_t timeout_ms = 0) const {
-        std::vector<const char *> ptrs;
-        ptrs.reserve(keys.size());
-        for (const std::string &k : keys) ptrs.push_back(k.c_str());
+        std::vector<const char *> ptrs = key_ptrs(keys, "ss_store_wait");
         check(ss_store_wait(handle_.get(), ptrs.data(), ptrs.size(), timeout_ms), "ss_store_wait");
     }
 
     /* Whether every key is set now (no waiting). */
     bool check_keys(const std::vector<std::string> &keys) const {
-        std::vector<const char *> ptrs;
-        ptrs.reserve(keys.size());
-        for (const std::string &k : keys) ptrs.push_back(k.c_str());
+        std::vector<const char *> ptrs = key_ptrs(keys, "ss_store_check");
         bool all = false;
         check(ss_store_check(handle_.get(), ptrs.data(), ptrs.size(), &all), "ss_store_check");
         return all;
@@ -738,8 +736,9 @@ public:
     std::vector<uint8_t> compare_set(const std::string &key, const std::string &expected, const std::string &desired) const {
         // A retry after a longer current value does not swap a second time.
         const std::size_t size = expected.size() > desired.size() ? expected.size() : desired.size();
+        const char *c_key = c_string_arg(key, "ss_store_compare_set", "key");
         return read_value(size, "ss_store_compare_set", [&](void *buf, std::size_t buf_len, std::size_t *len) {
-            return ss_store_compare_set(handle_.get(), key.c_str(), expected.data(), expected.size(), desired.data(),
+            return ss_store_compare_set(handle_.get(), c_key, expected.data(), expected.size(), desired.data(),
                                         desired.size(), buf, buf_len, len);
         });
     }
@@ -747,7 +746,8 @@ public:
     /* Deletes key; whether it was set. */
     bool delete_key(const std::string &key) const {
         bool existed = false;
-        check(ss_store_delete_key(handle_.get(), key.c_str(), &existed), "ss_store_delete_key");
+        const char *c_key = c_string_arg(key, "ss_store_delete_key", "key");
+        check(ss_store_delete_key(handle_.get(), c_key, &existed), "ss_store_delete_key");
         return existed;
     }
 
@@ -764,6 +764,16 @@ public:
     explicit operator bool() const noexcept { return static_cast<bool>(handle_); }
 
 private:
+    /* The keys as C strings; one with a NUL byte is refused (naming it). */
+    static std::vector<const char *> key_ptrs(const std::vector<std::string> &keys, const char *function) {
+        std::vector<const char *> ptrs;
+        ptrs.reserve(keys.size());
+        for (std::size_t i = 0; i < keys.size(); i++) {
+            ptrs.push_back(c_string_arg(keys[i], function, ("keys[" + std::to_string(i) + "]").c_str()));
+        }
+        return ptrs;
+    }
+
     /* Runs call(buf, size, &len) with a buffer of `size` bytes, and again
      * with a larger one while it answers SS_ERR_BUFFER_TOO_SMALL with a
      * longer length; the bytes written. */
@@ -840,12 +850,15 @@ private:
 /* Registers `group`: this process is `rank` of `world_size`, meeting the
  * others through `store` (borrowed; the group takes its own reference). */
 inline void symm_set_group_info(const std::string &group, int rank, int world_size, const ss_store *store) {
-    check(ss_symm_set_group_info(group.c_str(), rank, world_size, store), "ss_symm_set_group_info");
+    const char *c_group = c_string_arg(group, "ss_symm_set_group_info", "group");
+    check(ss_symm_set_group_info(c_group, rank, world_size, store), "ss_symm_set_group_info");
 }
 /* The same with the file store in folder `store_dir` (one host). */
 inline void symm_set_group_info_file(const std::string &group, int rank, int world_size, const std::string &store_dir) {
+    // Both names are checked before the store folder is made.
+    c_string_arg(group, "ss_symm_set_group_info", "group");
     ss_store *raw = nullptr;
-    check(ss_store_file_open(store_dir.c_str(), &raw), "ss_store_file_open");
+    check(ss_store_file_open(c_string_arg(store_dir, "ss_store_file_open", "store_dir"), &raw), "ss_store_file_open");
     unique_handle<ss_store, ss_store_free> store(raw);
     symm_set_group_info(group, rank, world_size, store.get());
 }
@@ -856,11 +869,14 @@ struct SymmGroupInfo {
 };
 inline SymmGroupInfo symm_get_group_info(const std::string &group) {
     SymmGroupInfo out{0, 0};
-    check(ss_symm_get_group_info(group.c_str(), &out.rank, &out.world_size), "ss_symm_get_group_info");
+    const char *c_group = c_string_arg(group, "ss_symm_get_group_info", "group");
+    check(ss_symm_get_group_info(c_group, &out.rank, &out.world_size), "ss_symm_get_group_info");
     return out;
 }
 /* Chooses the backend by name, before the first allocation. */
-inline void symm_set_backend(const std::string &name) { check(ss_symm_set_backend(name.c_str()), "ss_symm_set_backend"); }
+inline void symm_set_backend(const std::string &name) {
+    check(ss_symm_set_backend(c_string_arg(name, "ss_symm_set_backend", "name")), "ss_symm_set_backend");
+}
 /* The signal pad size of the blocks allocated from now on (default 9216). */
 inline size_t symm_get_signal_pad_size() {
     size_t n = 0;
@@ -935,7 +951,8 @@ public:
     static SymmBlock alloc(std::size_t size, const std::string &group = "", int device_type = SS_DEVICE_CPU,
                            int device_idx = 0) {
         void *p = nullptr;
-        check(ss_symm_alloc(device_type, device_idx, size, group.empty() ? nullptr : group.c_str(), &p), "ss_symm_alloc");
+        const char *c_group = group.empty() ? nullptr : c_string_arg(group, "ss_symm_alloc", "group");
+        check(ss_symm_alloc(device_type, device_idx, size, c_group, &p), "ss_symm_alloc");
         return SymmBlock(p);
     }
     /* The persistent block alloc_id (the same block once the previous use
@@ -943,8 +960,8 @@ public:
     static SymmBlock alloc_persistent(std::size_t size, std::uint64_t alloc_id, const std::string &group = "",
                                       int device_type = SS_DEVICE_CPU, int device_idx = 0) {
         void *p = nullptr;
-        check(ss_symm_alloc_persistent(device_type, device_idx, size, group.empty() ? nullptr : group.c_str(), alloc_id,
-                                       &p),
+        const char *c_group = group.empty() ? nullptr : c_string_arg(group, "ss_symm_alloc_persistent", "group");
+        check(ss_symm_alloc_persistent(device_type, device_idx, size, c_group, alloc_id, &p),
               "ss_symm_alloc_persistent");
         return SymmBlock(p);
     }
@@ -969,7 +986,8 @@ public:
     /* Meets the other ranks of `group` ("" for the allocation's group). */
     SymmMem rendezvous(const std::string &group = "", std::int64_t timeout_ms = 0) const {
         ss_symm_mem *h = nullptr;
-        check(ss_symm_rendezvous(ptr_, group.empty() ? nullptr : group.c_str(), timeout_ms, &h), "ss_symm_rendezvous");
+        const char *c_group = group.empty() ? nullptr : c_string_arg(group, "ss_symm_rendezvous", "group");
+        check(ss_symm_rendezvous(ptr_, c_group, timeout_ms, &h), "ss_symm_rendezvous");
         return SymmMem(h);
     }
     /* Frees now, reporting errors (the destructor ignores them). */
@@ -1115,7 +1133,8 @@ class ContentWriter {
 public:
     ContentWriter(const std::string &path, int format = SS_CONTENT_FORMAT_NATIVE) {
         ss_content_writer *raw = nullptr;
-        check(ss_content_writer_open(path.c_str(), format, &raw), "ss_content_writer_open");
+        const char *c_path = c_string_arg(path, "ss_content_writer_open", "path");
+        check(ss_content_writer_open(c_path, format, &raw), "ss_content_writer_open");
         h_.reset(raw);
     }
     /* Stores the bytes once per distinct content; returns the hash. */
@@ -1129,7 +1148,8 @@ public:
                       const std::vector<std::int64_t> &shape, const std::vector<std::int64_t> &stride) const {
         if (shape.size() != stride.size())
             throw Error(SS_ERR_INVALID_ARGUMENT, "ss_content_write_tensor", "shape and stride lengths differ");
-        check(ss_content_write_tensor(h_.get(), name.c_str(), data, nbytes, dtype, offset, shape.size(), shape.data(),
+        const char *c_name = c_string_arg(name, "ss_content_write_tensor", "name");
+        check(ss_content_write_tensor(h_.get(), c_name, data, nbytes, dtype, offset, shape.size(), shape.data(),
                                       stride.data()),
               "ss_content_write_tensor");
     }
@@ -1184,19 +1204,22 @@ class ContentReader {
 public:
     explicit ContentReader(const std::string &path) {
         ss_content_reader *raw = nullptr;
-        check(ss_content_reader_open(path.c_str(), &raw), "ss_content_reader_open");
+        const char *c_path = c_string_arg(path, "ss_content_reader_open", "path");
+        check(ss_content_reader_open(c_path, &raw), "ss_content_reader_open");
         h_.reset(raw);
     }
     int format() const noexcept { return ss_content_reader_format(h_.get()); }
     void set_verify(bool on) const { check(ss_content_reader_set_verify(h_.get(), on), "ss_content_reader_set_verify"); }
     ContentTensor read_tensor(const std::string &name) const {
         ss_content_tensor *raw = nullptr;
-        check(ss_content_read_tensor(h_.get(), name.c_str(), &raw), "ss_content_read_tensor");
+        const char *c_name = c_string_arg(name, "ss_content_read_tensor", "name");
+        check(ss_content_read_tensor(h_.get(), c_name, &raw), "ss_content_read_tensor");
         return ContentTensor(raw);
     }
     ContentStorage read_storage(const std::string &hash) const {
         ss_content_storage *raw = nullptr;
-        check(ss_content_read_storage(h_.get(), hash.c_str(), &raw), "ss_content_read_storage");
+        const char *c_hash = c_string_arg(hash, "ss_content_read_storage", "hash");
+        check(ss_content_read_storage(h_.get(), c_hash, &raw), "ss_content_read_storage");
         return ContentStorage(raw);
     }
     std::vector<std::string> list_tensors() const {

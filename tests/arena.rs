@@ -123,13 +123,13 @@ fn blocks_travel_both_ways_and_held_blocks_are_not_reused() {
         for p in &sent {
             arena.free(*p as *mut u8).unwrap();
         }
-        assert_eq!(arena.stats().deferred_blocks, sent.len());
+        assert_eq!(arena.stats().unwrap().deferred_blocks, sent.len());
         let again: Vec<usize> = sizes().into_iter().map(|len| arena.alloc(len, 64).unwrap() as usize).collect();
         assert!(again.iter().all(|p| !sent.contains(p)), "{strategy}: a held block was reused");
         peer.send("release");
         assert_eq!(peer.recv(), "released");
-        assert_eq!(arena.collect().recycled_blocks, sent.len(), "{strategy}");
-        assert_eq!(arena.stats().deferred_blocks, 0);
+        assert_eq!(arena.collect().unwrap().recycled_blocks, sent.len(), "{strategy}");
+        assert_eq!(arena.stats().unwrap().deferred_blocks, 0);
         // Released blocks come back.
         let small = sizes().into_iter().filter(|l| *l <= 1 << 20).count();
         let reused = (0..small).map(|_| arena.alloc(4096, 64).unwrap() as usize).filter(|p| sent.contains(p)).count();
@@ -139,7 +139,7 @@ fn blocks_travel_both_ways_and_held_blocks_are_not_reused() {
         assert_eq!(back.iter().map(check).collect::<Vec<_>>(), [100, 101, 102]);
         assert_eq!(peer.recv(), "sent");
         // Segments: a few, not one per block (the 2 and 3 MiB ones have their own).
-        assert!(arena.stats().segments <= 3, "{:?}", arena.stats());
+        assert!(arena.stats().unwrap().segments <= 3, "{:?}", arena.stats().unwrap());
         peer.stream.shutdown(std::net::Shutdown::Both).unwrap();
         peer.finish();
         // The child is gone; its blocks still read.
@@ -174,12 +174,12 @@ fn consumer_killed_with_9_holds_are_reclaimed_on_collection() {
     for p in &blocks {
         arena.free(*p).unwrap();
     }
-    assert_eq!(arena.collect(), Default::default(), "a live consumer's holds stay");
-    assert_eq!(arena.stats().deferred_blocks, 10);
+    assert_eq!(arena.collect().unwrap(), Default::default(), "a live consumer's holds stay");
+    assert_eq!(arena.stats().unwrap().deferred_blocks, 10);
     peer.kill9();
-    let r = arena.collect();
+    let r = arena.collect().unwrap();
     assert_eq!((r.reclaimed_holds, r.recycled_blocks), (10, 10));
-    assert_eq!(arena.stats().deferred_blocks, 0);
+    assert_eq!(arena.stats().unwrap().deferred_blocks, 0);
     let p = arena.alloc(10_000, 64).unwrap();
     assert!(blocks.contains(&p), "a reclaimed block is reused");
 }
@@ -351,10 +351,10 @@ fn storage_in_arena_shares_its_own_segment_by_fd_without_a_copy() {
     small.write_at(0, &bytes[..1000]).unwrap();
     let (fd2, _) = small.share_fd().unwrap();
     assert!(Storage::new_shared_fd(fd2, 1000).unwrap().to_vec() == bytes[..1000]);
-    assert_eq!(arena.stats().live_blocks, 1, "the small block went back when the storage moved");
+    assert_eq!(arena.stats().unwrap().live_blocks, 1, "the small block went back when the storage moved");
     drop(s);
     drop(other);
-    assert_eq!(arena.stats().live_blocks, 0);
+    assert_eq!(arena.stats().unwrap().live_blocks, 0);
 }
 
 mod c_api {
@@ -489,6 +489,123 @@ mod c_api {
             ss_arena_close(b);
             ss_arena_close(null_mut());
         }
+    }
+
+    fn last_message() -> String {
+        // SAFETY: the library's thread-local message, NUL-terminated.
+        unsafe { std::ffi::CStr::from_ptr(storage_sharing::ffi::errors::ss_last_error_message()) }.to_string_lossy().into_owned()
+    }
+
+    /// A handle whose fields differ from what the segment records for the
+    /// share (the block's offset and size, the hold's slot and generation,
+    /// the segment itself) opens nothing and takes no hold, nor does it
+    /// cancel the real share: the real handle opens afterwards.
+    #[test]
+    fn altered_handles_are_refused_without_taking_the_hold() {
+        for strategy in [SS_ARENA_BY_NAME, SS_ARENA_BY_FD] {
+            let a = open(strategy);
+            let (mut p, mut q) = (null_mut(), null_mut());
+            // SAFETY: valid arguments; the blocks are 4096 bytes each.
+            unsafe {
+                assert_eq!(ss_arena_alloc(a, 4096, 4096, &mut p), SS_OK);
+                assert_eq!(ss_arena_alloc(a, 4096, 4096, &mut q), SS_OK);
+                assert_eq!(q as usize, p as usize + 4096, "neighbouring blocks");
+                std::ptr::write_bytes(p.cast::<u8>(), 1, 4096);
+                std::ptr::write_bytes(q.cast::<u8>(), 2, 4096);
+            }
+            let good = share(a, p);
+            let neighbour = share(a, q);
+            if strategy == SS_ARENA_BY_FD {
+                let mut fd = -1;
+                // SAFETY: valid arguments; the dup is taken over.
+                unsafe {
+                    assert_eq!(ss_arena_segment_fd(a, good.segment_id, &mut fd), SS_OK);
+                    assert_eq!(ss_arena_import_segment_fd(&good, libc::dup(fd)), SS_OK);
+                }
+            }
+            type Alter = fn(&mut ss_arena_handle);
+            let cases: [(&str, Alter); 14] = [
+                ("size 1", |h| h.size = 1),
+                ("size 4095", |h| h.size = 4095),
+                ("size 4097", |h| h.size = 4097),
+                ("size 8192 (reaches the neighbour)", |h| h.size = 8192),
+                ("offset of the neighbour", |h| h.offset += 4096),
+                ("offset inside the block", |h| h.offset += 64),
+                ("offset and size of the neighbour", |h| {
+                    h.offset += 4096;
+                    h.size = 4096
+                }),
+                ("next generation", |h| h.hold_generation += 1),
+                ("previous generation", |h| h.hold_generation -= 1),
+                ("the neighbour's hold slot", |h| h.hold_slot += 1),
+                ("segment size", |h| h.segment_size *= 2),
+                ("producer start time", |h| h.producer_start += 1),
+                ("producer pid", |h| h.producer_pid += 1),
+                ("segment id", |h| h.segment_id += 1),
+            ];
+            for (what, alter) in cases {
+                let mut h = good;
+                alter(&mut h);
+                let got = open_remote(&h);
+                assert!(
+                    matches!(got, Err(SS_ERR_INVALID_ARGUMENT) | Err(SS_ERR_NOT_FOUND) | Err(SS_ERR_CORRUPT) | Err(SS_ERR_SIZE_MISMATCH)),
+                    "{strategy} {what}: {got:?}"
+                );
+                if what.starts_with("size") {
+                    assert_eq!(got, Err(SS_ERR_INVALID_ARGUMENT), "{strategy} {what}");
+                    let msg = last_message();
+                    assert!(msg.contains("size"), "{strategy} {what}: {msg}");
+                }
+                // SAFETY: a live arena and a readable handle.
+                let cancelled = unsafe { ss_arena_unshare(a, &h) };
+                assert_ne!(cancelled, SS_OK, "{strategy} {what}: cancelled the real share");
+            }
+            // The real handles still hold their blocks and open, each its own.
+            let v = open_remote(&good).unwrap();
+            let w = open_remote(&neighbour).unwrap();
+            // SAFETY: live views.
+            unsafe {
+                assert_eq!(ss_arena_view_size(v), 4096);
+                assert_eq!(ss_arena_view_data(v).cast::<u8>().read(), 1);
+                assert_eq!(ss_arena_view_data(w).cast::<u8>().read(), 2);
+                ss_arena_view_free(v);
+                ss_arena_view_free(w);
+                ss_arena_close(a);
+            }
+        }
+    }
+
+    /// Setting only `segment_size` (below 4 MiB) works: `large_threshold`
+    /// left at its default follows it; one set by hand is still checked.
+    #[test]
+    fn a_small_segment_size_alone_is_accepted() {
+        let mut o = std::mem::MaybeUninit::uninit();
+        // SAFETY: out-parameters of the calls under test.
+        unsafe {
+            assert_eq!(ss_arena_options_default(o.as_mut_ptr()), SS_OK);
+            let mut o = o.assume_init();
+            o.segment_size = 1 << 20;
+            let mut a = null_mut();
+            assert_eq!(ss_arena_open(&o, &mut a), SS_OK, "{}", last_message());
+            let (mut small, mut large) = (null_mut(), null_mut());
+            assert_eq!(ss_arena_alloc(a, 200 << 10, 64, &mut small), SS_OK);
+            assert_eq!(ss_arena_alloc(a, 300 << 10, 64, &mut large), SS_OK);
+            let mut st = std::mem::zeroed();
+            assert_eq!(ss_arena_stats_get(a, &mut st), SS_OK);
+            assert_eq!(st.segments, 2, "a block above a quarter of the segment gets its own");
+            ss_arena_close(a);
+            o.large_threshold = 0;
+            o.segment_size = 64 << 10;
+            assert_eq!(ss_arena_open(&o, &mut a), SS_OK, "0 means automatic: {}", last_message());
+            ss_arena_close(a);
+            o.large_threshold = 512 << 10;
+            o.segment_size = 1 << 20;
+            assert_eq!(ss_arena_open(&o, &mut a), SS_ERR_INVALID_ARGUMENT);
+            assert!(last_message().contains("large_threshold"), "{}", last_message());
+        }
+        let a = Arena::new(ArenaOptions { segment_size: 1 << 20, ..ArenaOptions::default() }).unwrap();
+        assert_eq!(a.options().large_threshold, 256 << 10);
+        assert_eq!(Arena::new(ArenaOptions::default()).unwrap().options().large_threshold, 1 << 20);
     }
 
     #[test]

@@ -7,6 +7,7 @@ use super::segment::{page_size, round_up, Segment};
 use super::size_classes::{class_align, class_count, class_for, class_size, MAX_ALIGN};
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -20,19 +21,32 @@ pub struct ArenaOptions {
     /// may be in flight or held by consumers at once.
     pub max_holds: usize,
     /// Blocks above this size get a segment of their own (freed with them).
+    /// 0 (the default): automatic, 1 MiB or a quarter of `segment_size`
+    /// if that is less.
     pub large_threshold: usize,
 }
 
 impl Default for ArenaOptions {
     fn default() -> Self {
-        ArenaOptions { segment_size: 64 << 20, strategy: Strategy::Fd, max_holds: 4096, large_threshold: 1 << 20 }
+        ArenaOptions { segment_size: 64 << 20, strategy: Strategy::Fd, max_holds: 4096, large_threshold: 0 }
     }
 }
+
+/// The large threshold an arena gets when its options leave it automatic.
+const AUTO_LARGE_THRESHOLD: usize = 1 << 20;
 
 /// Hold slots of a segment that holds one large block.
 const LARGE_SEGMENT_SLOTS: usize = 256;
 
 impl ArenaOptions {
+    /// The options with an automatic `large_threshold` made concrete.
+    fn resolved(mut self) -> ArenaOptions {
+        if self.large_threshold == 0 {
+            self.large_threshold = AUTO_LARGE_THRESHOLD.min(self.segment_size / 4);
+        }
+        self
+    }
+
     fn check(&self) -> Result<()> {
         let bad = |why: String| Err(Error::new(ErrorKind::InvalidArgument, format!("arena options: {why}")));
         if self.segment_size < page_size() || self.segment_size > (1 << 40) {
@@ -105,33 +119,86 @@ struct State {
     free_lists: Vec<Vec<(u64, usize)>>,
 }
 
+#[derive(Debug)]
+struct Shared {
+    /// The process that made the arena: the only one whose allocator it is.
+    creator_pid: u32,
+    opts: ArenaOptions,
+    state: Mutex<State>,
+}
+
 /// A shareable CPU arena. Clones share it; every method locks it, so it
 /// may be used from any thread.
-#[derive(Clone, Debug)]
-pub struct Arena(Arc<Mutex<State>>);
+///
+/// It belongs to the process that made it. A child forked from that
+/// process inherits the mappings but not the allocator: there every
+/// method fails (`InvalidArgument`) without touching the state, which
+/// is the parent's (and may have been copied in the middle of another
+/// thread's update), and dropping the last clone there releases nothing.
+/// Reading blocks the parent allocated before the fork still works.
+#[derive(Debug)]
+pub struct Arena(ManuallyDrop<Arc<Shared>>);
+
+impl Clone for Arena {
+    fn clone(&self) -> Self {
+        Arena(ManuallyDrop::new(Arc::clone(&self.0)))
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // In a forked child the state and segments are the parent's:
+        // leave them be (the child's copy goes when the child exits).
+        if self.0.creator_pid == std::process::id() {
+            // SAFETY: dropped once, here; never used after.
+            unsafe { ManuallyDrop::drop(&mut self.0) };
+        }
+    }
+}
 
 impl Arena {
     pub fn new(opts: ArenaOptions) -> Result<Arena> {
+        let opts = opts.resolved();
         opts.check()?;
         let classes = class_count(opts.large_threshold);
-        Ok(Arena(Arc::new(Mutex::new(State {
-            opts,
+        let state = State {
+            opts: opts.clone(),
             segments: HashMap::new(),
             current: None,
             live: HashMap::new(),
             deferred: Vec::new(),
             free_lists: vec![Vec::new(); classes],
-        }))))
+        };
+        Ok(Arena(ManuallyDrop::new(Arc::new(Shared { creator_pid: std::process::id(), opts, state: Mutex::new(state) }))))
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    /// The state, for the process that made the arena; in a forked child
+    /// an error that says so (before the lock, which a thread of the
+    /// parent may have held at the fork).
+    fn lock(&self, op: &str) -> Result<MutexGuard<'_, State>> {
+        self.check_owner(op)?;
         // Every critical section leaves State consistent before anything
         // that could panic, so a poisoned lock still holds valid data.
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        Ok(self.0.state.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
+    fn check_owner(&self, op: &str) -> Result<()> {
+        let me = std::process::id();
+        if me == self.0.creator_pid {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "arena {op}: arena was created by pid {}; this is a forked child (pid {me}), which cannot allocate, free or share in its parent's arena: open an arena of its own",
+                self.0.creator_pid
+            ),
+        ))
+    }
+
+    /// The options, with an automatic large threshold made concrete.
     pub fn options(&self) -> ArenaOptions {
-        self.lock().opts.clone()
+        self.0.opts.clone()
     }
 
     /// A block of `size` bytes aligned to `align` (a power of two up to a
@@ -146,7 +213,7 @@ impl Arena {
                 format!("alignment {align} must be a power of two of at most {MAX_ALIGN}"),
             ));
         }
-        let mut st = self.lock();
+        let mut st = self.lock("alloc")?;
         match class_for(size, align, st.opts.large_threshold) {
             Some(c) => st.alloc_small(c),
             None => st.alloc_large(size),
@@ -156,7 +223,7 @@ impl Arena {
     /// Frees a block. If a consumer still holds it (or a share of it has
     /// not been opened yet), it is reused only once that hold is gone.
     pub fn free(&self, p: *mut u8) -> Result<()> {
-        let mut st = self.lock();
+        let mut st = self.lock("free")?;
         let block = match st.live.remove(&(p as usize)) {
             Some(b) => b,
             None => return Err(st.unknown_pointer(p, "free")),
@@ -172,7 +239,7 @@ impl Arena {
     /// Shares a live block: takes one hold in its segment's counter area
     /// and returns the handle a consumer opens (once). O(1), no copy.
     pub fn share(&self, p: *mut u8) -> Result<ArenaHandle> {
-        let mut st = self.lock();
+        let mut st = self.lock("share")?;
         let st = &mut *st;
         let Some(&Block { seg_id, offset, size, .. }) = st.live.get(&(p as usize)) else {
             return Err(st.unknown_pointer(p, "share"));
@@ -181,7 +248,7 @@ impl Arena {
         let me = counters::me();
         let (slot, generation) = loop {
             let slot = take_slot(seg, &mut st.live, &mut st.deferred)?;
-            if let Some(g) = seg.seg.slot(slot as usize).claim(offset as u64, me) {
+            if let Some(g) = seg.seg.slot(slot as usize).claim(offset as u64, size as u64, me) {
                 break (slot, g);
             }
         };
@@ -202,11 +269,41 @@ impl Arena {
     /// Cancels a share that will never be opened (the handle was not
     /// sent, or its receiver is gone before opening it).
     pub fn unshare(&self, h: &ArenaHandle) -> Result<()> {
-        let st = self.lock();
+        let st = self.lock("unshare")?;
         let seg = st.segments.get(&h.key.segment_id).filter(|s| s.seg.key() == h.key).ok_or_else(|| {
             Error::new(ErrorKind::NotFound, format!("arena handle names segment {} which this arena does not have", h.key.segment_id))
         })?;
-        if h.slot as usize >= seg.seg.nslots() || !seg.seg.slot(h.slot as usize).release(h.generation, IN_FLIGHT) {
+        if h.segment_data_size != seg.seg.data_size() as u64 {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "bad arena handle: segment size {} is not segment {}'s {}",
+                    h.segment_data_size,
+                    h.key.segment_id,
+                    seg.seg.data_size()
+                ),
+            ));
+        }
+        if h.slot as usize >= seg.seg.nslots() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("bad arena handle: hold slot {} of a segment with {}", h.slot, seg.seg.nslots()),
+            ));
+        }
+        // Only the producer claims slots, under this lock: the record is
+        // the one of the slot's current share.
+        let slot = seg.seg.slot(h.slot as usize);
+        let (offset, size) = slot.block();
+        if (offset, size) != (h.offset, h.size) {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "bad arena handle: block (offset {}, size {}) is not the one its hold slot {} records (offset {offset}, size {size}): the handle was altered or belongs to another share",
+                    h.offset, h.size, h.slot
+                ),
+            ));
+        }
+        if !slot.release(h.generation, IN_FLIGHT) {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("arena handle (slot {}, generation {}) is not an unopened share: opened, cancelled or stale", h.slot, h.generation),
@@ -218,7 +315,7 @@ impl Arena {
     /// The descriptor of segment `segment_id` (by-fd arenas), owned by
     /// the arena: send it (once per peer), do not close it.
     pub fn segment_fd(&self, segment_id: u64) -> Result<RawFd> {
-        let st = self.lock();
+        let st = self.lock("segment_fd")?;
         let seg = st.segments.get(&segment_id).ok_or_else(|| {
             Error::new(ErrorKind::NotFound, format!("this arena has no segment {segment_id} (freed, or another arena's)"))
         })?;
@@ -230,8 +327,8 @@ impl Arena {
     /// Releases the holds of consumers that died (pid gone, or reused by
     /// a process with another start time) and reuses the freed blocks
     /// nobody holds any more.
-    pub fn collect(&self) -> CollectReport {
-        let mut st = self.lock();
+    pub fn collect(&self) -> Result<CollectReport> {
+        let mut st = self.lock("collect")?;
         let st = &mut *st;
         let mut report = CollectReport::default();
         for block in st.live.values().chain(st.deferred.iter()) {
@@ -249,29 +346,30 @@ impl Arena {
         let before = st.deferred.len();
         st.reap_deferred();
         report.recycled_blocks = before - st.deferred.len();
-        report
+        Ok(report)
     }
 
-    pub fn stats(&self) -> ArenaStats {
-        let st = self.lock();
-        ArenaStats {
+    pub fn stats(&self) -> Result<ArenaStats> {
+        let st = self.lock("stats")?;
+        Ok(ArenaStats {
             segments: st.segments.len(),
             live_blocks: st.live.len(),
             deferred_blocks: st.deferred.len(),
             segment_bytes: st.segments.values().map(|s| s.seg.data_size()).sum(),
-        }
+        })
     }
 
     /// The size the block at `p` was carved with (at least what was asked).
     pub fn block_size(&self, p: *mut u8) -> Result<usize> {
-        let st = self.lock();
+        let st = self.lock("block_size")?;
         st.live.get(&(p as usize)).map(|b| b.size).ok_or_else(|| st.unknown_pointer(p, "block_size"))
     }
 
     /// For a block that fills a segment of its own from offset 0: that
-    /// segment's descriptor (what PyTorch maps by fd). None otherwise.
+    /// segment's descriptor (what PyTorch maps by fd). None otherwise,
+    /// and in a forked child.
     pub fn whole_segment_fd(&self, p: *mut u8) -> Option<RawFd> {
-        let st = self.lock();
+        let st = self.lock("whole_segment_fd").ok()?;
         let b = st.live.get(&(p as usize))?;
         let seg = &st.segments[&b.seg_id];
         (seg.large && b.offset == 0).then(|| seg.seg.fd()).flatten()
@@ -449,11 +547,11 @@ mod tests {
             assert!(unsafe { std::slice::from_raw_parts(v.data(), 1000) }.iter().all(|b| *b == 7));
             a.free(p).unwrap();
             assert_eq!(a.free(p).unwrap_err().kind(), ErrorKind::InvalidArgument, "double free");
-            assert_eq!(a.stats().deferred_blocks, 1);
+            assert_eq!(a.stats().unwrap().deferred_blocks, 1);
             let q = a.alloc(1000, 64).unwrap();
             assert_ne!(p, q, "a held block is not reused");
             drop(v);
-            assert_eq!(a.collect().recycled_blocks, 1);
+            assert_eq!(a.collect().unwrap().recycled_blocks, 1);
             let r = a.alloc(1000, 64).unwrap();
             assert_eq!(r, p, "released block reused");
             let mut x = 5u8;
@@ -467,7 +565,7 @@ mod tests {
     fn large_blocks_own_their_segment_and_unshare_cancels() {
         let a = Arena::new(small_opts(Strategy::Name)).unwrap();
         let p = a.alloc(200 << 10, 4096).unwrap();
-        assert_eq!(a.stats().segments, 1);
+        assert_eq!(a.stats().unwrap().segments, 1);
         let h = a.share(p).unwrap();
         let path = format!("/dev/shm{}", h.name);
         assert!(std::path::Path::new(&path).exists());
@@ -475,7 +573,7 @@ mod tests {
         assert!(a.unshare(&h).is_err());
         assert_eq!(open_remote(&h).unwrap_err().kind(), ErrorKind::InvalidArgument);
         a.free(p).unwrap();
-        assert_eq!(a.stats().segments, 0);
+        assert_eq!(a.stats().unwrap().segments, 0);
         assert!(!std::path::Path::new(&path).exists(), "name removed with its segment");
     }
 

@@ -2,7 +2,7 @@
 //! (cached by producer pid + start time + segment id, so a reused pid
 //! cannot alias), views into it that carry one hold each.
 
-use super::counters::{self, HELD};
+use super::counters::{self, Refusal, HELD};
 use super::handle::{ArenaHandle, Strategy};
 use super::segment::{Segment, SegmentKey};
 use crate::error::{Error, ErrorKind, Result};
@@ -32,6 +32,9 @@ pub struct RemoteView {
     size: usize,
     slot: u32,
     generation: u32,
+    /// The process whose hold this is: a forked child that inherits the
+    /// view must not give the parent's hold back when it drops its copy.
+    holder_pid: u32,
 }
 
 // SAFETY: the view only reads plain fields; the bytes are the caller's.
@@ -59,7 +62,9 @@ impl Drop for RemoteView {
     fn drop(&mut self) {
         // The hold goes back in one compare-and-swap; a collector that
         // took it already (it thought us dead) makes this a no-op.
-        self.seg.slot(self.slot as usize).release(self.generation, HELD);
+        if self.holder_pid == std::process::id() {
+            self.seg.slot(self.slot as usize).release(self.generation, HELD);
+        }
         let key = self.seg.key();
         let mut c = cache();
         let Some(map) = c.as_mut() else { return };
@@ -143,17 +148,37 @@ pub fn open_remote(h: &ArenaHandle) -> Result<RemoteView> {
             format!("bad arena handle: hold slot {} of a segment with {}", h.slot, e.seg.nslots()),
         ));
     }
-    if !e.seg.slot(h.slot as usize).adopt(h.generation, h.offset, counters::me()) {
-        return Err(Error::new(
-            ErrorKind::InvalidArgument,
-            format!(
-                "arena handle (segment {}, offset {}, slot {}, generation {}) was opened already, cancelled, or is stale",
-                h.key.segment_id, h.offset, h.slot, h.generation
-            ),
-        ));
+    let me = counters::me();
+    match e.seg.slot(h.slot as usize).adopt(h.generation, h.offset, h.size, me) {
+        Ok(()) => {}
+        Err(Refusal::OtherBlock(offset, size)) => {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "bad arena handle: block (offset {}, size {}) is not the one its hold slot {} of segment {} records (offset {offset}, size {size}): the handle was altered or belongs to another share",
+                    h.offset, h.size, h.slot, h.key.segment_id
+                ),
+            ))
+        }
+        Err(Refusal::NotInFlight) => {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "arena handle (segment {}, offset {}, slot {}, generation {}) was opened already, cancelled, or is stale",
+                    h.key.segment_id, h.offset, h.slot, h.generation
+                ),
+            ))
+        }
     }
     e.views += 1;
-    Ok(RemoteView { seg: e.seg.clone(), offset: h.offset as usize, size: h.size as usize, slot: h.slot, generation: h.generation })
+    Ok(RemoteView {
+        seg: e.seg.clone(),
+        offset: h.offset as usize,
+        size: h.size as usize,
+        slot: h.slot,
+        generation: h.generation,
+        holder_pid: me.0 as u32,
+    })
 }
 
 /// Unmaps cached segments no view uses whose producer retired them or

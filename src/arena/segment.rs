@@ -14,7 +14,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"SSARENA1");
-const VERSION: u32 = 1;
+/// 2: hold slots record the size of the shared block beside its offset.
+const VERSION: u32 = 2;
 const HEADER_SIZE: usize = 4096;
 
 /// The header at the start of the trailer.
@@ -289,6 +290,14 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        // A forked child's copy of its parent's segment is only unmapped:
+        // the retired flag, the name and the manager's record are the
+        // parent's.
+        if self.creator && std::process::id() as i32 != self.key.producer_pid {
+            // SAFETY: this process's mapping; no block of it is used after this.
+            unsafe { libc::munmap(self.base.cast(), self.total) };
+            return;
+        }
         if self.creator {
             // Consumers unmap their copy once their last view goes.
             self.retire();

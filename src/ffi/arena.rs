@@ -36,7 +36,9 @@ pub struct ss_arena_options {
     /// consumers at once (default 4096).
     pub max_holds: u32,
     /// Blocks above this many bytes get a segment of their own, released
-    /// when they are freed (default 1 MiB; at most segment_size / 4).
+    /// when they are freed (at least 64, at most segment_size / 4). 0 (the
+    /// default): automatic, 1 MiB or segment_size / 4 if that is less, so
+    /// setting segment_size alone always works.
     pub large_threshold: usize,
 }
 
@@ -151,7 +153,9 @@ unsafe fn handle_arg(h: *const ss_arena_handle) -> Result<ArenaHandle> {
 }
 
 /// Fills `*out` with the default options: 64 MiB segments by fd, 4096
-/// holds per segment, blocks above 1 MiB in segments of their own.
+/// holds per segment, and an automatic large threshold (0: blocks above
+/// 1 MiB, or above a quarter of a smaller segment_size, get segments of
+/// their own).
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_options_default(out: *mut ss_arena_options) -> ss_status {
     ffi_status!("ss_arena_options_default", {
@@ -171,6 +175,14 @@ pub unsafe extern "C" fn ss_arena_options_default(out: *mut ss_arena_options) ->
 
 /// A new arena with `options` (NULL: the defaults). No segment is made
 /// until the first allocation. Release with `ss_arena_close`.
+///
+/// The arena is this process's. In a child forked from it, every call
+/// on the inherited arena (alloc, free, share, unshare, segment_fd,
+/// collect, stats, send, ss_storage_new_in_arena) fails with
+/// `SS_ERR_INVALID_ARGUMENT` ("arena was created by pid X; this is a
+/// forked child") and changes nothing of the parent's; blocks allocated
+/// before the fork stay readable, views inherited from the parent keep
+/// the parent's holds, and `ss_arena_close` there releases nothing.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_open(options: *const ss_arena_options, out: *mut *mut SsArena) -> ss_status {
     ffi_status!("ss_arena_open", {
@@ -277,7 +289,7 @@ pub unsafe extern "C" fn ss_arena_segment_fd(a: *const SsArena, segment_id: u64,
 pub unsafe extern "C" fn ss_arena_collect(a: *const SsArena, out_reclaimed_holds: *mut usize, out_recycled_blocks: *mut usize) -> ss_status {
     ffi_status!("ss_arena_collect", {
         // SAFETY: NULL or a live handle.
-        let r = unsafe { arena_arg(a) }?.collect();
+        let r = unsafe { arena_arg(a) }?.collect()?;
         // SAFETY: each is NULL or writable.
         unsafe {
             if !out_reclaimed_holds.is_null() {
@@ -297,7 +309,7 @@ pub unsafe extern "C" fn ss_arena_stats_get(a: *const SsArena, out: *mut ss_aren
     ffi_status!("ss_arena_stats_get", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a live handle.
-        let s = unsafe { arena_arg(a) }?.stats();
+        let s = unsafe { arena_arg(a) }?.stats()?;
         let s = ss_arena_stats {
             segments: s.segments,
             live_blocks: s.live_blocks,

@@ -249,7 +249,10 @@ impl Scenario for ArenaPath {
                         Err(e) => return err_reply(&e),
                     }
                 }
-                let segs = a.stats().segments;
+                let segs = match a.stats() {
+                    Ok(s) => s.segments,
+                    Err(e) => return err_reply(&e),
+                };
                 arena = Some(a);
                 format!("ok {segs}")
             }
@@ -280,13 +283,19 @@ impl Scenario for ArenaPath {
                 "ok".into()
             }
             ("producer", ["stats"]) => {
-                let s = arena.as_ref().unwrap().stats();
+                let s = match arena.as_ref().unwrap().stats() {
+                    Ok(s) => s,
+                    Err(e) => return err_reply(&e),
+                };
                 format!("deferred {} live {} segments {}", s.deferred_blocks, s.live_blocks, s.segments)
             }
             ("producer", ["collect"]) => {
                 let a = arena.as_ref().unwrap();
-                let c = a.collect();
-                format!("reclaimed {} recycled {} deferred {}", c.reclaimed_holds, c.recycled_blocks, a.stats().deferred_blocks)
+                let (c, s) = match a.collect().and_then(|c| Ok((c, a.stats()?))) {
+                    Ok(v) => v,
+                    Err(e) => return err_reply(&e),
+                };
+                format!("reclaimed {} recycled {} deferred {}", c.reclaimed_holds, c.recycled_blocks, s.deferred_blocks)
             }
             ("producer", ["close"]) => {
                 blocks.clear();

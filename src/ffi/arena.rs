@@ -152,6 +152,9 @@ unsafe fn handle_arg(h: *const ss_arena_handle) -> Result<ArenaHandle> {
 
 /// Fills `*out` with the default options: 64 MiB segments by fd, 4096
 /// holds per segment, blocks above 1 MiB in segments of their own.
+///
+/// # Safety
+/// `out` is NULL or points to a writable `ss_arena_options`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_options_default(out: *mut ss_arena_options) -> ss_status {
     ffi_status!("ss_arena_options_default", {
@@ -171,6 +174,10 @@ pub unsafe extern "C" fn ss_arena_options_default(out: *mut ss_arena_options) ->
 
 /// A new arena with `options` (NULL: the defaults). No segment is made
 /// until the first allocation. Release with `ss_arena_close`.
+///
+/// # Safety
+/// `options` is NULL or points to a readable `ss_arena_options`; `out` is
+/// NULL or points to a writable `ss_arena*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_open(options: *const ss_arena_options, out: *mut *mut SsArena) -> ss_status {
     ffi_status!("ss_arena_open", {
@@ -193,6 +200,10 @@ pub unsafe extern "C" fn ss_arena_open(options: *const ss_arena_options, out: *m
 /// processes hold stay readable (they have their own mapping); a handle
 /// not opened yet opens only in a process that has its segment mapped
 /// already (else `SS_ERR_NOT_FOUND`). NULL is a no-op.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` that no other thread is using; it must
+/// not be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_close(a: *mut SsArena) {
     ffi_value!("ss_arena_close", (), {
@@ -204,6 +215,10 @@ pub unsafe extern "C" fn ss_arena_close(a: *mut SsArena) {
 /// A block of `size` bytes (> 0) aligned to `align` (a power of two, at
 /// most 4096) in shared memory, in `*out_ptr`. A full /dev/shm or out of
 /// memory gives `SS_ERR_NO_SPACE`, never a SIGBUS later.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `out_ptr` is NULL or points to a writable `void*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_alloc(a: *const SsArena, size: usize, align: usize, out_ptr: *mut *mut c_void) -> ss_status {
     ffi_status!("ss_arena_alloc", {
@@ -220,6 +235,10 @@ pub unsafe extern "C" fn ss_arena_alloc(a: *const SsArena, size: usize, align: u
 /// after the consumer releases it (or dies and `ss_arena_collect` runs).
 /// A pointer this arena did not allocate, or one freed already, gives
 /// `SS_ERR_INVALID_ARGUMENT` and changes nothing.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `ptr` may be any value. The freed block must not be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_free(a: *const SsArena, ptr: *mut c_void) -> ss_status {
     ffi_status!("ss_arena_free", {
@@ -232,6 +251,11 @@ pub unsafe extern "C" fn ss_arena_free(a: *const SsArena, ptr: *mut c_void) -> s
 /// the handle another process opens with `ss_arena_open_remote` (once).
 /// By fd, that process needs the segment's descriptor first
 /// (`ss_arena_segment_fd`, once per segment), or use `ss_arena_send`.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `ptr` may be any value; `out` is NULL or points to a writable
+/// `ss_arena_handle`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_share(a: *const SsArena, ptr: *mut c_void, out: *mut ss_arena_handle) -> ss_status {
     ffi_status!("ss_arena_share", {
@@ -246,6 +270,10 @@ pub unsafe extern "C" fn ss_arena_share(a: *const SsArena, ptr: *mut c_void, out
 
 /// Cancels a share whose handle will never be opened, releasing its
 /// hold. A handle opened or cancelled already: `SS_ERR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile); `h`
+/// is NULL or points to a readable `ss_arena_handle`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_unshare(a: *const SsArena, h: *const ss_arena_handle) -> ss_status {
     ffi_status!("ss_arena_unshare", {
@@ -257,6 +285,10 @@ pub unsafe extern "C" fn ss_arena_unshare(a: *const SsArena, h: *const ss_arena_
 
 /// The descriptor of segment `segment_id` (from a handle) of a by-fd
 /// arena, owned by the arena: send it once per peer, never close it.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `out_fd` is NULL or points to a writable `int`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_segment_fd(a: *const SsArena, segment_id: u64, out_fd: *mut c_int) -> ss_status {
     ffi_status!("ss_arena_segment_fd", {
@@ -273,6 +305,11 @@ pub unsafe extern "C" fn ss_arena_segment_fd(a: *const SsArena, segment_id: u64,
 /// belongs to a process with another start time) and reuses the freed
 /// blocks nobody holds any more. Counts go to the out-parameters, each
 /// of which may be NULL.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `out_reclaimed_holds` and `out_recycled_blocks` are NULL or point to a
+/// writable `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_collect(a: *const SsArena, out_reclaimed_holds: *mut usize, out_recycled_blocks: *mut usize) -> ss_status {
     ffi_status!("ss_arena_collect", {
@@ -292,6 +329,10 @@ pub unsafe extern "C" fn ss_arena_collect(a: *const SsArena, out_reclaimed_holds
 }
 
 /// The arena's counts: segments, live blocks, deferred blocks, bytes.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `ss_arena_stats`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_stats_get(a: *const SsArena, out: *mut ss_arena_stats) -> ss_status {
     ffi_status!("ss_arena_stats_get", {
@@ -314,6 +355,9 @@ pub unsafe extern "C" fn ss_arena_stats_get(a: *const SsArena, out: *mut ss_aren
 /// from the producer. The descriptor is taken over on success (closed at
 /// once if this process has the segment mapped already); on failure the
 /// caller still owns it.
+///
+/// # Safety
+/// `h` is NULL or points to a readable `ss_arena_handle`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_import_segment_fd(h: *const ss_arena_handle, fd: c_int) -> ss_status {
     ffi_status!("ss_arena_import_segment_fd", {
@@ -341,6 +385,10 @@ pub unsafe extern "C" fn ss_arena_import_segment_fd(h: *const ss_arena_handle, f
 /// opened already, cancelled, stale or malformed gives
 /// `SS_ERR_INVALID_ARGUMENT` (or `SS_ERR_CORRUPT` when the segment does
 /// not match it).
+///
+/// # Safety
+/// `h` is NULL or points to a readable `ss_arena_handle`; `out` is NULL or
+/// points to a writable `ss_arena_view*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_open_remote(h: *const ss_arena_handle, out: *mut *mut SsArenaView) -> ss_status {
     ffi_status!("ss_arena_open_remote", {
@@ -358,6 +406,9 @@ pub unsafe extern "C" fn ss_arena_open_remote(h: *const ss_arena_handle, out: *m
 /// another process); by name, a dead producer's name goes too. Their
 /// count goes to `out_released` (may be NULL). `ss_arena_open_remote`
 /// does this by itself before it maps a new segment.
+///
+/// # Safety
+/// `out_released` is NULL or points to a writable `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_trim_remote_cache(out_released: *mut usize) -> ss_status {
     ffi_status!("ss_arena_trim_remote_cache", {
@@ -371,6 +422,9 @@ pub unsafe extern "C" fn ss_arena_trim_remote_cache(out_released: *mut usize) ->
 }
 
 /// Consumer: how many remote segments this process has mapped now.
+///
+/// # Safety
+/// `out` is NULL or points to a writable `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_remote_cache_size(out: *mut usize) -> ss_status {
     ffi_status!("ss_arena_remote_cache_size", {
@@ -382,6 +436,10 @@ pub unsafe extern "C" fn ss_arena_remote_cache_size(out: *mut usize) -> ss_statu
 }
 
 /// Start of the viewed block; NULL for NULL.
+///
+/// # Safety
+/// `v` is NULL or a live `ss_arena_view` (other threads may use it
+/// meanwhile). The pointer is valid until the view is freed.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_view_data(v: *const SsArenaView) -> *mut c_void {
     ffi_value!("ss_arena_view_data", std::ptr::null_mut(), {
@@ -392,6 +450,10 @@ pub unsafe extern "C" fn ss_arena_view_data(v: *const SsArenaView) -> *mut c_voi
 
 /// Size of the viewed block in bytes (the block's carved size, at least
 /// what the producer asked for); 0 for NULL.
+///
+/// # Safety
+/// `v` is NULL or a live `ss_arena_view` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_view_size(v: *const SsArenaView) -> usize {
     ffi_value!("ss_arena_view_size", 0, {
@@ -403,6 +465,10 @@ pub unsafe extern "C" fn ss_arena_view_size(v: *const SsArenaView) -> usize {
 /// Releases the view's hold (one atomic compare-and-swap in the segment)
 /// and the view. The segment stays mapped for later views until its
 /// producer retires it or dies. NULL is a no-op.
+///
+/// # Safety
+/// `v` is NULL or a live `ss_arena_view` that no other thread is using;
+/// neither it nor the block's bytes may be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_view_free(v: *mut SsArenaView) {
     ffi_value!("ss_arena_view_free", (), {
@@ -414,6 +480,10 @@ pub unsafe extern "C" fn ss_arena_view_free(v: *mut SsArenaView) {
 /// Shares the block at `ptr` and sends it over `sock` (a connected Unix
 /// stream socket): the handle, plus the segment's descriptor the first
 /// time that segment goes to this peer. On failure the share is cancelled.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `ptr` may be any value.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_send(a: *const SsArena, sock: c_int, ptr: *mut c_void) -> ss_status {
     ffi_status!("ss_arena_send", {
@@ -423,6 +493,9 @@ pub unsafe extern "C" fn ss_arena_send(a: *const SsArena, sock: c_int, ptr: *mut
 }
 
 /// Receives one block sent with `ss_arena_send` and opens it.
+///
+/// # Safety
+/// `out` is NULL or points to a writable `ss_arena_view*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_recv(sock: c_int, out: *mut *mut SsArenaView) -> ss_status {
     ffi_status!("ss_arena_recv", {
@@ -440,6 +513,10 @@ pub unsafe extern "C" fn ss_arena_recv(sock: c_int, out: *mut *mut SsArenaView) 
 /// segment's fd with no copy (the tuple PyTorch maps); smaller blocks are
 /// copied into their own segment when shared by fd or by name, as heap
 /// storages are. The block is freed with the storage's last reference.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `ss_storage*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_new_in_arena(a: *const SsArena, nbytes: usize, out: *mut *mut super::storage::SsStorage) -> ss_status {
     ffi_status!("ss_storage_new_in_arena", {

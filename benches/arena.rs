@@ -4,6 +4,7 @@
 //!  2. sending 100,000 tensors of 4-64 KiB to another process with
 //!     RLIMIT_NOFILE at 256 (peak fds and mappings of both processes);
 //!  3. peak RSS + shm while sharing an 8 GiB tensor with a reader.
+//!
 //! Run: cargo bench --bench arena [-- --count N --torch-count M --big-gib G --no-big --only-big]
 //! PyTorch's columns come from benches/arena_torch.py run by
 //! $SS_TEST_PYTHON (else python3) and are skipped when torch does not import.

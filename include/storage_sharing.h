@@ -397,9 +397,7 @@ typedef struct {
   uint32_t max_holds;
   /**
    * Blocks above this many bytes get a segment of their own, released
-   * when they are freed (at least 64, at most segment_size / 4). 0 (the
-   * default): automatic, 1 MiB or segment_size / 4 if that is less, so
-   * setting segment_size alone always works.
+   * when they are freed (default 1 MiB; at most segment_size / 4).
    */
   size_t large_threshold;
 } ss_arena_options;
@@ -571,9 +569,10 @@ extern "C" {
 
 /**
  * Fills `*out` with the default options: 64 MiB segments by fd, 4096
- * holds per segment, and an automatic large threshold (0: blocks above
- * 1 MiB, or above a quarter of a smaller segment_size, get segments of
- * their own).
+ * holds per segment, blocks above 1 MiB in segments of their own.
+ *
+ * # Safety
+ * `out` is NULL or points to a writable `ss_arena_options`.
  */
 ss_status ss_arena_options_default(ss_arena_options *out);
 
@@ -581,13 +580,9 @@ ss_status ss_arena_options_default(ss_arena_options *out);
  * A new arena with `options` (NULL: the defaults). No segment is made
  * until the first allocation. Release with `ss_arena_close`.
  *
- * The arena is this process's. In a child forked from it, every call
- * on the inherited arena (alloc, free, share, unshare, segment_fd,
- * collect, stats, send, ss_storage_new_in_arena) fails with
- * `SS_ERR_INVALID_ARGUMENT` ("arena was created by pid X; this is a
- * forked child") and changes nothing of the parent's; blocks allocated
- * before the fork stay readable, views inherited from the parent keep
- * the parent's holds, and `ss_arena_close` there releases nothing.
+ * # Safety
+ * `options` is NULL or points to a readable `ss_arena_options`; `out` is
+ * NULL or points to a writable `ss_arena*`.
  */
 ss_status ss_arena_open(const ss_arena_options *options, ss_arena **out);
 
@@ -598,6 +593,10 @@ ss_status ss_arena_open(const ss_arena_options *options, ss_arena **out);
  * processes hold stay readable (they have their own mapping); a handle
  * not opened yet opens only in a process that has its segment mapped
  * already (else `SS_ERR_NOT_FOUND`). NULL is a no-op.
+ *
+ * # Safety
+ * `a` is NULL or a live `ss_arena` that no other thread is using; it must
+ * not be used after the call.
  */
 void ss_arena_close(ss_arena *a);
 
@@ -605,6 +604,10 @@ void ss_arena_close(ss_arena *a);
  * A block of `size` bytes (> 0) aligned to `align` (a power of two, at
  * most 4096) in shared memory, in `*out_ptr`. A full /dev/shm or out of
  * memory gives `SS_ERR_NO_SPACE`, never a SIGBUS later.
+ *
+ * # Safety
+ * `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+ * `out_ptr` is NULL or points to a writable `void*`.
  */
 ss_status ss_arena_alloc(const ss_arena *a, size_t size, size_t align, void **out_ptr);
 
@@ -613,6 +616,10 @@ ss_status ss_arena_alloc(const ss_arena *a, size_t size, size_t align, void **ou
  * after the consumer releases it (or dies and `ss_arena_collect` runs).
  * A pointer this arena did not allocate, or one freed already, gives
  * `SS_ERR_INVALID_ARGUMENT` and changes nothing.
+ *
+ * # Safety
+ * `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+ * `ptr` may be any value. The freed block must not be used after the call.
  */
 ss_status ss_arena_free(const ss_arena *a, void *ptr);
 
@@ -621,18 +628,31 @@ ss_status ss_arena_free(const ss_arena *a, void *ptr);
  * the handle another process opens with `ss_arena_open_remote` (once).
  * By fd, that process needs the segment's descriptor first
  * (`ss_arena_segment_fd`, once per segment), or use `ss_arena_send`.
+ *
+ * # Safety
+ * `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+ * `ptr` may be any value; `out` is NULL or points to a writable
+ * `ss_arena_handle`.
  */
 ss_status ss_arena_share(const ss_arena *a, void *ptr, ss_arena_handle *out);
 
 /**
  * Cancels a share whose handle will never be opened, releasing its
  * hold. A handle opened or cancelled already: `SS_ERR_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `a` is NULL or a live `ss_arena` (other threads may use it meanwhile); `h`
+ * is NULL or points to a readable `ss_arena_handle`.
  */
 ss_status ss_arena_unshare(const ss_arena *a, const ss_arena_handle *h);
 
 /**
  * The descriptor of segment `segment_id` (from a handle) of a by-fd
  * arena, owned by the arena: send it once per peer, never close it.
+ *
+ * # Safety
+ * `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+ * `out_fd` is NULL or points to a writable `int`.
  */
 ss_status ss_arena_segment_fd(const ss_arena *a, uint64_t segment_id, int *out_fd);
 
@@ -641,6 +661,11 @@ ss_status ss_arena_segment_fd(const ss_arena *a, uint64_t segment_id, int *out_f
  * belongs to a process with another start time) and reuses the freed
  * blocks nobody holds any more. Counts go to the out-parameters, each
  * of which may be NULL.
+ *
+ * # Safety
+ * `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+ * `out_reclaimed_holds` and `out_recycled_blocks` are NULL or point to a
+ * writable `size_t`.
  */
 ss_status ss_arena_collect(const ss_arena *a,
                            size_t *out_reclaimed_holds,
@@ -648,6 +673,10 @@ ss_status ss_arena_collect(const ss_arena *a,
 
 /**
  * The arena's counts: segments, live blocks, deferred blocks, bytes.
+ *
+ * # Safety
+ * `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `ss_arena_stats`.
  */
 ss_status ss_arena_stats_get(const ss_arena *a, ss_arena_stats *out);
 
@@ -656,6 +685,9 @@ ss_status ss_arena_stats_get(const ss_arena *a, ss_arena_stats *out);
  * from the producer. The descriptor is taken over on success (closed at
  * once if this process has the segment mapped already); on failure the
  * caller still owns it.
+ *
+ * # Safety
+ * `h` is NULL or points to a readable `ss_arena_handle`.
  */
 ss_status ss_arena_import_segment_fd(const ss_arena_handle *h, int fd);
 
@@ -666,6 +698,10 @@ ss_status ss_arena_import_segment_fd(const ss_arena_handle *h, int fd);
  * opened already, cancelled, stale or malformed gives
  * `SS_ERR_INVALID_ARGUMENT` (or `SS_ERR_CORRUPT` when the segment does
  * not match it).
+ *
+ * # Safety
+ * `h` is NULL or points to a readable `ss_arena_handle`; `out` is NULL or
+ * points to a writable `ss_arena_view*`.
  */
 ss_status ss_arena_open_remote(const ss_arena_handle *h, ss_arena_view **out);
 
@@ -675,22 +711,36 @@ ss_status ss_arena_open_remote(const ss_arena_handle *h, ss_arena_view **out);
  * another process); by name, a dead producer's name goes too. Their
  * count goes to `out_released` (may be NULL). `ss_arena_open_remote`
  * does this by itself before it maps a new segment.
+ *
+ * # Safety
+ * `out_released` is NULL or points to a writable `size_t`.
  */
 ss_status ss_arena_trim_remote_cache(size_t *out_released);
 
 /**
  * Consumer: how many remote segments this process has mapped now.
+ *
+ * # Safety
+ * `out` is NULL or points to a writable `size_t`.
  */
 ss_status ss_arena_remote_cache_size(size_t *out);
 
 /**
  * Start of the viewed block; NULL for NULL.
+ *
+ * # Safety
+ * `v` is NULL or a live `ss_arena_view` (other threads may use it
+ * meanwhile). The pointer is valid until the view is freed.
  */
 void *ss_arena_view_data(const ss_arena_view *v);
 
 /**
  * Size of the viewed block in bytes (the block's carved size, at least
  * what the producer asked for); 0 for NULL.
+ *
+ * # Safety
+ * `v` is NULL or a live `ss_arena_view` (other threads may use it
+ * meanwhile).
  */
 size_t ss_arena_view_size(const ss_arena_view *v);
 
@@ -698,6 +748,10 @@ size_t ss_arena_view_size(const ss_arena_view *v);
  * Releases the view's hold (one atomic compare-and-swap in the segment)
  * and the view. The segment stays mapped for later views until its
  * producer retires it or dies. NULL is a no-op.
+ *
+ * # Safety
+ * `v` is NULL or a live `ss_arena_view` that no other thread is using;
+ * neither it nor the block's bytes may be used after the call.
  */
 void ss_arena_view_free(ss_arena_view *v);
 
@@ -705,11 +759,18 @@ void ss_arena_view_free(ss_arena_view *v);
  * Shares the block at `ptr` and sends it over `sock` (a connected Unix
  * stream socket): the handle, plus the segment's descriptor the first
  * time that segment goes to this peer. On failure the share is cancelled.
+ *
+ * # Safety
+ * `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+ * `ptr` may be any value.
  */
 ss_status ss_arena_send(const ss_arena *a, int sock, void *ptr);
 
 /**
  * Receives one block sent with `ss_arena_send` and opens it.
+ *
+ * # Safety
+ * `out` is NULL or points to a writable `ss_arena_view*`.
  */
 ss_status ss_arena_recv(int sock, ss_arena_view **out);
 
@@ -720,6 +781,10 @@ ss_status ss_arena_recv(int sock, ss_arena_view **out);
  * segment's fd with no copy (the tuple PyTorch maps); smaller blocks are
  * copied into their own segment when shared by fd or by name, as heap
  * storages are. The block is freed with the storage's last reference.
+ *
+ * # Safety
+ * `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `ss_storage*`.
  */
 ss_status ss_storage_new_in_arena(const ss_arena *a, size_t nbytes, ss_storage **out);
 
@@ -728,6 +793,10 @@ ss_status ss_storage_new_in_arena(const ss_arena *a, size_t nbytes, ss_storage *
  * allowed for 0 bytes) into `buf` of `buf_len` bytes, NUL-terminated.
  * `mode` is `SS_HASH_FAST` (32 characters) or `SS_HASH_STABLE` (40);
  * `SS_HASH_HEX_MAX` bytes always suffice.
+ *
+ * # Safety
+ * `data` is NULL or readable for `nbytes` bytes, not written by another
+ * thread during the call; `buf` is NULL or writable for `buf_len` bytes.
  */
 ss_status ss_hash_bytes(const void *data, size_t nbytes, int mode, char *buf, size_t buf_len);
 
@@ -735,6 +804,10 @@ ss_status ss_hash_bytes(const void *data, size_t nbytes, int mode, char *buf, si
  * Opens (creating if needed) the store in folder `path` for writing, in
  * `format` (`SS_CONTENT_FORMAT_NATIVE` or `SS_CONTENT_FORMAT_TORCH`). A
  * store already there is added to; it must have the same format.
+ *
+ * # Safety
+ * `path` is NULL or a NUL-terminated string; `out` is NULL or points to a
+ * writable `ss_content_writer*`.
  */
 ss_status ss_content_writer_open(const char *path, int format, ss_content_writer **out);
 
@@ -742,6 +815,12 @@ ss_status ss_content_writer_open(const char *path, int format, ss_content_writer
  * Stores `nbytes` bytes at `data` as a storage (once per distinct
  * content) and writes its hash, NUL-terminated, into `buf` of `buf_len`
  * bytes (`SS_HASH_HEX_MAX` suffice; `buf` may be NULL when `buf_len` is 0).
+ *
+ * # Safety
+ * `w` is NULL or a live `ss_content_writer` (other threads may use it
+ * meanwhile); `data` is NULL or readable for `nbytes` bytes, not written by
+ * another thread during the call; `buf` is NULL or writable for `buf_len`
+ * bytes.
  */
 ss_status ss_content_write_storage(const ss_content_writer *w,
                                    const void *data,
@@ -756,6 +835,12 @@ ss_status ss_content_write_storage(const ss_content_writer *w,
  * PyTorch). The view must lie inside the storage. `/` in `name` makes
  * folders; `..`, absolute names, empty parts and NUL are refused. An
  * entry of the same name is replaced.
+ *
+ * # Safety
+ * `w` is NULL or a live `ss_content_writer` (other threads may use it
+ * meanwhile); `name` is NULL or a NUL-terminated string; `data` is NULL or
+ * readable for `nbytes` bytes, not written by another thread during the
+ * call; `shape` and `stride` are NULL or readable for `ndim` `int64_t`s.
  */
 ss_status ss_content_write_tensor(const ss_content_writer *w,
                                   const char *name,
@@ -771,6 +856,10 @@ ss_status ss_content_write_tensor(const ss_content_writer *w,
  * What the writer did: storages written to new files, storages whose
  * content was already stored (deduplicated), tensor entries written.
  * Any out-parameter may be NULL.
+ *
+ * # Safety
+ * `w` is NULL or a live `ss_content_writer` (other threads may use it
+ * meanwhile); each out-parameter is NULL or points to a writable `uint64_t`.
  */
 ss_status ss_content_writer_counts(const ss_content_writer *w,
                                    uint64_t *out_storages_written,
@@ -782,12 +871,20 @@ ss_status ss_content_writer_counts(const ss_content_writer *w,
  * publishes it (on by default). Off, writing is several times faster and
  * a killed process still leaves no partial file, but a power loss may
  * (PyTorch's writer never fsyncs).
+ *
+ * # Safety
+ * `w` is NULL or a live `ss_content_writer` (other threads may use it
+ * meanwhile).
  */
 ss_status ss_content_writer_set_durable(const ss_content_writer *w, bool durable);
 
 /**
  * Closes a writer (with durability on, every file it wrote is already
  * on disk). NULL is a no-op.
+ *
+ * # Safety
+ * `w` is NULL or a live `ss_content_writer` that no other thread is using;
+ * it must not be used after the call.
  */
 void ss_content_writer_free(ss_content_writer *w);
 
@@ -795,11 +892,19 @@ void ss_content_writer_free(ss_content_writer *w);
  * Opens the store in folder `path` for reading; the format (ours or
  * PyTorch's) is detected. The folder may be untrusted: links below it
  * are not followed and every record is checked.
+ *
+ * # Safety
+ * `path` is NULL or a NUL-terminated string; `out` is NULL or points to a
+ * writable `ss_content_reader*`.
  */
 ss_status ss_content_reader_open(const char *path, ss_content_reader **out);
 
 /**
  * The store's format (`SS_CONTENT_FORMAT_*`); -1 for NULL.
+ *
+ * # Safety
+ * `r` is NULL or a live `ss_content_reader` (other threads may use it
+ * meanwhile).
  */
 int ss_content_reader_format(const ss_content_reader *r);
 
@@ -807,6 +912,10 @@ int ss_content_reader_format(const ss_content_reader *r);
  * Whether storages are hashed and compared with their names before they
  * are handed out (once per mapping; off by default). A mismatch is
  * `SS_ERR_CORRUPT`.
+ *
+ * # Safety
+ * `r` is NULL or a live `ss_content_reader` (other threads may use it
+ * meanwhile).
  */
 ss_status ss_content_reader_set_verify(const ss_content_reader *r, bool verify);
 
@@ -814,6 +923,11 @@ ss_status ss_content_reader_set_verify(const ss_content_reader *r, bool verify);
  * Reads tensor entry `name`: its view and its storage, mapped read-only
  * (no copy; a storage already mapped for a live tensor is shared). Free
  * the result with `ss_content_tensor_free`.
+ *
+ * # Safety
+ * `r` is NULL or a live `ss_content_reader` (other threads may use it
+ * meanwhile); `name` is NULL or a NUL-terminated string; `out` is NULL or
+ * points to a writable `ss_content_tensor*`.
  */
 ss_status ss_content_read_tensor(const ss_content_reader *r,
                                  const char *name,
@@ -822,6 +936,11 @@ ss_status ss_content_read_tensor(const ss_content_reader *r,
 /**
  * Reads the storage named `hash`, mapped read-only. Free the result with
  * `ss_content_storage_free`.
+ *
+ * # Safety
+ * `r` is NULL or a live `ss_content_reader` (other threads may use it
+ * meanwhile); `hash` is NULL or a NUL-terminated string; `out` is NULL or
+ * points to a writable `ss_content_storage*`.
  */
 ss_status ss_content_read_storage(const ss_content_reader *r,
                                   const char *hash,
@@ -829,11 +948,19 @@ ss_status ss_content_read_storage(const ss_content_reader *r,
 
 /**
  * The names of every tensor entry, sorted. Free with `ss_content_list_free`.
+ *
+ * # Safety
+ * `r` is NULL or a live `ss_content_reader` (other threads may use it
+ * meanwhile); `out` is NULL or points to a writable `ss_content_list*`.
  */
 ss_status ss_content_list_tensors(const ss_content_reader *r, ss_content_list **out);
 
 /**
  * The hashes of every storage, sorted. Free with `ss_content_list_free`.
+ *
+ * # Safety
+ * `r` is NULL or a live `ss_content_reader` (other threads may use it
+ * meanwhile); `out` is NULL or points to a writable `ss_content_list*`.
  */
 ss_status ss_content_list_storages(const ss_content_reader *r, ss_content_list **out);
 
@@ -843,6 +970,11 @@ ss_status ss_content_list_storages(const ss_content_reader *r, ss_content_list *
  * gets the number of objects checked, `*out_problems` one line
  * `"<object>: <why>"` per corrupt object (empty when all is well). SS_OK
  * means the check ran, whatever it found.
+ *
+ * # Safety
+ * `r` is NULL or a live `ss_content_reader` (other threads may use it
+ * meanwhile); `out_checked` is NULL or points to a writable `uint64_t`;
+ * `out_problems` is NULL or points to a writable `ss_content_list*`.
  */
 ss_status ss_content_verify(const ss_content_reader *r,
                             uint64_t *out_checked,
@@ -851,33 +983,57 @@ ss_status ss_content_verify(const ss_content_reader *r,
 /**
  * Closes a reader; tensors and storages read from it stay valid. NULL is
  * a no-op.
+ *
+ * # Safety
+ * `r` is NULL or a live `ss_content_reader` that no other thread is using;
+ * it must not be used after the call.
  */
 void ss_content_reader_free(ss_content_reader *r);
 
 /**
  * The tensor's dtype (`SS_DTYPE_*`); -1 for NULL.
+ *
+ * # Safety
+ * `t` is NULL or a live `ss_content_tensor` (other threads may use it
+ * meanwhile).
  */
 int ss_content_tensor_dtype(const ss_content_tensor *t);
 
 /**
  * Number of dimensions; 0 for NULL.
+ *
+ * # Safety
+ * `t` is NULL or a live `ss_content_tensor` (other threads may use it
+ * meanwhile).
  */
 size_t ss_content_tensor_ndim(const ss_content_tensor *t);
 
 /**
  * The sizes, `ndim` elements, valid while the tensor lives (NULL for NULL
  * or a 0-d tensor).
+ *
+ * # Safety
+ * `t` is NULL or a live `ss_content_tensor` (other threads may use it
+ * meanwhile). The array is read-only.
  */
 const int64_t *ss_content_tensor_shape(const ss_content_tensor *t);
 
 /**
  * The strides in elements, `ndim` elements, valid while the tensor lives
  * (NULL for NULL or a 0-d tensor).
+ *
+ * # Safety
+ * `t` is NULL or a live `ss_content_tensor` (other threads may use it
+ * meanwhile). The array is read-only.
  */
 const int64_t *ss_content_tensor_stride(const ss_content_tensor *t);
 
 /**
  * The storage offset in elements; 0 for NULL.
+ *
+ * # Safety
+ * `t` is NULL or a live `ss_content_tensor` (other threads may use it
+ * meanwhile).
  */
 int64_t ss_content_tensor_offset(const ss_content_tensor *t);
 
@@ -885,53 +1041,94 @@ int64_t ss_content_tensor_offset(const ss_content_tensor *t);
  * The storage's first byte, read-only (element `i` of the view is at
  * `itemsize * (offset + sum(index_k * stride_k))`); NULL for NULL or an
  * empty storage. Valid while the tensor lives.
+ *
+ * # Safety
+ * `t` is NULL or a live `ss_content_tensor` (other threads may use it
+ * meanwhile). The bytes are mapped read-only: writing them faults.
  */
 const void *ss_content_tensor_data(const ss_content_tensor *t);
 
 /**
  * The storage's size in bytes; 0 for NULL.
+ *
+ * # Safety
+ * `t` is NULL or a live `ss_content_tensor` (other threads may use it
+ * meanwhile).
  */
 size_t ss_content_tensor_nbytes(const ss_content_tensor *t);
 
 /**
  * The storage's hash, valid while the tensor lives; "" for NULL.
+ *
+ * # Safety
+ * `t` is NULL or a live `ss_content_tensor` (other threads may use it
+ * meanwhile).
  */
 const char *ss_content_tensor_storage_hash(const ss_content_tensor *t);
 
 /**
  * Releases a tensor (its storage mapping goes with the last user). NULL
  * is a no-op.
+ *
+ * # Safety
+ * `t` is NULL or a live `ss_content_tensor` that no other thread is using;
+ * neither it nor pointers it returned may be used after the call.
  */
 void ss_content_tensor_free(ss_content_tensor *t);
 
 /**
  * The storage's first byte, read-only; NULL for NULL or an empty storage.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_content_storage` (other threads may use it
+ * meanwhile). The bytes are mapped read-only (writing them faults) and valid
+ * until the storage is freed.
  */
 const void *ss_content_storage_data(const ss_content_storage *s);
 
 /**
  * The storage's size in bytes; 0 for NULL.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_content_storage` (other threads may use it
+ * meanwhile).
  */
 size_t ss_content_storage_nbytes(const ss_content_storage *s);
 
 /**
  * Releases a storage. NULL is a no-op.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_content_storage` that no other thread is using;
+ * neither it nor its data pointer may be used after the call.
  */
 void ss_content_storage_free(ss_content_storage *s);
 
 /**
  * Number of strings in a list; 0 for NULL.
+ *
+ * # Safety
+ * `l` is NULL or a live `ss_content_list` (other threads may use it
+ * meanwhile).
  */
 size_t ss_content_list_len(const ss_content_list *l);
 
 /**
  * String `i` of a list, valid while the list lives; NULL for NULL or `i`
  * out of range.
+ *
+ * # Safety
+ * `l` is NULL or a live `ss_content_list` (other threads may use it
+ * meanwhile).
  */
 const char *ss_content_list_get(const ss_content_list *l, size_t i);
 
 /**
  * Releases a list. NULL is a no-op.
+ *
+ * # Safety
+ * `l` is NULL or a live `ss_content_list` that no other thread is using;
+ * neither it nor strings it returned may be used after the call.
  */
 void ss_content_list_free(ss_content_list *l);
 
@@ -953,6 +1150,10 @@ bool ss_cuda_available(void);
 /**
  * The driver's CUDA version (1000 × major + 10 × minor) and the number of
  * visible devices. `SS_ERR_CUDA_UNAVAILABLE` (with the reason) otherwise.
+ *
+ * # Safety
+ * `out_version` and `out_device_count` are NULL or point to a writable
+ * `int32_t`.
  */
 ss_status ss_cuda_driver_info(int32_t *out_version, int32_t *out_device_count);
 
@@ -970,6 +1171,13 @@ ss_status ss_cuda_driver_info(int32_t *out_version, int32_t *out_device_count);
  * nothing is called). Memory received from another process cannot be sent
  * on (`SS_ERR_UNSUPPORTED`: clone it first). A NULL `device_ptr` with
  * `nbytes` 0 gives the tuple of a storage without data and `*out_sent` NULL.
+ *
+ * # Safety
+ * `device_ptr` is a device address (never read on the host); `stream` is
+ * NULL or a live `cudaStream_t` of `device`'s context. `deleter`, if not
+ * NULL, must be safe to call once, from any thread, with `deleter_ctx`.
+ * `out_handle` is NULL or points to a writable `ss_cuda_ipc_handle`;
+ * `out_sent` is NULL or points to a writable `ss_cuda_sent*`.
  */
 ss_status ss_cuda_share(const void *device_ptr,
                         size_t nbytes,
@@ -983,6 +1191,10 @@ ss_status ss_cuda_share(const void *device_ptr,
 /**
  * The consumer count of a send: 1 while the consumer holds it, 0 once it
  * released it.
+ *
+ * # Safety
+ * `sent` is NULL or a live `ss_cuda_sent` that no other thread is using;
+ * `out` is NULL or points to a writable `int64_t`.
  */
 ss_status ss_cuda_sent_counter(const ss_cuda_sent *sent, int64_t *out);
 
@@ -992,6 +1204,11 @@ ss_status ss_cuda_sent_counter(const ss_cuda_sent *sent, int64_t *out);
  * else it waits in limbo until a collection finds its counter at 0, and
  * `*out_in_limbo` (may be NULL) is set to true. Also frees the limbo
  * blocks already released. NULL `sent` is a no-op.
+ *
+ * # Safety
+ * `sent` is NULL or a live `ss_cuda_sent` that no other thread is using; it
+ * must not be used after the call. `out_in_limbo` is NULL or points to a
+ * writable `bool`.
  */
 ss_status ss_cuda_sent_free(ss_cuda_sent *sent, bool *out_in_limbo);
 
@@ -1002,17 +1219,31 @@ ss_status ss_cuda_sent_free(ss_cuda_sent *sent, bool *out_in_limbo);
  * data with work on that stream; release with `ss_cuda_received_free`.
  * `SS_ERR_PEER_GONE` when the producer has exited; `SS_ERR_BAD_REFCOUNT`
  * when the tuple was already released.
+ *
+ * # Safety
+ * `ipc_handle` is NULL or points to a readable `ss_cuda_ipc_handle` whose
+ * `event_sync_required` byte is 0 or 1; `stream` is NULL or a live
+ * `cudaStream_t` of the handle's device; `out` is NULL or points to a
+ * writable `ss_cuda_received*`.
  */
 ss_status ss_cuda_open(const ss_cuda_ipc_handle *ipc_handle, void *stream, ss_cuda_received **out);
 
 /**
  * Device address of a received storage's first byte (NULL for NULL or a
  * storage without data).
+ *
+ * # Safety
+ * `received` is NULL or a live `ss_cuda_received` that no other thread is
+ * using. The address is valid until the handle is freed.
  */
 void *ss_cuda_received_data(const ss_cuda_received *received);
 
 /**
  * Bytes of a received storage (0 for NULL).
+ *
+ * # Safety
+ * `received` is NULL or a live `ss_cuda_received` that no other thread is
+ * using.
  */
 size_t ss_cuda_received_size(const ss_cuda_received *received);
 
@@ -1022,6 +1253,10 @@ size_t ss_cuda_received_size(const ss_cuda_received *received);
  * memory if this was its last user here, and decrements the producer's
  * counter slot atomically. `SS_ERR_PEER_GONE` when the producer is gone.
  * NULL is a no-op.
+ *
+ * # Safety
+ * `received` is NULL or a live `ss_cuda_received` that no other thread is
+ * using; neither it nor its device address may be used after the call.
  */
 ss_status ss_cuda_received_free(ss_cuda_received *received);
 
@@ -1031,6 +1266,9 @@ ss_status ss_cuda_received_free(ss_cuda_received *received);
  * For a consumer that drops a duplicate tuple without opening it. Needs
  * no GPU. `SS_ERR_PEER_GONE` when the file is gone, `SS_ERR_BAD_REFCOUNT`
  * when the slot is already 0.
+ *
+ * # Safety
+ * `counter_name` is NULL or a NUL-terminated string.
  */
 ss_status ss_cuda_release_ipc_counter(const char *counter_name, uint64_t slot);
 
@@ -1040,6 +1278,9 @@ ss_status ss_cuda_release_ipc_counter(const char *counter_name, uint64_t slot);
  * With limbo then empty, also closes the current ref-counter file if no
  * send uses it. Call it when device memory runs short (`ss_cuda_malloc`
  * does), as `torch.cuda.ipc_collect()`.
+ *
+ * # Safety
+ * `out_freed` is NULL or points to a writable `size_t`.
  */
 ss_status ss_cuda_ipc_collect(size_t *out_freed);
 
@@ -1051,6 +1292,11 @@ size_t ss_cuda_limbo_size(void);
 /**
  * Base address and size of the cudaMalloc allocation of `device` that
  * holds `device_ptr` (what the tuple's offset is measured from).
+ *
+ * # Safety
+ * `device_ptr` may be any value (it is only looked up); `out_base` is NULL
+ * or points to a writable `void*`; `out_size` is NULL or points to a
+ * writable `size_t`.
  */
 ss_status ss_cuda_pointer_base(const void *device_ptr,
                                int32_t device,
@@ -1061,11 +1307,18 @@ ss_status ss_cuda_pointer_base(const void *device_ptr,
  * Allocates `nbytes` of device memory on `device` (cuMemAlloc, shareable
  * with `ss_cuda_share`). When the device is full, collects limbo and, if
  * that gave any block back, tries once more; else `SS_ERR_NO_SPACE`.
+ *
+ * # Safety
+ * `out` is NULL or points to a writable `void*`.
  */
 ss_status ss_cuda_malloc(int32_t device, size_t nbytes, void **out);
 
 /**
  * Frees memory from `ss_cuda_malloc`. NULL is a no-op.
+ *
+ * # Safety
+ * `device_ptr` is NULL or memory from `ss_cuda_malloc` on `device` that is
+ * not freed yet; it must not be used after the call.
  */
 ss_status ss_cuda_free(int32_t device, void *device_ptr);
 
@@ -1073,11 +1326,20 @@ ss_status ss_cuda_free(int32_t device, void *device_ptr);
  * Writes the tuple as one line of text (eight space-separated fields,
  * byte strings in hex, `-` for an empty one) into `buf` of `len` bytes
  * (`SS_CUDA_HANDLE_TEXT_MAX` is always enough): for pipes, argv, Python.
+ *
+ * # Safety
+ * `ipc_handle` is NULL or points to a readable `ss_cuda_ipc_handle` whose
+ * `event_sync_required` byte is 0 or 1; `buf` is NULL or writable for `len`
+ * bytes.
  */
 ss_status ss_cuda_ipc_handle_to_text(const ss_cuda_ipc_handle *ipc_handle, char *buf, size_t len);
 
 /**
  * Parses `ss_cuda_ipc_handle_to_text`'s form into `*out`.
+ *
+ * # Safety
+ * `text` is NULL or a NUL-terminated string; `out` is NULL or points to a
+ * writable `ss_cuda_ipc_handle`.
  */
 ss_status ss_cuda_ipc_handle_from_text(const char *text, ss_cuda_ipc_handle *out);
 
@@ -1104,6 +1366,11 @@ const char *ss_version(void);
  * 253; may be 0 with `fds` NULL) over the connected Unix socket `sock`.
  * All payload bytes are sent; the descriptors travel with the first ones
  * and stay open in the sender.
+ *
+ * # Safety
+ * `payload` is NULL or readable for `len` bytes; `fds` is NULL or readable
+ * for `nfds` `int`s. Neither may be written by another thread during the
+ * call.
  */
 ss_status ss_send_fds(int sock, const void *payload, size_t len, const int *fds, size_t nfds);
 
@@ -1117,6 +1384,11 @@ ss_status ss_send_fds(int sock, const void *payload, size_t len, const int *fds,
  * than `max_fds` give `SS_ERR_BUFFER_TOO_SMALL`, and so does a datagram
  * longer than `len` (the kernel drops its tail; stream sockets keep the
  * rest for the next call). On failure no descriptor is left open.
+ *
+ * # Safety
+ * `buf` is NULL or writable for `len` bytes; `fds` is NULL or writable for
+ * `max_fds` `int`s; `out_len` and `out_nfds` are NULL or point to a writable
+ * `size_t`. No other thread may access `buf` or `fds` during the call.
  */
 ss_status ss_recv_fds(int sock,
                       void *buf,
@@ -1150,6 +1422,9 @@ void ss_atfork_child(void);
  * (libshm's `libshm_init`). Without this call the library looks at the
  * environment variable `SS_SHM_MANAGER`, then for `ss_shm_manager` beside
  * the shared library (and in `../bin` from it), then on `PATH`.
+ *
+ * # Safety
+ * `path` is NULL or a NUL-terminated string.
  */
 ss_status ss_shm_manager_set_binary(const char *path);
 
@@ -1159,6 +1434,9 @@ ss_status ss_shm_manager_set_binary(const char *path);
  * `len` bytes (108 always suffice). A daemon that prints no path within
  * 5 s is stopped: `SS_ERR_TIMEOUT`. Connect to it by passing the path as
  * the manager handle of `ss_storage_new_shared_filename`.
+ *
+ * # Safety
+ * `buf` is NULL or writable for `len` bytes.
  */
 ss_status ss_shm_manager_spawn(char *buf, size_t len);
 
@@ -1167,6 +1445,10 @@ ss_status ss_shm_manager_spawn(char *buf, size_t len);
  * `MapAllocator(name, flags, size)`. SHAREDMEM names start with '/'.
  * `size` must be > 0. On success `*out` owns the mapping; release it
  * with `ss_map_free`.
+ *
+ * # Safety
+ * `name` is NULL or a NUL-terminated string; `out` is NULL or points to a
+ * writable `ss_map*`.
  */
 ss_status ss_map_open(const char *name, int flags, size_t size, ss_map **out);
 
@@ -1176,6 +1458,10 @@ ss_status ss_map_open(const char *name, int flags, size_t size, ss_map **out);
  * "filename not specified"). On success the map owns `fd`: it is kept
  * with `SS_MAPPED_KEEPFD` (and closed by `ss_map_close`) or closed at once
  * otherwise. On failure the caller still owns `fd`.
+ *
+ * # Safety
+ * `name` is NULL or a NUL-terminated string; `out` is NULL or points to a
+ * writable `ss_map*`.
  */
 ss_status ss_map_open_fd(const char *name, int fd, int flags, size_t size, ss_map **out);
 
@@ -1186,55 +1472,90 @@ ss_status ss_map_open_fd(const char *name, int fd, int flags, size_t size, ss_ma
  * `RefcountedMapAllocator`. The last holder to close removes the name.
  * Opening a segment whose count is not positive fails with
  * `SS_ERR_BAD_REFCOUNT`.
+ *
+ * # Safety
+ * `name` is NULL or a NUL-terminated string; `out` is NULL or points to a
+ * writable `ss_map*`.
  */
 ss_status ss_refcounted_map_open(const char *name, int flags, size_t size, ss_map **out);
 
 /**
  * Start of the user data (after the header for refcounted maps); NULL
  * when `map` is NULL or closed.
+ *
+ * # Safety
+ * `map` is NULL or a live `ss_map` (other threads may use it meanwhile). The
+ * pointer is valid until the map is closed or freed.
  */
 void *ss_map_data(const ss_map *map);
 
 /**
  * Bytes of user data (a refcounted map's header not counted); 0 for NULL.
+ *
+ * # Safety
+ * `map` is NULL or a live `ss_map` (other threads may use it meanwhile).
  */
 size_t ss_map_size(const ss_map *map);
 
 /**
  * The descriptor kept with `SS_MAPPED_KEEPFD`, else -1 (also for NULL and
  * after close).
+ *
+ * # Safety
+ * `map` is NULL or a live `ss_map` (other threads may use it meanwhile).
  */
 int ss_map_fd(const ss_map *map);
 
 /**
  * The name the map was opened with, owned by the map; NULL for NULL.
+ *
+ * # Safety
+ * `map` is NULL or a live `ss_map` (other threads may use it meanwhile). The
+ * string is valid until the map is freed.
  */
 const char *ss_map_filename(const ss_map *map);
 
 /**
  * The flags in effect (NOCREATE is dropped for read-only opens, as in
  * ATen); 0 for NULL.
+ *
+ * # Safety
+ * `map` is NULL or a live `ss_map` (other threads may use it meanwhile).
  */
 int ss_map_flags(const ss_map *map);
 
 /**
  * Whether `map` was opened with `ss_refcounted_map_open`.
+ *
+ * # Safety
+ * `map` is NULL or a live `ss_map` (other threads may use it meanwhile).
  */
 bool ss_map_is_refcounted(const ss_map *map);
 
 /**
  * Adds one to a refcounted segment's shared count.
+ *
+ * # Safety
+ * `map` is NULL or a live `ss_map` (other threads may use it meanwhile).
  */
 ss_status ss_map_incref(const ss_map *map);
 
 /**
  * Subtracts one from a refcounted segment's shared count; `*out_now_zero`
  * (may be NULL) tells whether it reached 0. The name is not removed here.
+ *
+ * # Safety
+ * `map` is NULL or a live `ss_map` (other threads may use it meanwhile);
+ * `out_now_zero` is NULL or points to a writable `bool`.
  */
 ss_status ss_map_decref(const ss_map *map, bool *out_now_zero);
 
 /**
  * Reads a refcounted segment's shared count.
+ *
+ * # Safety
+ * `map` is NULL or a live `ss_map` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `int32_t`.
  */
 ss_status ss_map_refcount(const ss_map *map, int32_t *out);
 
@@ -1243,51 +1564,86 @@ ss_status ss_map_refcount(const ss_map *map, int32_t *out);
  * (plain SHAREDMEM without FROMFD/UNLINK; refcounted when the count
  * reaches 0). The handle stays valid (data NULL) until `ss_map_free`.
  * Closing twice is allowed and does nothing.
+ *
+ * # Safety
+ * `map` is NULL or a live `ss_map` that no other thread is using. No thread
+ * may access the mapped bytes during the call or after it.
  */
 ss_status ss_map_close(ss_map *map);
 
 /**
  * Closes (if still open) and frees the handle. NULL is a no-op.
+ *
+ * # Safety
+ * `map` is NULL or a live `ss_map` that no other thread is using; neither it
+ * nor its mapped bytes may be used after the call.
  */
 void ss_map_free(ss_map *map);
 
 /**
  * The live map whose data holds `ptr` (its start or any byte inside), or
  * NULL: ATen's `fromDataPtr`. The handle is borrowed, not owned.
+ *
+ * # Safety
+ * Any `ptr` is allowed (it is only looked up, never read). The handle
+ * returned is borrowed: valid until its owner frees it.
  */
 ss_map *ss_map_from_data(const void *ptr);
 
 /**
  * A new resizable storage of `nbytes` zero bytes on the heap (64-byte
  * aligned). `nbytes` may be 0 (data is then NULL).
+ *
+ * # Safety
+ * `out` is NULL or points to a writable `ss_storage*`.
  */
 ss_status ss_storage_new(size_t nbytes, ss_storage **out);
 
 /**
  * A second strong reference to the same storage (free both).
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `ss_storage*`.
  */
 ss_status ss_storage_ref(const ss_storage *s, ss_storage **out);
 
 /**
  * Start of the bytes; NULL for NULL or an empty storage. Changes when a
  * heap storage is moved into shared memory.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` (other threads may use it meanwhile).
+ * The pointer is valid while a strong reference lives and the bytes do not
+ * move (resize, `ss_storage_share_fd`, `ss_storage_share_filename`).
  */
 void *ss_storage_data(const ss_storage *s);
 
 /**
  * Size in bytes; 0 for NULL.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` (other threads may use it meanwhile).
  */
 size_t ss_storage_nbytes(const ss_storage *s);
 
 /**
  * Whether the bytes are in shared memory (fd-backed or managed); false
  * for NULL.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` (other threads may use it meanwhile).
  */
 bool ss_storage_is_shared(const ss_storage *s);
 
 /**
  * Resizes a heap storage (prefix kept, the rest zero). A shared storage
  * is not resizable: `SS_ERR_UNSUPPORTED`.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` (other threads may use it meanwhile).
+ * The bytes move: no thread may access them through a pointer from
+ * `ss_storage_data` during the call, nor use such a pointer after it.
  */
 ss_status ss_storage_resize(const ss_storage *s, size_t nbytes);
 
@@ -1296,23 +1652,40 @@ ss_status ss_storage_resize(const ss_storage *s, size_t nbytes);
  * is fd-backed already) and returns its descriptor and size. The fd
  * stays owned by the storage: send it (`ss_send_fds`) or dup it, never
  * close it. A 0-byte storage cannot be shared: `SS_ERR_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` (other threads may use it meanwhile);
+ * `out_fd` and `out_nbytes` are NULL or point to a writable `int` and
+ * `size_t`. The bytes may move (a copy into shared memory): no thread may
+ * access them through an earlier `ss_storage_data` pointer during the
+ * call, nor after it.
  */
 ss_status ss_storage_share_fd(const ss_storage *s, int *out_fd, size_t *out_nbytes);
 
 /**
  * Opens a storage shared by fd: maps `nbytes` of a duplicate of `fd`
  * (ATen flags 58). The caller keeps `fd` and closes it when done.
+ *
+ * # Safety
+ * `out` is NULL or points to a writable `ss_storage*`.
  */
 ss_status ss_storage_new_shared_fd(int fd, size_t nbytes, ss_storage **out);
 
 /**
  * A new fd-backed shared storage of `nbytes` zero bytes (ATen flags 86).
+ *
+ * # Safety
+ * `out` is NULL or points to a writable `ss_storage*`.
  */
 ss_status ss_storage_new_using_fd(size_t nbytes, ss_storage **out);
 
 /**
  * The descriptor of an fd-backed storage (owned by it);
  * `SS_ERR_NOT_FOUND` for other storages.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` (other threads may use it meanwhile);
+ * `out_fd` is NULL or points to a writable `int`.
  */
 ss_status ss_storage_get_shared_fd(const ss_storage *s, int *out_fd);
 
@@ -1325,6 +1698,14 @@ ss_status ss_storage_get_shared_fd(const ss_storage *s, int *out_fd);
  * takes in another process. Buffers of 108 and 64 bytes always suffice;
  * a smaller one gives `SS_ERR_BUFFER_TOO_SMALL` and writes neither buffer
  * (the storage is shared anyway; call again with room).
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` (other threads may use it meanwhile);
+ * `manager_buf` and `name_buf` are NULL or writable for `manager_len` and
+ * `name_len` bytes; `out_nbytes` is NULL or points to a writable `size_t`.
+ * The bytes may move (a copy into shared memory): no thread may access
+ * them through an earlier `ss_storage_data` pointer during the call, nor
+ * after it.
  */
 ss_status ss_storage_share_filename(const ss_storage *s,
                                     char *manager_buf,
@@ -1339,6 +1720,10 @@ ss_status ss_storage_share_filename(const ss_storage *s,
  * the segment `name` of `nbytes` bytes (ATen flags 10; header count + 1).
  * A segment that is gone gives `SS_ERR_NOT_FOUND`; an unreachable manager
  * `SS_ERR_NOT_FOUND`/`SS_ERR_PEER_GONE`/`SS_ERR_TIMEOUT`.
+ *
+ * # Safety
+ * `manager` and `name` are NULL or NUL-terminated strings; `out` is NULL or
+ * points to a writable `ss_storage*`.
  */
 ss_status ss_storage_new_shared_filename(const char *manager,
                                          const char *name,
@@ -1347,6 +1732,9 @@ ss_status ss_storage_new_shared_filename(const char *manager,
 
 /**
  * A new managed shared storage of `nbytes` zero bytes (ATen flags 6).
+ *
+ * # Safety
+ * `out` is NULL or points to a writable `ss_storage*`.
  */
 ss_status ss_storage_new_using_filename(size_t nbytes, ss_storage **out);
 
@@ -1354,55 +1742,90 @@ ss_status ss_storage_new_using_filename(size_t nbytes, ss_storage **out);
  * Adds one to a storage shared by name's header count: the sender's
  * reference "in flight", taken before the handle is sent.
  * `SS_ERR_UNSUPPORTED` for storages not shared by name.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` (other threads may use it meanwhile).
  */
 ss_status ss_storage_shared_incref(const ss_storage *s);
 
 /**
  * Subtracts one from the header count: the receiver cancels the sender's
  * in-flight reference after opening. The name is never removed here.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` (other threads may use it meanwhile).
  */
 ss_status ss_storage_shared_decref(const ss_storage *s);
 
 /**
  * Reads the header count of a storage shared by name.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `int32_t`.
  */
 ss_status ss_storage_shared_refcount(const ss_storage *s, int32_t *out);
 
 /**
  * Drops this strong reference. NULL is a no-op.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` that no other thread is using; it must
+ * not be used after the call (other references to the storage stay valid).
  */
 void ss_storage_free(ss_storage *s);
 
 /**
  * A weak reference to `s` (free it with `ss_weak_free`).
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_storage` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `ss_weak*`.
  */
 ss_status ss_storage_weak_ref(const ss_storage *s, ss_weak **out);
 
 /**
  * A new strong reference if the storage is still alive;
  * `SS_ERR_NOT_FOUND` once every strong reference is gone.
+ *
+ * # Safety
+ * `w` is NULL or a live `ss_weak` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `ss_storage*`.
  */
 ss_status ss_weak_upgrade(const ss_weak *w, ss_storage **out);
 
 /**
  * Whether no strong reference is left (true for NULL).
+ *
+ * # Safety
+ * `w` is NULL or a live `ss_weak` (other threads may use it meanwhile).
  */
 bool ss_weak_expired(const ss_weak *w);
 
 /**
  * Frees a weak reference. NULL is a no-op.
+ *
+ * # Safety
+ * `w` is NULL or a live `ss_weak` that no other thread is using; it must not
+ * be used after the call.
  */
 void ss_weak_free(ss_weak *w);
 
 /**
  * Writes a fresh process-wide segment name (`/torch_<pid>_<rand>_<n>`,
  * at most 46 bytes plus NUL) into `buf` of `len` bytes.
+ *
+ * # Safety
+ * `buf` is NULL or writable for `len` bytes.
  */
 ss_status ss_new_process_wide_shm_handle(char *buf, size_t len);
 
 /**
  * A new anonymous shared-memory segment of `size` zero bytes whose name is
  * already removed; its descriptor is kept (`ss_map_fd`), flags 86.
+ *
+ * # Safety
+ * `out` is NULL or points to a writable `ss_map*`.
  */
 ss_status ss_new_shm_fd_storage(size_t size, ss_map **out);
 
@@ -1410,6 +1833,11 @@ ss_status ss_new_shm_fd_storage(size_t size, ss_map **out);
  * Copies `nbytes` from `src` into a new fd-backed segment (as
  * `ss_new_shm_fd_storage`) and returns its map: `share_memory_()`.
  * Fails with `SS_ERR_NO_SPACE` when /dev/shm cannot hold it.
+ *
+ * # Safety
+ * `src` is NULL or readable for `nbytes` bytes (any alignment), and no
+ * thread writes them during the call; `out` is NULL or points to a writable
+ * `ss_map*`.
  */
 ss_status ss_share_memory(const void *src, size_t nbytes, ss_map **out);
 
@@ -1420,6 +1848,10 @@ ss_status ss_share_memory(const void *src, size_t nbytes, ss_map **out);
  * killed mid-write never leaves half a value; `add` runs under `flock`.
  * A path that is an existing regular file: `SS_ERR_INVALID_ARGUMENT`.
  * Keys left by an earlier job stay: use a fresh folder per job.
+ *
+ * # Safety
+ * `path` is NULL or a NUL-terminated string; `out` is NULL or points to a
+ * writable `ss_store*`.
  */
 ss_status ss_store_file_open(const char *path, ss_store **out);
 
@@ -1436,6 +1868,10 @@ ss_status ss_store_file_open(const char *path, ss_store **out);
  * the join and every reply. Errors name `host:port`: port in use
  * `SS_ERR_BUSY`, no server in time `SS_ERR_TIMEOUT`, server gone
  * `SS_ERR_PEER_GONE`, bad reply `SS_ERR_PROTOCOL`.
+ *
+ * # Safety
+ * `host` is NULL or a NUL-terminated string; `out` is NULL or points to a
+ * writable `ss_store*`.
  */
 ss_status ss_store_tcp_open(const char *host,
                             int port,
@@ -1447,17 +1883,30 @@ ss_status ss_store_tcp_open(const char *host,
 /**
  * The TCP port of a TCPStore (the one its server picked when opened with
  * port 0). Another kind of store: `SS_ERR_UNSUPPORTED`.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+ * `out_port` is NULL or points to a writable `int`.
  */
 ss_status ss_store_tcp_port(const ss_store *s, int *out_port);
 
 /**
  * A second reference to the same store (free both).
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `ss_store*`.
  */
 ss_status ss_store_ref(const ss_store *s, ss_store **out);
 
 /**
  * Sets `key` to the `len` bytes at `value` (NULL allowed when `len` is 0),
  * replacing an earlier value and waking its waiters.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+ * `key` is NULL or a NUL-terminated string; `value` is NULL or readable for
+ * `len` bytes, not written by another thread during the call.
  */
 ss_status ss_store_set(const ss_store *s, const char *key, const void *value, size_t len);
 
@@ -1467,6 +1916,12 @@ ss_status ss_store_set(const ss_store *s, const char *key, const void *value, si
  * `buf_len` bytes, its length to `out_len`. A value longer than `buf_len`:
  * `SS_ERR_BUFFER_TOO_SMALL`, with the needed length written to `out_len`
  * (call again with a larger buffer; `buf` may be NULL when `buf_len` is 0).
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+ * `key` is NULL or a NUL-terminated string; `buf` is NULL or writable for
+ * `buf_len` bytes, which no other thread accesses during the call; `out_len`
+ * is NULL or points to a writable `size_t`.
  */
 ss_status ss_store_get(const ss_store *s,
                        const char *key,
@@ -1479,12 +1934,22 @@ ss_status ss_store_get(const ss_store *s,
  * Adds `delta` to the integer under `key` (missing counts as 0; stored as
  * decimal text, as c10d does) and writes the new value to `out_value`.
  * A key holding something else: `SS_ERR_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+ * `key` is NULL or a NUL-terminated string; `out_value` is NULL or points to
+ * a writable `int64_t`.
  */
 ss_status ss_store_add(const ss_store *s, const char *key, int64_t delta, int64_t *out_value);
 
 /**
  * Waits until all `nkeys` keys are set (`timeout_ms` 0 waits forever;
  * expiry is `SS_ERR_TIMEOUT` naming the keys still missing).
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+ * `keys` is NULL or readable for `nkeys` pointers, each NULL or a
+ * NUL-terminated string.
  */
 ss_status ss_store_wait(const ss_store *s,
                         const char *const *keys,
@@ -1494,6 +1959,12 @@ ss_status ss_store_wait(const ss_store *s,
 /**
  * Writes to `out_all_set` whether all `nkeys` keys are set now (no
  * waiting; no keys: true). A host-callback store: `SS_ERR_UNSUPPORTED`.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+ * `keys` is NULL or readable for `nkeys` pointers, each NULL or a
+ * NUL-terminated string; `out_all_set` is NULL or points to a writable
+ * `bool`.
  */
 ss_status ss_store_check(const ss_store *s,
                          const char *const *keys,
@@ -1510,6 +1981,14 @@ ss_status ss_store_check(const ss_store *s,
  * the same; calling again with a larger buffer gives the same answer
  * without changing anything (unless another process wrote meanwhile).
  * A host-callback store: `SS_ERR_UNSUPPORTED`.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+ * `key` is NULL or a NUL-terminated string; `expected` and `desired` are
+ * NULL or readable for `expected_len` and `desired_len` bytes, not written
+ * during the call; `buf` is NULL or writable for `buf_len` bytes, which no
+ * other thread accesses during the call; `out_len` is NULL or points to a
+ * writable `size_t`.
  */
 ss_status ss_store_compare_set(const ss_store *s,
                                const char *key,
@@ -1524,6 +2003,11 @@ ss_status ss_store_compare_set(const ss_store *s,
 /**
  * Deletes `key`; writes to `out_existed` whether it was set (NULL: not
  * wanted). A host-callback store: `SS_ERR_UNSUPPORTED`.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+ * `key` is NULL or a NUL-terminated string; `out_existed` is NULL or points
+ * to a writable `bool`.
  */
 ss_status ss_store_delete_key(const ss_store *s, const char *key, bool *out_existed);
 
@@ -1531,12 +2015,20 @@ ss_status ss_store_delete_key(const ss_store *s, const char *key, bool *out_exis
  * Writes the number of keys set to `out_count` (a TCPStore counts its
  * join counter `init/` too, as PyTorch's does). A host-callback store:
  * `SS_ERR_UNSUPPORTED`.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+ * `out_count` is NULL or points to a writable `int64_t`.
  */
 ss_status ss_store_num_keys(const ss_store *s, int64_t *out_count);
 
 /**
  * Drops this reference; the store closes with its last one. NULL is a
  * no-op.
+ *
+ * # Safety
+ * `s` is NULL or a live `ss_store` that no other thread is using; it must
+ * not be used after the call (other references to the store stay valid).
  */
 void ss_store_free(ss_store *s);
 
@@ -1545,6 +2037,12 @@ void ss_store_free(ss_store *s);
  * (the table is copied; `ctx` is the host's). `free_ctx(ctx)` runs once,
  * when the last reference goes. A required function missing:
  * `SS_ERR_NULL_POINTER`, and `ctx` stays the caller's to release.
+ *
+ * # Safety
+ * `cb` is NULL or points to a readable `ss_store_callbacks` whose functions,
+ * with `ctx`, keep that type's contract (callable from any thread at once,
+ * never unwinding) for as long as the store lives; `out` is NULL or points
+ * to a writable `ss_store*`.
  */
 ss_status ss_store_from_callbacks(const ss_store_callbacks *cb, void *ctx, ss_store **out);
 
@@ -1552,10 +2050,11 @@ ss_status ss_store_from_callbacks(const ss_store_callbacks *cb, void *ctx, ss_st
  * Registers group `group`: this process is `rank` of `world_size`, and the
  * ranks meet through `store`. The group keeps its own reference to the
  * store (free yours whenever you like). A second call for the same name is
- * `SS_ERR_ALREADY_EXISTS`, as in PyTorch. `world_size` is 1 to 4096 (every
- * rank of symmetric memory runs on one host; 4096 is far beyond the GPUs
- * or cores of any host), `rank` in [0, world_size); anything else is
- * `SS_ERR_INVALID_ARGUMENT`.
+ * `SS_ERR_ALREADY_EXISTS`, as in PyTorch.
+ *
+ * # Safety
+ * `group` is NULL or a NUL-terminated string; `store` is NULL or a live
+ * `ss_store` (other threads may use it meanwhile).
  */
 ss_status ss_symm_set_group_info(const char *group,
                                  int rank,
@@ -1565,6 +2064,10 @@ ss_status ss_symm_set_group_info(const char *group,
 /**
  * This process's rank and the world size of group `group`; an unknown
  * group is `SS_ERR_NOT_FOUND`.
+ *
+ * # Safety
+ * `group` is NULL or a NUL-terminated string; `out_rank` and
+ * `out_world_size` are NULL or point to a writable `int`.
  */
 ss_status ss_symm_get_group_info(const char *group, int *out_rank, int *out_world_size);
 
@@ -1574,6 +2077,9 @@ ss_status ss_symm_get_group_info(const char *group, int *out_rank, int *out_worl
  * "Backend can not be changed after use." (`SS_ERR_BUSY`); an unknown name
  * is `SS_ERR_NOT_FOUND`. Without it, CUDA allocations use the backend named
  * by `TORCH_SYMMMEM` (default CUDA).
+ *
+ * # Safety
+ * `name` is NULL or a NUL-terminated string.
  */
 ss_status ss_symm_set_backend(const char *name);
 
@@ -1581,6 +2087,9 @@ ss_status ss_symm_set_backend(const char *name);
  * The signal pad size, in bytes, of the blocks allocated from now on
  * (PyTorch's `get_signal_pad_size`; default 9216 = 32 channels x 72 ranks
  * x 4 bytes).
+ *
+ * # Safety
+ * `out` is NULL or points to a writable `size_t`.
  */
 ss_status ss_symm_get_signal_pad_size(size_t *out);
 
@@ -1595,14 +2104,16 @@ ss_status ss_symm_set_signal_pad_size(size_t size);
 
 /**
  * Allocates a symmetric block whose buffer holds `size` bytes on device
- * `device_type` (`SS_DEVICE_CPU`, `SS_DEVICE_CUDA`) `device_idx`;
- * `group` (may be NULL) is the default group of its rendezvous.
- * CPU: `device_idx` is 0 or -1 (both mean the one CPU device, -1 as in
- * PyTorch's "no index"); any other value is `SS_ERR_INVALID_ARGUMENT`.
+ * `device_type` (`SS_DEVICE_CPU`, `SS_DEVICE_CUDA`) `device_idx` (0 for
+ * CPU); `group` (may be NULL) is the default group of its rendezvous.
  * Writes the buffer's address to `*out`. Free it with `ss_symm_free`.
  * CUDA: `device_idx` is the device ordinal; the buffer is device memory
  * (`SS_ERR_CUDA_UNAVAILABLE` with the reason where there is no driver or
  * device).
+ *
+ * # Safety
+ * `group` is NULL or a NUL-terminated string; `out` is NULL or points to a
+ * writable `void*`.
  */
 ss_status ss_symm_alloc(int device_type,
                         int device_idx,
@@ -1616,6 +2127,10 @@ ss_status ss_symm_alloc(int device_type,
  * the same block (and its rendezvous objects) back. While the previous use
  * is not freed: `SS_ERR_BUSY`; with another size: `SS_ERR_SIZE_MISMATCH`.
  * A persistent block stays mapped until the process ends.
+ *
+ * # Safety
+ * `group` is NULL or a NUL-terminated string; `out` is NULL or points to a
+ * writable `void*`.
  */
 ss_status ss_symm_alloc_persistent(int device_type,
                                    int device_idx,
@@ -1627,6 +2142,10 @@ ss_status ss_symm_alloc_persistent(int device_type,
 /**
  * The size asked for when `ptr` (a buffer address from `ss_symm_alloc`)
  * was allocated.
+ *
+ * # Safety
+ * `ptr` may be any value (it is only looked up); `out` is NULL or points to
+ * a writable `size_t`.
  */
 ss_status ss_symm_get_alloc_size(const void *ptr, size_t *out);
 
@@ -1634,52 +2153,77 @@ ss_status ss_symm_get_alloc_size(const void *ptr, size_t *out);
  * Frees the block at `ptr` and its `ss_symm_mem` objects (a persistent
  * block is kept for reuse). NULL is a no-op; an address that is not a live
  * block is `SS_ERR_NOT_FOUND`.
+ *
+ * # Safety
+ * `ptr` may be any value (it is only looked up). No thread may use the
+ * block's buffer or its `ss_symm_mem` objects during the call or after it.
  */
 ss_status ss_symm_free(void *ptr);
 
 /**
  * Rendezvous of the block at `ptr` with the other ranks of `group` (NULL:
  * the group given at allocation): every rank must call it with a block of
- * the same size and signal pad size (a different pad is
- * `SS_ERR_SIZE_MISMATCH` naming both pads and ranks). `timeout_ms` 0 waits
- * forever; ranks that do not arrive in time give `SS_ERR_TIMEOUT` naming
- * the first 8 of them and counting the rest. Block descriptors travel over
- * Linux abstract-namespace sockets that vanish with their process (nothing
- * in TMPDIR), checked with `SO_PEERCRED` to be the peer ranks' processes
- * (pid from their rendezvous requests, same uid): ranks must share a pid
- * and network namespace. A second call for the same block and group
- * returns the same object. `*out` is owned by the block.
+ * the same size. `timeout_ms` 0 waits forever; ranks that do not arrive in
+ * time give `SS_ERR_TIMEOUT` naming them. A second call for the same block
+ * and group returns the same object. `*out` is owned by the block.
+ *
+ * # Safety
+ * `ptr` may be any value (it is only looked up); `group` is NULL or a
+ * NUL-terminated string; `out` is NULL or points to a writable
+ * `ss_symm_mem*`.
  */
 ss_status ss_symm_rendezvous(void *ptr, const char *group, int64_t timeout_ms, ss_symm_mem **out);
 
 /**
  * This process's rank in the object's group; -1 for NULL.
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile).
  */
 int ss_symm_mem_rank(const ss_symm_mem *h);
 
 /**
  * The number of ranks of the object's group; -1 for NULL.
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile).
  */
 int ss_symm_mem_world_size(const ss_symm_mem *h);
 
 /**
  * Usable bytes of each rank's buffer; 0 for NULL.
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile).
  */
 size_t ss_symm_mem_buffer_size(const ss_symm_mem *h);
 
 /**
  * Bytes of each rank's signal pad; 0 for NULL.
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile).
  */
 size_t ss_symm_mem_signal_pad_size(const ss_symm_mem *h);
 
 /**
  * The address, in this process, of rank `rank`'s buffer.
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `void*`. The address is valid until
+ * the block is freed.
  */
 ss_status ss_symm_mem_buffer_ptr(const ss_symm_mem *h, int rank, void **out);
 
 /**
  * The address, in this process, of rank `rank`'s signal pad (uint32
  * slots; keep them zero after your own use, as barrier/put/wait do).
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `void*`. The address is valid until
+ * the block is freed.
  */
 ss_status ss_symm_mem_signal_pad_ptr(const ss_symm_mem *h, int rank, void **out);
 
@@ -1687,17 +2231,30 @@ ss_status ss_symm_mem_signal_pad_ptr(const ss_symm_mem *h, int rank, void **out)
  * A device-readable array of `world_size` pointers: every rank's buffer as
  * mapped here (PyTorch's `get_buffer_ptrs_dev`), for kernels. CUDA: device
  * memory; CPU: host memory. Owned by the object.
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `void*`. The array is valid until
+ * the block is freed.
  */
 ss_status ss_symm_mem_buffer_ptrs_dev(const ss_symm_mem *h, void **out);
 
 /**
  * The same array for the signal pads (PyTorch's `get_signal_pad_ptrs_dev`).
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `void*`. The array is valid until
+ * the block is freed.
  */
 ss_status ss_symm_mem_signal_pad_ptrs_dev(const ss_symm_mem *h, void **out);
 
 /**
  * Whether the block has a multicast address (false for NULL, for CPU
  * blocks, and where `ss_symm_mem_multicast_ptr` says why not).
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile).
  */
 bool ss_symm_mem_has_multicast(const ss_symm_mem *h);
 
@@ -1705,6 +2262,10 @@ bool ss_symm_mem_has_multicast(const ss_symm_mem *h);
  * The buffer's address in the block's multicast mapping; without one
  * `SS_ERR_UNSUPPORTED` with the reason (`TORCH_SYMM_MEM_DISABLE_MULTICAST`, ranks sharing a device,
  * a device or driver without multicast, …).
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `void*`.
  */
 ss_status ss_symm_mem_multicast_ptr(const ss_symm_mem *h, void **out);
 
@@ -1713,6 +2274,11 @@ ss_status ss_symm_mem_multicast_ptr(const ss_symm_mem *h, void **out);
  * PyTorch's checks: a bad rank ("Invalid peer rank") or a range past the
  * buffer ("the requested size (N bytes) exceeds the allocated size (M
  * bytes)") is `SS_ERR_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile);
+ * `out` is NULL or points to a writable `void*`. The address is valid until
+ * the block is freed.
  */
 ss_status ss_symm_mem_get_buffer(const ss_symm_mem *h,
                                  int rank,
@@ -1728,12 +2294,22 @@ ss_status ss_symm_mem_get_buffer(const ss_symm_mem *h,
  * `stream` and returns; a kernel that times out records it in host-mapped
  * memory and ends (the stream goes on), and the next barrier/put/wait on
  * this object returns that `SS_ERR_TIMEOUT` without enqueuing anything.
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem`; no other thread may run a barrier,
+ * put or wait on `channel` of it meanwhile. `stream` is NULL or, for a CUDA
+ * block, a live `cudaStream_t` of the block's device.
  */
 ss_status ss_symm_mem_barrier(const ss_symm_mem *h, int channel, int64_t timeout_ms, void *stream);
 
 /**
  * Signals rank `dst_rank` on `channel` (waits while its previous signal
  * from us is unconsumed). Timeout and stream as for the barrier.
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem`; no other thread may use the pair
+ * (`dst_rank`, `channel`) of it meanwhile (put, wait or barrier). `stream`
+ * is NULL or, for a CUDA block, a live `cudaStream_t` of the block's device.
  */
 ss_status ss_symm_mem_put_signal(const ss_symm_mem *h,
                                  int dst_rank,
@@ -1744,6 +2320,11 @@ ss_status ss_symm_mem_put_signal(const ss_symm_mem *h,
 /**
  * Waits for the signal of rank `src_rank` on `channel` and consumes it.
  * Timeout and stream as for the barrier.
+ *
+ * # Safety
+ * `h` is NULL or a live `ss_symm_mem`; no other thread may use the pair
+ * (`src_rank`, `channel`) of it meanwhile (put, wait or barrier). `stream`
+ * is NULL or, for a CUDA block, a live `cudaStream_t` of the block's device.
  */
 ss_status ss_symm_mem_wait_signal(const ss_symm_mem *h,
                                   int src_rank,

@@ -554,7 +554,7 @@ fn check_arena_handle(bytes: &[u8]) -> Option<ArenaHandle> {
 /// The name rule, written independently: numbers that print back as
 /// themselves, eight lowercase hex digits.
 fn model_segment_name(name: &str) -> bool {
-    let canonical = |s: &str| s.parse::<u128>().map_or(false, |v| v.to_string() == s);
+    let canonical = |s: &str| s.parse::<u128>().is_ok_and(|v| v.to_string() == s);
     let Some(rest) = name.strip_prefix("/ss_arena_") else { return false };
     let mut parts = rest.splitn(3, '_');
     let (Some(pid), Some(id), Some(tag)) = (parts.next(), parts.next(), parts.next()) else { return false };

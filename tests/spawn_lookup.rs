@@ -6,11 +6,11 @@
 mod common;
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use storage_sharing::manager::spawn::{find_manager_binary, set_manager_binary, spawn_manager, MANAGER_ENV};
 use storage_sharing::ErrorKind;
 
-fn script(dir: &PathBuf, name: &str, body: &str) -> PathBuf {
+fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();

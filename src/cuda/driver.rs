@@ -245,7 +245,7 @@ impl Driver {
 }
 
 /// The driver entry points the CUDA symmetric-memory backend calls beyond
-/// [`REQUIRED_SYMBOLS`]: virtual memory management (CUDA 10.2+), modules
+/// `REQUIRED_SYMBOLS`: virtual memory management (CUDA 10.2+), modules
 /// and launches, host-mapped memory. Checked on the first symmetric-memory
 /// use, so a driver without them fails that use with `CudaUnavailable`
 /// (cudarc would panic on a missing one) and CUDA IPC is unaffected.

@@ -28,7 +28,7 @@ pub const MAX_EVENTS_IN_USE: usize = 1000;
 pub const RESEND_MESSAGE: &str = "Attempted to send CUDA tensor received from another process; this is not currently supported. Consider cloning before sending.";
 
 /// Sending and receiving device memory with cross-process reference
-/// counts. One per process in the product ([`super::global`]); tests make
+/// counts. One per process in the product ([`super::global()`]); tests make
 /// their own over a host backend.
 ///
 /// Thread safety: every method takes `&self` and may be called from any

@@ -156,6 +156,9 @@ unsafe fn handle_arg(h: *const ss_arena_handle) -> Result<ArenaHandle> {
 /// holds per segment, and an automatic large threshold (0: blocks above
 /// 1 MiB, or above a quarter of a smaller segment_size, get segments of
 /// their own).
+///
+/// # Safety
+/// `out` is NULL or points to a writable `ss_arena_options`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_options_default(out: *mut ss_arena_options) -> ss_status {
     ffi_status!("ss_arena_options_default", {
@@ -183,6 +186,10 @@ pub unsafe extern "C" fn ss_arena_options_default(out: *mut ss_arena_options) ->
 /// forked child") and changes nothing of the parent's; blocks allocated
 /// before the fork stay readable, views inherited from the parent keep
 /// the parent's holds, and `ss_arena_close` there releases nothing.
+///
+/// # Safety
+/// `options` is NULL or points to a readable `ss_arena_options`; `out` is
+/// NULL or points to a writable `ss_arena*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_open(options: *const ss_arena_options, out: *mut *mut SsArena) -> ss_status {
     ffi_status!("ss_arena_open", {
@@ -205,6 +212,10 @@ pub unsafe extern "C" fn ss_arena_open(options: *const ss_arena_options, out: *m
 /// processes hold stay readable (they have their own mapping); a handle
 /// not opened yet opens only in a process that has its segment mapped
 /// already (else `SS_ERR_NOT_FOUND`). NULL is a no-op.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` that no other thread is using; it must
+/// not be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_close(a: *mut SsArena) {
     ffi_value!("ss_arena_close", (), {
@@ -216,6 +227,10 @@ pub unsafe extern "C" fn ss_arena_close(a: *mut SsArena) {
 /// A block of `size` bytes (> 0) aligned to `align` (a power of two, at
 /// most 4096) in shared memory, in `*out_ptr`. A full /dev/shm or out of
 /// memory gives `SS_ERR_NO_SPACE`, never a SIGBUS later.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `out_ptr` is NULL or points to a writable `void*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_alloc(a: *const SsArena, size: usize, align: usize, out_ptr: *mut *mut c_void) -> ss_status {
     ffi_status!("ss_arena_alloc", {
@@ -232,6 +247,10 @@ pub unsafe extern "C" fn ss_arena_alloc(a: *const SsArena, size: usize, align: u
 /// after the consumer releases it (or dies and `ss_arena_collect` runs).
 /// A pointer this arena did not allocate, or one freed already, gives
 /// `SS_ERR_INVALID_ARGUMENT` and changes nothing.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `ptr` may be any value. The freed block must not be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_free(a: *const SsArena, ptr: *mut c_void) -> ss_status {
     ffi_status!("ss_arena_free", {
@@ -244,6 +263,11 @@ pub unsafe extern "C" fn ss_arena_free(a: *const SsArena, ptr: *mut c_void) -> s
 /// the handle another process opens with `ss_arena_open_remote` (once).
 /// By fd, that process needs the segment's descriptor first
 /// (`ss_arena_segment_fd`, once per segment), or use `ss_arena_send`.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `ptr` may be any value; `out` is NULL or points to a writable
+/// `ss_arena_handle`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_share(a: *const SsArena, ptr: *mut c_void, out: *mut ss_arena_handle) -> ss_status {
     ffi_status!("ss_arena_share", {
@@ -258,6 +282,10 @@ pub unsafe extern "C" fn ss_arena_share(a: *const SsArena, ptr: *mut c_void, out
 
 /// Cancels a share whose handle will never be opened, releasing its
 /// hold. A handle opened or cancelled already: `SS_ERR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile); `h`
+/// is NULL or points to a readable `ss_arena_handle`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_unshare(a: *const SsArena, h: *const ss_arena_handle) -> ss_status {
     ffi_status!("ss_arena_unshare", {
@@ -269,6 +297,10 @@ pub unsafe extern "C" fn ss_arena_unshare(a: *const SsArena, h: *const ss_arena_
 
 /// The descriptor of segment `segment_id` (from a handle) of a by-fd
 /// arena, owned by the arena: send it once per peer, never close it.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `out_fd` is NULL or points to a writable `int`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_segment_fd(a: *const SsArena, segment_id: u64, out_fd: *mut c_int) -> ss_status {
     ffi_status!("ss_arena_segment_fd", {
@@ -285,6 +317,11 @@ pub unsafe extern "C" fn ss_arena_segment_fd(a: *const SsArena, segment_id: u64,
 /// belongs to a process with another start time) and reuses the freed
 /// blocks nobody holds any more. Counts go to the out-parameters, each
 /// of which may be NULL.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `out_reclaimed_holds` and `out_recycled_blocks` are NULL or point to a
+/// writable `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_collect(a: *const SsArena, out_reclaimed_holds: *mut usize, out_recycled_blocks: *mut usize) -> ss_status {
     ffi_status!("ss_arena_collect", {
@@ -304,6 +341,10 @@ pub unsafe extern "C" fn ss_arena_collect(a: *const SsArena, out_reclaimed_holds
 }
 
 /// The arena's counts: segments, live blocks, deferred blocks, bytes.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `ss_arena_stats`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_stats_get(a: *const SsArena, out: *mut ss_arena_stats) -> ss_status {
     ffi_status!("ss_arena_stats_get", {
@@ -326,6 +367,9 @@ pub unsafe extern "C" fn ss_arena_stats_get(a: *const SsArena, out: *mut ss_aren
 /// from the producer. The descriptor is taken over on success (closed at
 /// once if this process has the segment mapped already); on failure the
 /// caller still owns it.
+///
+/// # Safety
+/// `h` is NULL or points to a readable `ss_arena_handle`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_import_segment_fd(h: *const ss_arena_handle, fd: c_int) -> ss_status {
     ffi_status!("ss_arena_import_segment_fd", {
@@ -353,6 +397,10 @@ pub unsafe extern "C" fn ss_arena_import_segment_fd(h: *const ss_arena_handle, f
 /// opened already, cancelled, stale or malformed gives
 /// `SS_ERR_INVALID_ARGUMENT` (or `SS_ERR_CORRUPT` when the segment does
 /// not match it).
+///
+/// # Safety
+/// `h` is NULL or points to a readable `ss_arena_handle`; `out` is NULL or
+/// points to a writable `ss_arena_view*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_open_remote(h: *const ss_arena_handle, out: *mut *mut SsArenaView) -> ss_status {
     ffi_status!("ss_arena_open_remote", {
@@ -370,6 +418,9 @@ pub unsafe extern "C" fn ss_arena_open_remote(h: *const ss_arena_handle, out: *m
 /// another process); by name, a dead producer's name goes too. Their
 /// count goes to `out_released` (may be NULL). `ss_arena_open_remote`
 /// does this by itself before it maps a new segment.
+///
+/// # Safety
+/// `out_released` is NULL or points to a writable `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_trim_remote_cache(out_released: *mut usize) -> ss_status {
     ffi_status!("ss_arena_trim_remote_cache", {
@@ -383,6 +434,9 @@ pub unsafe extern "C" fn ss_arena_trim_remote_cache(out_released: *mut usize) ->
 }
 
 /// Consumer: how many remote segments this process has mapped now.
+///
+/// # Safety
+/// `out` is NULL or points to a writable `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_remote_cache_size(out: *mut usize) -> ss_status {
     ffi_status!("ss_arena_remote_cache_size", {
@@ -394,6 +448,10 @@ pub unsafe extern "C" fn ss_arena_remote_cache_size(out: *mut usize) -> ss_statu
 }
 
 /// Start of the viewed block; NULL for NULL.
+///
+/// # Safety
+/// `v` is NULL or a live `ss_arena_view` (other threads may use it
+/// meanwhile). The pointer is valid until the view is freed.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_view_data(v: *const SsArenaView) -> *mut c_void {
     ffi_value!("ss_arena_view_data", std::ptr::null_mut(), {
@@ -404,6 +462,10 @@ pub unsafe extern "C" fn ss_arena_view_data(v: *const SsArenaView) -> *mut c_voi
 
 /// Size of the viewed block in bytes (the block's carved size, at least
 /// what the producer asked for); 0 for NULL.
+///
+/// # Safety
+/// `v` is NULL or a live `ss_arena_view` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_view_size(v: *const SsArenaView) -> usize {
     ffi_value!("ss_arena_view_size", 0, {
@@ -415,6 +477,10 @@ pub unsafe extern "C" fn ss_arena_view_size(v: *const SsArenaView) -> usize {
 /// Releases the view's hold (one atomic compare-and-swap in the segment)
 /// and the view. The segment stays mapped for later views until its
 /// producer retires it or dies. NULL is a no-op.
+///
+/// # Safety
+/// `v` is NULL or a live `ss_arena_view` that no other thread is using;
+/// neither it nor the block's bytes may be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_view_free(v: *mut SsArenaView) {
     ffi_value!("ss_arena_view_free", (), {
@@ -426,6 +492,10 @@ pub unsafe extern "C" fn ss_arena_view_free(v: *mut SsArenaView) {
 /// Shares the block at `ptr` and sends it over `sock` (a connected Unix
 /// stream socket): the handle, plus the segment's descriptor the first
 /// time that segment goes to this peer. On failure the share is cancelled.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `ptr` may be any value.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_send(a: *const SsArena, sock: c_int, ptr: *mut c_void) -> ss_status {
     ffi_status!("ss_arena_send", {
@@ -435,6 +505,9 @@ pub unsafe extern "C" fn ss_arena_send(a: *const SsArena, sock: c_int, ptr: *mut
 }
 
 /// Receives one block sent with `ss_arena_send` and opens it.
+///
+/// # Safety
+/// `out` is NULL or points to a writable `ss_arena_view*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_recv(sock: c_int, out: *mut *mut SsArenaView) -> ss_status {
     ffi_status!("ss_arena_recv", {
@@ -452,6 +525,10 @@ pub unsafe extern "C" fn ss_arena_recv(sock: c_int, out: *mut *mut SsArenaView) 
 /// segment's fd with no copy (the tuple PyTorch maps); smaller blocks are
 /// copied into their own segment when shared by fd or by name, as heap
 /// storages are. The block is freed with the storage's last reference.
+///
+/// # Safety
+/// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `ss_storage*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_new_in_arena(a: *const SsArena, nbytes: usize, out: *mut *mut super::storage::SsStorage) -> ss_status {
     ffi_status!("ss_storage_new_in_arena", {

@@ -118,6 +118,10 @@ fn c_string(s: String) -> CString {
 /// allowed for 0 bytes) into `buf` of `buf_len` bytes, NUL-terminated.
 /// `mode` is `SS_HASH_FAST` (32 characters) or `SS_HASH_STABLE` (40);
 /// `SS_HASH_HEX_MAX` bytes always suffice.
+///
+/// # Safety
+/// `data` is NULL or readable for `nbytes` bytes, not written by another
+/// thread during the call; `buf` is NULL or writable for `buf_len` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn ss_hash_bytes(data: *const c_void, nbytes: usize, mode: c_int, buf: *mut c_char, buf_len: usize) -> ss_status {
     ffi_status!("ss_hash_bytes", {
@@ -133,6 +137,10 @@ pub unsafe extern "C" fn ss_hash_bytes(data: *const c_void, nbytes: usize, mode:
 /// Opens (creating if needed) the store in folder `path` for writing, in
 /// `format` (`SS_CONTENT_FORMAT_NATIVE` or `SS_CONTENT_FORMAT_TORCH`). A
 /// store already there is added to; it must have the same format.
+///
+/// # Safety
+/// `path` is NULL or a NUL-terminated string; `out` is NULL or points to a
+/// writable `ss_content_writer*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_writer_open(path: *const c_char, format: c_int, out: *mut *mut SsContentWriter) -> ss_status {
     ffi_status!("ss_content_writer_open", {
@@ -149,6 +157,12 @@ pub unsafe extern "C" fn ss_content_writer_open(path: *const c_char, format: c_i
 /// Stores `nbytes` bytes at `data` as a storage (once per distinct
 /// content) and writes its hash, NUL-terminated, into `buf` of `buf_len`
 /// bytes (`SS_HASH_HEX_MAX` suffice; `buf` may be NULL when `buf_len` is 0).
+///
+/// # Safety
+/// `w` is NULL or a live `ss_content_writer` (other threads may use it
+/// meanwhile); `data` is NULL or readable for `nbytes` bytes, not written by
+/// another thread during the call; `buf` is NULL or writable for `buf_len`
+/// bytes.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_write_storage(
     w: *const SsContentWriter,
@@ -180,6 +194,12 @@ pub unsafe extern "C" fn ss_content_write_storage(
 /// PyTorch). The view must lie inside the storage. `/` in `name` makes
 /// folders; `..`, absolute names, empty parts and NUL are refused. An
 /// entry of the same name is replaced.
+///
+/// # Safety
+/// `w` is NULL or a live `ss_content_writer` (other threads may use it
+/// meanwhile); `name` is NULL or a NUL-terminated string; `data` is NULL or
+/// readable for `nbytes` bytes, not written by another thread during the
+/// call; `shape` and `stride` are NULL or readable for `ndim` `int64_t`s.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_write_tensor(
     w: *const SsContentWriter,
@@ -210,6 +230,10 @@ pub unsafe extern "C" fn ss_content_write_tensor(
 /// What the writer did: storages written to new files, storages whose
 /// content was already stored (deduplicated), tensor entries written.
 /// Any out-parameter may be NULL.
+///
+/// # Safety
+/// `w` is NULL or a live `ss_content_writer` (other threads may use it
+/// meanwhile); each out-parameter is NULL or points to a writable `uint64_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_writer_counts(
     w: *const SsContentWriter,
@@ -234,6 +258,10 @@ pub unsafe extern "C" fn ss_content_writer_counts(
 /// publishes it (on by default). Off, writing is several times faster and
 /// a killed process still leaves no partial file, but a power loss may
 /// (PyTorch's writer never fsyncs).
+///
+/// # Safety
+/// `w` is NULL or a live `ss_content_writer` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_writer_set_durable(w: *const SsContentWriter, durable: bool) -> ss_status {
     ffi_status!("ss_content_writer_set_durable", {
@@ -245,6 +273,10 @@ pub unsafe extern "C" fn ss_content_writer_set_durable(w: *const SsContentWriter
 
 /// Closes a writer (with durability on, every file it wrote is already
 /// on disk). NULL is a no-op.
+///
+/// # Safety
+/// `w` is NULL or a live `ss_content_writer` that no other thread is using;
+/// it must not be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_writer_free(w: *mut SsContentWriter) {
     ffi_value!("ss_content_writer_free", (), {
@@ -256,6 +288,10 @@ pub unsafe extern "C" fn ss_content_writer_free(w: *mut SsContentWriter) {
 /// Opens the store in folder `path` for reading; the format (ours or
 /// PyTorch's) is detected. The folder may be untrusted: links below it
 /// are not followed and every record is checked.
+///
+/// # Safety
+/// `path` is NULL or a NUL-terminated string; `out` is NULL or points to a
+/// writable `ss_content_reader*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_reader_open(path: *const c_char, out: *mut *mut SsContentReader) -> ss_status {
     ffi_status!("ss_content_reader_open", {
@@ -270,6 +306,10 @@ pub unsafe extern "C" fn ss_content_reader_open(path: *const c_char, out: *mut *
 }
 
 /// The store's format (`SS_CONTENT_FORMAT_*`); -1 for NULL.
+///
+/// # Safety
+/// `r` is NULL or a live `ss_content_reader` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_reader_format(r: *const SsContentReader) -> c_int {
     ffi_value!("ss_content_reader_format", -1, {
@@ -281,6 +321,10 @@ pub unsafe extern "C" fn ss_content_reader_format(r: *const SsContentReader) -> 
 /// Whether storages are hashed and compared with their names before they
 /// are handed out (once per mapping; off by default). A mismatch is
 /// `SS_ERR_CORRUPT`.
+///
+/// # Safety
+/// `r` is NULL or a live `ss_content_reader` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_reader_set_verify(r: *const SsContentReader, verify: bool) -> ss_status {
     ffi_status!("ss_content_reader_set_verify", {
@@ -293,6 +337,11 @@ pub unsafe extern "C" fn ss_content_reader_set_verify(r: *const SsContentReader,
 /// Reads tensor entry `name`: its view and its storage, mapped read-only
 /// (no copy; a storage already mapped for a live tensor is shared). Free
 /// the result with `ss_content_tensor_free`.
+///
+/// # Safety
+/// `r` is NULL or a live `ss_content_reader` (other threads may use it
+/// meanwhile); `name` is NULL or a NUL-terminated string; `out` is NULL or
+/// points to a writable `ss_content_tensor*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_read_tensor(r: *const SsContentReader, name: *const c_char, out: *mut *mut SsContentTensor) -> ss_status {
     ffi_status!("ss_content_read_tensor", {
@@ -309,6 +358,11 @@ pub unsafe extern "C" fn ss_content_read_tensor(r: *const SsContentReader, name:
 
 /// Reads the storage named `hash`, mapped read-only. Free the result with
 /// `ss_content_storage_free`.
+///
+/// # Safety
+/// `r` is NULL or a live `ss_content_reader` (other threads may use it
+/// meanwhile); `hash` is NULL or a NUL-terminated string; `out` is NULL or
+/// points to a writable `ss_content_storage*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_read_storage(r: *const SsContentReader, hash: *const c_char, out: *mut *mut SsContentStorage) -> ss_status {
     ffi_status!("ss_content_read_storage", {
@@ -329,6 +383,10 @@ fn new_list(out: *mut *mut SsContentList, items: Vec<String>) {
 }
 
 /// The names of every tensor entry, sorted. Free with `ss_content_list_free`.
+///
+/// # Safety
+/// `r` is NULL or a live `ss_content_reader` (other threads may use it
+/// meanwhile); `out` is NULL or points to a writable `ss_content_list*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_list_tensors(r: *const SsContentReader, out: *mut *mut SsContentList) -> ss_status {
     ffi_status!("ss_content_list_tensors", {
@@ -341,6 +399,10 @@ pub unsafe extern "C" fn ss_content_list_tensors(r: *const SsContentReader, out:
 }
 
 /// The hashes of every storage, sorted. Free with `ss_content_list_free`.
+///
+/// # Safety
+/// `r` is NULL or a live `ss_content_reader` (other threads may use it
+/// meanwhile); `out` is NULL or points to a writable `ss_content_list*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_list_storages(r: *const SsContentReader, out: *mut *mut SsContentList) -> ss_status {
     ffi_status!("ss_content_list_storages", {
@@ -357,6 +419,11 @@ pub unsafe extern "C" fn ss_content_list_storages(r: *const SsContentReader, out
 /// gets the number of objects checked, `*out_problems` one line
 /// `"<object>: <why>"` per corrupt object (empty when all is well). SS_OK
 /// means the check ran, whatever it found.
+///
+/// # Safety
+/// `r` is NULL or a live `ss_content_reader` (other threads may use it
+/// meanwhile); `out_checked` is NULL or points to a writable `uint64_t`;
+/// `out_problems` is NULL or points to a writable `ss_content_list*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_verify(r: *const SsContentReader, out_checked: *mut u64, out_problems: *mut *mut SsContentList) -> ss_status {
     ffi_status!("ss_content_verify", {
@@ -375,6 +442,10 @@ pub unsafe extern "C" fn ss_content_verify(r: *const SsContentReader, out_checke
 
 /// Closes a reader; tensors and storages read from it stay valid. NULL is
 /// a no-op.
+///
+/// # Safety
+/// `r` is NULL or a live `ss_content_reader` that no other thread is using;
+/// it must not be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_reader_free(r: *mut SsContentReader) {
     ffi_value!("ss_content_reader_free", (), {
@@ -390,12 +461,20 @@ fn with_tensor<T>(t: *const SsContentTensor, fallback: T, f: impl FnOnce(&SsCont
 }
 
 /// The tensor's dtype (`SS_DTYPE_*`); -1 for NULL.
+///
+/// # Safety
+/// `t` is NULL or a live `ss_content_tensor` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_dtype(t: *const SsContentTensor) -> c_int {
     ffi_value!("ss_content_tensor_dtype", -1, { with_tensor(t, -1, |t| t.tensor.meta.dtype.code()) })
 }
 
 /// Number of dimensions; 0 for NULL.
+///
+/// # Safety
+/// `t` is NULL or a live `ss_content_tensor` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_ndim(t: *const SsContentTensor) -> usize {
     ffi_value!("ss_content_tensor_ndim", 0, { with_tensor(t, 0, |t| t.tensor.meta.shape.len()) })
@@ -403,6 +482,10 @@ pub unsafe extern "C" fn ss_content_tensor_ndim(t: *const SsContentTensor) -> us
 
 /// The sizes, `ndim` elements, valid while the tensor lives (NULL for NULL
 /// or a 0-d tensor).
+///
+/// # Safety
+/// `t` is NULL or a live `ss_content_tensor` (other threads may use it
+/// meanwhile). The array is read-only.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_shape(t: *const SsContentTensor) -> *const i64 {
     ffi_value!("ss_content_tensor_shape", std::ptr::null(), {
@@ -412,6 +495,10 @@ pub unsafe extern "C" fn ss_content_tensor_shape(t: *const SsContentTensor) -> *
 
 /// The strides in elements, `ndim` elements, valid while the tensor lives
 /// (NULL for NULL or a 0-d tensor).
+///
+/// # Safety
+/// `t` is NULL or a live `ss_content_tensor` (other threads may use it
+/// meanwhile). The array is read-only.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_stride(t: *const SsContentTensor) -> *const i64 {
     ffi_value!("ss_content_tensor_stride", std::ptr::null(), {
@@ -420,6 +507,10 @@ pub unsafe extern "C" fn ss_content_tensor_stride(t: *const SsContentTensor) -> 
 }
 
 /// The storage offset in elements; 0 for NULL.
+///
+/// # Safety
+/// `t` is NULL or a live `ss_content_tensor` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_offset(t: *const SsContentTensor) -> i64 {
     ffi_value!("ss_content_tensor_offset", 0, { with_tensor(t, 0, |t| t.tensor.meta.offset) })
@@ -428,6 +519,10 @@ pub unsafe extern "C" fn ss_content_tensor_offset(t: *const SsContentTensor) -> 
 /// The storage's first byte, read-only (element `i` of the view is at
 /// `itemsize * (offset + sum(index_k * stride_k))`); NULL for NULL or an
 /// empty storage. Valid while the tensor lives.
+///
+/// # Safety
+/// `t` is NULL or a live `ss_content_tensor` (other threads may use it
+/// meanwhile). The bytes are mapped read-only: writing them faults.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_data(t: *const SsContentTensor) -> *const c_void {
     ffi_value!("ss_content_tensor_data", std::ptr::null(), {
@@ -443,12 +538,20 @@ pub unsafe extern "C" fn ss_content_tensor_data(t: *const SsContentTensor) -> *c
 }
 
 /// The storage's size in bytes; 0 for NULL.
+///
+/// # Safety
+/// `t` is NULL or a live `ss_content_tensor` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_nbytes(t: *const SsContentTensor) -> usize {
     ffi_value!("ss_content_tensor_nbytes", 0, { with_tensor(t, 0, |t| t.tensor.storage.bytes().len()) })
 }
 
 /// The storage's hash, valid while the tensor lives; "" for NULL.
+///
+/// # Safety
+/// `t` is NULL or a live `ss_content_tensor` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_storage_hash(t: *const SsContentTensor) -> *const c_char {
     ffi_value!("ss_content_tensor_storage_hash", c"".as_ptr(), { with_tensor(t, c"".as_ptr(), |t| t.hash.as_ptr()) })
@@ -456,6 +559,10 @@ pub unsafe extern "C" fn ss_content_tensor_storage_hash(t: *const SsContentTenso
 
 /// Releases a tensor (its storage mapping goes with the last user). NULL
 /// is a no-op.
+///
+/// # Safety
+/// `t` is NULL or a live `ss_content_tensor` that no other thread is using;
+/// neither it nor pointers it returned may be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_free(t: *mut SsContentTensor) {
     ffi_value!("ss_content_tensor_free", (), {
@@ -465,6 +572,11 @@ pub unsafe extern "C" fn ss_content_tensor_free(t: *mut SsContentTensor) {
 }
 
 /// The storage's first byte, read-only; NULL for NULL or an empty storage.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_content_storage` (other threads may use it
+/// meanwhile). The bytes are mapped read-only (writing them faults) and valid
+/// until the storage is freed.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_storage_data(s: *const SsContentStorage) -> *const c_void {
     ffi_value!("ss_content_storage_data", std::ptr::null(), {
@@ -481,6 +593,10 @@ pub unsafe extern "C" fn ss_content_storage_data(s: *const SsContentStorage) -> 
 }
 
 /// The storage's size in bytes; 0 for NULL.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_content_storage` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_storage_nbytes(s: *const SsContentStorage) -> usize {
     ffi_value!("ss_content_storage_nbytes", 0, {
@@ -490,6 +606,10 @@ pub unsafe extern "C" fn ss_content_storage_nbytes(s: *const SsContentStorage) -
 }
 
 /// Releases a storage. NULL is a no-op.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_content_storage` that no other thread is using;
+/// neither it nor its data pointer may be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_storage_free(s: *mut SsContentStorage) {
     ffi_value!("ss_content_storage_free", (), {
@@ -499,6 +619,10 @@ pub unsafe extern "C" fn ss_content_storage_free(s: *mut SsContentStorage) {
 }
 
 /// Number of strings in a list; 0 for NULL.
+///
+/// # Safety
+/// `l` is NULL or a live `ss_content_list` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_list_len(l: *const SsContentList) -> usize {
     ffi_value!("ss_content_list_len", 0, {
@@ -509,6 +633,10 @@ pub unsafe extern "C" fn ss_content_list_len(l: *const SsContentList) -> usize {
 
 /// String `i` of a list, valid while the list lives; NULL for NULL or `i`
 /// out of range.
+///
+/// # Safety
+/// `l` is NULL or a live `ss_content_list` (other threads may use it
+/// meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_list_get(l: *const SsContentList, i: usize) -> *const c_char {
     ffi_value!("ss_content_list_get", std::ptr::null(), {
@@ -518,6 +646,10 @@ pub unsafe extern "C" fn ss_content_list_get(l: *const SsContentList, i: usize) 
 }
 
 /// Releases a list. NULL is a no-op.
+///
+/// # Safety
+/// `l` is NULL or a live `ss_content_list` that no other thread is using;
+/// neither it nor strings it returned may be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_list_free(l: *mut SsContentList) {
     ffi_value!("ss_content_list_free", (), {

@@ -168,6 +168,10 @@ pub extern "C" fn ss_cuda_available() -> bool {
 
 /// The driver's CUDA version (1000 × major + 10 × minor) and the number of
 /// visible devices. `SS_ERR_CUDA_UNAVAILABLE` (with the reason) otherwise.
+///
+/// # Safety
+/// `out_version` and `out_device_count` are NULL or point to a writable
+/// `int32_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_driver_info(out_version: *mut i32, out_device_count: *mut i32) -> ss_status {
     ffi_status!("ss_cuda_driver_info", {
@@ -196,6 +200,13 @@ pub unsafe extern "C" fn ss_cuda_driver_info(out_version: *mut i32, out_device_c
 /// nothing is called). Memory received from another process cannot be sent
 /// on (`SS_ERR_UNSUPPORTED`: clone it first). A NULL `device_ptr` with
 /// `nbytes` 0 gives the tuple of a storage without data and `*out_sent` NULL.
+///
+/// # Safety
+/// `device_ptr` is a device address (never read on the host); `stream` is
+/// NULL or a live `cudaStream_t` of `device`'s context. `deleter`, if not
+/// NULL, must be safe to call once, from any thread, with `deleter_ctx`.
+/// `out_handle` is NULL or points to a writable `ss_cuda_ipc_handle`;
+/// `out_sent` is NULL or points to a writable `ss_cuda_sent*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_share(
     device_ptr: *const c_void,
@@ -244,6 +255,10 @@ pub unsafe extern "C" fn ss_cuda_share(
 
 /// The consumer count of a send: 1 while the consumer holds it, 0 once it
 /// released it.
+///
+/// # Safety
+/// `sent` is NULL or a live `ss_cuda_sent` that no other thread is using;
+/// `out` is NULL or points to a writable `int64_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_sent_counter(sent: *const SsCudaSent, out: *mut i64) -> ss_status {
     ffi_status!("ss_cuda_sent_counter", {
@@ -261,6 +276,11 @@ pub unsafe extern "C" fn ss_cuda_sent_counter(sent: *const SsCudaSent, out: *mut
 /// else it waits in limbo until a collection finds its counter at 0, and
 /// `*out_in_limbo` (may be NULL) is set to true. Also frees the limbo
 /// blocks already released. NULL `sent` is a no-op.
+///
+/// # Safety
+/// `sent` is NULL or a live `ss_cuda_sent` that no other thread is using; it
+/// must not be used after the call. `out_in_limbo` is NULL or points to a
+/// writable `bool`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_sent_free(sent: *mut SsCudaSent, out_in_limbo: *mut bool) -> ss_status {
     ffi_status!("ss_cuda_sent_free", {
@@ -284,6 +304,12 @@ pub unsafe extern "C" fn ss_cuda_sent_free(sent: *mut SsCudaSent, out_in_limbo: 
 /// data with work on that stream; release with `ss_cuda_received_free`.
 /// `SS_ERR_PEER_GONE` when the producer has exited; `SS_ERR_BAD_REFCOUNT`
 /// when the tuple was already released.
+///
+/// # Safety
+/// `ipc_handle` is NULL or points to a readable `ss_cuda_ipc_handle` whose
+/// `event_sync_required` byte is 0 or 1; `stream` is NULL or a live
+/// `cudaStream_t` of the handle's device; `out` is NULL or points to a
+/// writable `ss_cuda_received*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_open(
     ipc_handle: *const SsCudaIpcHandle,
@@ -303,6 +329,10 @@ pub unsafe extern "C" fn ss_cuda_open(
 
 /// Device address of a received storage's first byte (NULL for NULL or a
 /// storage without data).
+///
+/// # Safety
+/// `received` is NULL or a live `ss_cuda_received` that no other thread is
+/// using. The address is valid until the handle is freed.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_received_data(received: *const SsCudaReceived) -> *mut c_void {
     ffi_value!("ss_cuda_received_data", std::ptr::null_mut(), {
@@ -312,6 +342,10 @@ pub unsafe extern "C" fn ss_cuda_received_data(received: *const SsCudaReceived) 
 }
 
 /// Bytes of a received storage (0 for NULL).
+///
+/// # Safety
+/// `received` is NULL or a live `ss_cuda_received` that no other thread is
+/// using.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_received_size(received: *const SsCudaReceived) -> usize {
     ffi_value!("ss_cuda_received_size", 0, {
@@ -325,6 +359,10 @@ pub unsafe extern "C" fn ss_cuda_received_size(received: *const SsCudaReceived) 
 /// memory if this was its last user here, and decrements the producer's
 /// counter slot atomically. `SS_ERR_PEER_GONE` when the producer is gone.
 /// NULL is a no-op.
+///
+/// # Safety
+/// `received` is NULL or a live `ss_cuda_received` that no other thread is
+/// using; neither it nor its device address may be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_received_free(received: *mut SsCudaReceived) -> ss_status {
     ffi_status!("ss_cuda_received_free", {
@@ -342,6 +380,9 @@ pub unsafe extern "C" fn ss_cuda_received_free(received: *mut SsCudaReceived) ->
 /// For a consumer that drops a duplicate tuple without opening it. Needs
 /// no GPU. `SS_ERR_PEER_GONE` when the file is gone, `SS_ERR_BAD_REFCOUNT`
 /// when the slot is already 0.
+///
+/// # Safety
+/// `counter_name` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_release_ipc_counter(counter_name: *const c_char, slot: u64) -> ss_status {
     ffi_status!("ss_cuda_release_ipc_counter", {
@@ -356,6 +397,9 @@ pub unsafe extern "C" fn ss_cuda_release_ipc_counter(counter_name: *const c_char
 /// With limbo then empty, also closes the current ref-counter file if no
 /// send uses it. Call it when device memory runs short (`ss_cuda_malloc`
 /// does), as `torch.cuda.ipc_collect()`.
+///
+/// # Safety
+/// `out_freed` is NULL or points to a writable `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_ipc_collect(out_freed: *mut usize) -> ss_status {
     ffi_status!("ss_cuda_ipc_collect", {
@@ -376,6 +420,11 @@ pub extern "C" fn ss_cuda_limbo_size() -> usize {
 
 /// Base address and size of the cudaMalloc allocation of `device` that
 /// holds `device_ptr` (what the tuple's offset is measured from).
+///
+/// # Safety
+/// `device_ptr` may be any value (it is only looked up); `out_base` is NULL
+/// or points to a writable `void*`; `out_size` is NULL or points to a
+/// writable `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_pointer_base(
     device_ptr: *const c_void,
@@ -399,6 +448,9 @@ pub unsafe extern "C" fn ss_cuda_pointer_base(
 /// Allocates `nbytes` of device memory on `device` (cuMemAlloc, shareable
 /// with `ss_cuda_share`). When the device is full, collects limbo and, if
 /// that gave any block back, tries once more; else `SS_ERR_NO_SPACE`.
+///
+/// # Safety
+/// `out` is NULL or points to a writable `void*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_malloc(device: i32, nbytes: usize, out: *mut *mut c_void) -> ss_status {
     ffi_status!("ss_cuda_malloc", {
@@ -411,6 +463,10 @@ pub unsafe extern "C" fn ss_cuda_malloc(device: i32, nbytes: usize, out: *mut *m
 }
 
 /// Frees memory from `ss_cuda_malloc`. NULL is a no-op.
+///
+/// # Safety
+/// `device_ptr` is NULL or memory from `ss_cuda_malloc` on `device` that is
+/// not freed yet; it must not be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_free(device: i32, device_ptr: *mut c_void) -> ss_status {
     ffi_status!("ss_cuda_free", {
@@ -424,6 +480,11 @@ pub unsafe extern "C" fn ss_cuda_free(device: i32, device_ptr: *mut c_void) -> s
 /// Writes the tuple as one line of text (eight space-separated fields,
 /// byte strings in hex, `-` for an empty one) into `buf` of `len` bytes
 /// (`SS_CUDA_HANDLE_TEXT_MAX` is always enough): for pipes, argv, Python.
+///
+/// # Safety
+/// `ipc_handle` is NULL or points to a readable `ss_cuda_ipc_handle` whose
+/// `event_sync_required` byte is 0 or 1; `buf` is NULL or writable for `len`
+/// bytes.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_ipc_handle_to_text(ipc_handle: *const SsCudaIpcHandle, buf: *mut c_char, len: usize) -> ss_status {
     ffi_status!("ss_cuda_ipc_handle_to_text", {
@@ -435,6 +496,10 @@ pub unsafe extern "C" fn ss_cuda_ipc_handle_to_text(ipc_handle: *const SsCudaIpc
 }
 
 /// Parses `ss_cuda_ipc_handle_to_text`'s form into `*out`.
+///
+/// # Safety
+/// `text` is NULL or a NUL-terminated string; `out` is NULL or points to a
+/// writable `ss_cuda_ipc_handle`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_ipc_handle_from_text(text: *const c_char, out: *mut SsCudaIpcHandle) -> ss_status {
     ffi_status!("ss_cuda_ipc_handle_from_text", {

@@ -12,6 +12,11 @@ use std::os::raw::c_int;
 /// 253; may be 0 with `fds` NULL) over the connected Unix socket `sock`.
 /// All payload bytes are sent; the descriptors travel with the first ones
 /// and stay open in the sender.
+///
+/// # Safety
+/// `payload` is NULL or readable for `len` bytes; `fds` is NULL or readable
+/// for `nfds` `int`s. Neither may be written by another thread during the
+/// call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_send_fds(sock: c_int, payload: *const c_void, len: usize, fds: *const c_int, nfds: usize) -> ss_status {
     ffi_status!("ss_send_fds", {
@@ -41,6 +46,11 @@ pub unsafe extern "C" fn ss_send_fds(sock: c_int, payload: *const c_void, len: u
 /// than `max_fds` give `SS_ERR_BUFFER_TOO_SMALL`, and so does a datagram
 /// longer than `len` (the kernel drops its tail; stream sockets keep the
 /// rest for the next call). On failure no descriptor is left open.
+///
+/// # Safety
+/// `buf` is NULL or writable for `len` bytes; `fds` is NULL or writable for
+/// `max_fds` `int`s; `out_len` and `out_nfds` are NULL or point to a writable
+/// `size_t`. No other thread may access `buf` or `fds` during the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_recv_fds(
     sock: c_int,

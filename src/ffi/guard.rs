@@ -33,7 +33,7 @@ fn panic_error(payload: Box<dyn std::any::Any + Send>, func: &str) -> Error {
     Error::new(ErrorKind::Panic, format!("internal panic in {func}: {what}"))
 }
 
-/// Runs a fallible body; used by [`ffi_status!`].
+/// Runs a fallible body; used by `ffi_status!`.
 pub fn run_status(func: &str, body: impl FnOnce() -> Result<()>) -> ss_status {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => ss_status::SS_OK,
@@ -49,7 +49,7 @@ pub fn run_status(func: &str, body: impl FnOnce() -> Result<()>) -> ss_status {
 }
 
 /// Runs an infallible body that returns a value, `fallback` on panic; used
-/// by [`ffi_value!`].
+/// by `ffi_value!`.
 pub fn run_value<T>(func: &str, fallback: T, body: impl FnOnce() -> T) -> T {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(v) => v,

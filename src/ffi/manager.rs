@@ -10,6 +10,9 @@ use std::os::raw::c_char;
 /// (libshm's `libshm_init`). Without this call the library looks at the
 /// environment variable `SS_SHM_MANAGER`, then for `ss_shm_manager` beside
 /// the shared library (and in `../bin` from it), then on `PATH`.
+///
+/// # Safety
+/// `path` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn ss_shm_manager_set_binary(path: *const c_char) -> ss_status {
     ffi_status!("ss_shm_manager_set_binary", {
@@ -23,6 +26,9 @@ pub unsafe extern "C" fn ss_shm_manager_set_binary(path: *const c_char) -> ss_st
 /// `len` bytes (108 always suffice). A daemon that prints no path within
 /// 5 s is stopped: `SS_ERR_TIMEOUT`. Connect to it by passing the path as
 /// the manager handle of `ss_storage_new_shared_filename`.
+///
+/// # Safety
+/// `buf` is NULL or writable for `len` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn ss_shm_manager_spawn(buf: *mut c_char, len: usize) -> ss_status {
     ffi_status!("ss_shm_manager_spawn", {

@@ -106,6 +106,10 @@ pub(crate) fn plain(m: MapAllocator) -> Mapping {
 /// `MapAllocator(name, flags, size)`. SHAREDMEM names start with '/'.
 /// `size` must be > 0. On success `*out` owns the mapping; release it
 /// with `ss_map_free`.
+///
+/// # Safety
+/// `name` is NULL or a NUL-terminated string; `out` is NULL or points to a
+/// writable `ss_map*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_open(name: *const c_char, flags: c_int, size: usize, out: *mut *mut SsMap) -> ss_status {
     ffi_status!("ss_map_open", {
@@ -124,6 +128,10 @@ pub unsafe extern "C" fn ss_map_open(name: *const c_char, flags: c_int, size: us
 /// "filename not specified"). On success the map owns `fd`: it is kept
 /// with `SS_MAPPED_KEEPFD` (and closed by `ss_map_close`) or closed at once
 /// otherwise. On failure the caller still owns `fd`.
+///
+/// # Safety
+/// `name` is NULL or a NUL-terminated string; `out` is NULL or points to a
+/// writable `ss_map*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_open_fd(
     name: *const c_char,
@@ -149,6 +157,10 @@ pub unsafe extern "C" fn ss_map_open_fd(
 /// `RefcountedMapAllocator`. The last holder to close removes the name.
 /// Opening a segment whose count is not positive fails with
 /// `SS_ERR_BAD_REFCOUNT`.
+///
+/// # Safety
+/// `name` is NULL or a NUL-terminated string; `out` is NULL or points to a
+/// writable `ss_map*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_refcounted_map_open(
     name: *const c_char,
@@ -169,6 +181,10 @@ pub unsafe extern "C" fn ss_refcounted_map_open(
 
 /// Start of the user data (after the header for refcounted maps); NULL
 /// when `map` is NULL or closed.
+///
+/// # Safety
+/// `map` is NULL or a live `ss_map` (other threads may use it meanwhile). The
+/// pointer is valid until the map is closed or freed.
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_data(map: *const SsMap) -> *mut c_void {
     ffi_value!("ss_map_data", std::ptr::null_mut(), {
@@ -178,6 +194,9 @@ pub unsafe extern "C" fn ss_map_data(map: *const SsMap) -> *mut c_void {
 }
 
 /// Bytes of user data (a refcounted map's header not counted); 0 for NULL.
+///
+/// # Safety
+/// `map` is NULL or a live `ss_map` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_size(map: *const SsMap) -> usize {
     ffi_value!("ss_map_size", 0, {
@@ -188,6 +207,9 @@ pub unsafe extern "C" fn ss_map_size(map: *const SsMap) -> usize {
 
 /// The descriptor kept with `SS_MAPPED_KEEPFD`, else -1 (also for NULL and
 /// after close).
+///
+/// # Safety
+/// `map` is NULL or a live `ss_map` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_fd(map: *const SsMap) -> c_int {
     ffi_value!("ss_map_fd", -1, {
@@ -200,6 +222,10 @@ pub unsafe extern "C" fn ss_map_fd(map: *const SsMap) -> c_int {
 }
 
 /// The name the map was opened with, owned by the map; NULL for NULL.
+///
+/// # Safety
+/// `map` is NULL or a live `ss_map` (other threads may use it meanwhile). The
+/// string is valid until the map is freed.
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_filename(map: *const SsMap) -> *const c_char {
     ffi_value!("ss_map_filename", std::ptr::null(), {
@@ -210,6 +236,9 @@ pub unsafe extern "C" fn ss_map_filename(map: *const SsMap) -> *const c_char {
 
 /// The flags in effect (NOCREATE is dropped for read-only opens, as in
 /// ATen); 0 for NULL.
+///
+/// # Safety
+/// `map` is NULL or a live `ss_map` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_flags(map: *const SsMap) -> c_int {
     ffi_value!("ss_map_flags", 0, {
@@ -223,6 +252,9 @@ pub unsafe extern "C" fn ss_map_flags(map: *const SsMap) -> c_int {
 }
 
 /// Whether `map` was opened with `ss_refcounted_map_open`.
+///
+/// # Safety
+/// `map` is NULL or a live `ss_map` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_is_refcounted(map: *const SsMap) -> bool {
     ffi_value!("ss_map_is_refcounted", false, {
@@ -232,6 +264,9 @@ pub unsafe extern "C" fn ss_map_is_refcounted(map: *const SsMap) -> bool {
 }
 
 /// Adds one to a refcounted segment's shared count.
+///
+/// # Safety
+/// `map` is NULL or a live `ss_map` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_incref(map: *const SsMap) -> ss_status {
     ffi_status!("ss_map_incref", {
@@ -242,6 +277,10 @@ pub unsafe extern "C" fn ss_map_incref(map: *const SsMap) -> ss_status {
 
 /// Subtracts one from a refcounted segment's shared count; `*out_now_zero`
 /// (may be NULL) tells whether it reached 0. The name is not removed here.
+///
+/// # Safety
+/// `map` is NULL or a live `ss_map` (other threads may use it meanwhile);
+/// `out_now_zero` is NULL or points to a writable `bool`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_decref(map: *const SsMap, out_now_zero: *mut bool) -> ss_status {
     ffi_status!("ss_map_decref", {
@@ -256,6 +295,10 @@ pub unsafe extern "C" fn ss_map_decref(map: *const SsMap, out_now_zero: *mut boo
 }
 
 /// Reads a refcounted segment's shared count.
+///
+/// # Safety
+/// `map` is NULL or a live `ss_map` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `int32_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_refcount(map: *const SsMap, out: *mut i32) -> ss_status {
     ffi_status!("ss_map_refcount", {
@@ -272,6 +315,10 @@ pub unsafe extern "C" fn ss_map_refcount(map: *const SsMap, out: *mut i32) -> ss
 /// (plain SHAREDMEM without FROMFD/UNLINK; refcounted when the count
 /// reaches 0). The handle stays valid (data NULL) until `ss_map_free`.
 /// Closing twice is allowed and does nothing.
+///
+/// # Safety
+/// `map` is NULL or a live `ss_map` that no other thread is using. No thread
+/// may access the mapped bytes during the call or after it.
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_close(map: *mut SsMap) -> ss_status {
     ffi_status!("ss_map_close", {
@@ -281,6 +328,10 @@ pub unsafe extern "C" fn ss_map_close(map: *mut SsMap) -> ss_status {
 }
 
 /// Closes (if still open) and frees the handle. NULL is a no-op.
+///
+/// # Safety
+/// `map` is NULL or a live `ss_map` that no other thread is using; neither it
+/// nor its mapped bytes may be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_free(map: *mut SsMap) {
     ffi_value!("ss_map_free", (), {
@@ -291,6 +342,10 @@ pub unsafe extern "C" fn ss_map_free(map: *mut SsMap) {
 
 /// The live map whose data holds `ptr` (its start or any byte inside), or
 /// NULL: ATen's `fromDataPtr`. The handle is borrowed, not owned.
+///
+/// # Safety
+/// Any `ptr` is allowed (it is only looked up, never read). The handle
+/// returned is borrowed: valid until its owner frees it.
 #[no_mangle]
 pub unsafe extern "C" fn ss_map_from_data(ptr: *const c_void) -> *mut SsMap {
     ffi_value!("ss_map_from_data", std::ptr::null_mut(), {

@@ -54,6 +54,9 @@ unsafe fn storage<'a>(s: *const SsStorage) -> crate::Result<&'a Storage> {
 
 /// A new resizable storage of `nbytes` zero bytes on the heap (64-byte
 /// aligned). `nbytes` may be 0 (data is then NULL).
+///
+/// # Safety
+/// `out` is NULL or points to a writable `ss_storage*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_new(nbytes: usize, out: *mut *mut SsStorage) -> ss_status {
     ffi_status!("ss_storage_new", {
@@ -63,6 +66,10 @@ pub unsafe extern "C" fn ss_storage_new(nbytes: usize, out: *mut *mut SsStorage)
 }
 
 /// A second strong reference to the same storage (free both).
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `ss_storage*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_ref(s: *const SsStorage, out: *mut *mut SsStorage) -> ss_status {
     ffi_status!("ss_storage_ref", {
@@ -73,6 +80,11 @@ pub unsafe extern "C" fn ss_storage_ref(s: *const SsStorage, out: *mut *mut SsSt
 
 /// Start of the bytes; NULL for NULL or an empty storage. Changes when a
 /// heap storage is moved into shared memory.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` (other threads may use it meanwhile).
+/// The pointer is valid while a strong reference lives and the bytes do not
+/// move (resize, `ss_storage_share_fd`, `ss_storage_share_filename`).
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_data(s: *const SsStorage) -> *mut c_void {
     ffi_value!("ss_storage_data", std::ptr::null_mut(), {
@@ -82,6 +94,9 @@ pub unsafe extern "C" fn ss_storage_data(s: *const SsStorage) -> *mut c_void {
 }
 
 /// Size in bytes; 0 for NULL.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_nbytes(s: *const SsStorage) -> usize {
     ffi_value!("ss_storage_nbytes", 0, {
@@ -92,6 +107,9 @@ pub unsafe extern "C" fn ss_storage_nbytes(s: *const SsStorage) -> usize {
 
 /// Whether the bytes are in shared memory (fd-backed or managed); false
 /// for NULL.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_is_shared(s: *const SsStorage) -> bool {
     ffi_value!("ss_storage_is_shared", false, {
@@ -102,6 +120,11 @@ pub unsafe extern "C" fn ss_storage_is_shared(s: *const SsStorage) -> bool {
 
 /// Resizes a heap storage (prefix kept, the rest zero). A shared storage
 /// is not resizable: `SS_ERR_UNSUPPORTED`.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` (other threads may use it meanwhile).
+/// The bytes move: no thread may access them through a pointer from
+/// `ss_storage_data` during the call, nor use such a pointer after it.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_resize(s: *const SsStorage, nbytes: usize) -> ss_status {
     ffi_status!("ss_storage_resize", {
@@ -114,6 +137,13 @@ pub unsafe extern "C" fn ss_storage_resize(s: *const SsStorage, nbytes: usize) -
 /// is fd-backed already) and returns its descriptor and size. The fd
 /// stays owned by the storage: send it (`ss_send_fds`) or dup it, never
 /// close it. A 0-byte storage cannot be shared: `SS_ERR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` (other threads may use it meanwhile);
+/// `out_fd` and `out_nbytes` are NULL or point to a writable `int` and
+/// `size_t`. The bytes may move (a copy into shared memory): no thread may
+/// access them through an earlier `ss_storage_data` pointer during the
+/// call, nor after it.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_share_fd(s: *const SsStorage, out_fd: *mut c_int, out_nbytes: *mut usize) -> ss_status {
     ffi_status!("ss_storage_share_fd", {
@@ -132,6 +162,9 @@ pub unsafe extern "C" fn ss_storage_share_fd(s: *const SsStorage, out_fd: *mut c
 
 /// Opens a storage shared by fd: maps `nbytes` of a duplicate of `fd`
 /// (ATen flags 58). The caller keeps `fd` and closes it when done.
+///
+/// # Safety
+/// `out` is NULL or points to a writable `ss_storage*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_new_shared_fd(fd: c_int, nbytes: usize, out: *mut *mut SsStorage) -> ss_status {
     ffi_status!("ss_storage_new_shared_fd", {
@@ -141,6 +174,9 @@ pub unsafe extern "C" fn ss_storage_new_shared_fd(fd: c_int, nbytes: usize, out:
 }
 
 /// A new fd-backed shared storage of `nbytes` zero bytes (ATen flags 86).
+///
+/// # Safety
+/// `out` is NULL or points to a writable `ss_storage*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_new_using_fd(nbytes: usize, out: *mut *mut SsStorage) -> ss_status {
     ffi_status!("ss_storage_new_using_fd", {
@@ -151,6 +187,10 @@ pub unsafe extern "C" fn ss_storage_new_using_fd(nbytes: usize, out: *mut *mut S
 
 /// The descriptor of an fd-backed storage (owned by it);
 /// `SS_ERR_NOT_FOUND` for other storages.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` (other threads may use it meanwhile);
+/// `out_fd` is NULL or points to a writable `int`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_get_shared_fd(s: *const SsStorage, out_fd: *mut c_int) -> ss_status {
     ffi_status!("ss_storage_get_shared_fd", {
@@ -171,6 +211,14 @@ pub unsafe extern "C" fn ss_storage_get_shared_fd(s: *const SsStorage, out_fd: *
 /// takes in another process. Buffers of 108 and 64 bytes always suffice;
 /// a smaller one gives `SS_ERR_BUFFER_TOO_SMALL` and writes neither buffer
 /// (the storage is shared anyway; call again with room).
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` (other threads may use it meanwhile);
+/// `manager_buf` and `name_buf` are NULL or writable for `manager_len` and
+/// `name_len` bytes; `out_nbytes` is NULL or points to a writable `size_t`.
+/// The bytes may move (a copy into shared memory): no thread may access
+/// them through an earlier `ss_storage_data` pointer during the call, nor
+/// after it.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_share_filename(
     s: *const SsStorage,
@@ -204,6 +252,10 @@ pub unsafe extern "C" fn ss_storage_share_filename(
 /// the segment `name` of `nbytes` bytes (ATen flags 10; header count + 1).
 /// A segment that is gone gives `SS_ERR_NOT_FOUND`; an unreachable manager
 /// `SS_ERR_NOT_FOUND`/`SS_ERR_PEER_GONE`/`SS_ERR_TIMEOUT`.
+///
+/// # Safety
+/// `manager` and `name` are NULL or NUL-terminated strings; `out` is NULL or
+/// points to a writable `ss_storage*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_new_shared_filename(
     manager: *const c_char,
@@ -220,6 +272,9 @@ pub unsafe extern "C" fn ss_storage_new_shared_filename(
 }
 
 /// A new managed shared storage of `nbytes` zero bytes (ATen flags 6).
+///
+/// # Safety
+/// `out` is NULL or points to a writable `ss_storage*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_new_using_filename(nbytes: usize, out: *mut *mut SsStorage) -> ss_status {
     ffi_status!("ss_storage_new_using_filename", {
@@ -231,6 +286,9 @@ pub unsafe extern "C" fn ss_storage_new_using_filename(nbytes: usize, out: *mut 
 /// Adds one to a storage shared by name's header count: the sender's
 /// reference "in flight", taken before the handle is sent.
 /// `SS_ERR_UNSUPPORTED` for storages not shared by name.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_shared_incref(s: *const SsStorage) -> ss_status {
     ffi_status!("ss_storage_shared_incref", {
@@ -241,6 +299,9 @@ pub unsafe extern "C" fn ss_storage_shared_incref(s: *const SsStorage) -> ss_sta
 
 /// Subtracts one from the header count: the receiver cancels the sender's
 /// in-flight reference after opening. The name is never removed here.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_shared_decref(s: *const SsStorage) -> ss_status {
     ffi_status!("ss_storage_shared_decref", {
@@ -250,6 +311,10 @@ pub unsafe extern "C" fn ss_storage_shared_decref(s: *const SsStorage) -> ss_sta
 }
 
 /// Reads the header count of a storage shared by name.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `int32_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_shared_refcount(s: *const SsStorage, out: *mut i32) -> ss_status {
     ffi_status!("ss_storage_shared_refcount", {
@@ -263,6 +328,10 @@ pub unsafe extern "C" fn ss_storage_shared_refcount(s: *const SsStorage, out: *m
 }
 
 /// Drops this strong reference. NULL is a no-op.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` that no other thread is using; it must
+/// not be used after the call (other references to the storage stay valid).
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_free(s: *mut SsStorage) {
     ffi_value!("ss_storage_free", (), {
@@ -272,6 +341,10 @@ pub unsafe extern "C" fn ss_storage_free(s: *mut SsStorage) {
 }
 
 /// A weak reference to `s` (free it with `ss_weak_free`).
+///
+/// # Safety
+/// `s` is NULL or a live `ss_storage` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `ss_weak*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_storage_weak_ref(s: *const SsStorage, out: *mut *mut SsWeak) -> ss_status {
     ffi_status!("ss_storage_weak_ref", {
@@ -286,6 +359,10 @@ pub unsafe extern "C" fn ss_storage_weak_ref(s: *const SsStorage, out: *mut *mut
 
 /// A new strong reference if the storage is still alive;
 /// `SS_ERR_NOT_FOUND` once every strong reference is gone.
+///
+/// # Safety
+/// `w` is NULL or a live `ss_weak` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `ss_storage*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_weak_upgrade(w: *const SsWeak, out: *mut *mut SsStorage) -> ss_status {
     ffi_status!("ss_weak_upgrade", {
@@ -299,6 +376,9 @@ pub unsafe extern "C" fn ss_weak_upgrade(w: *const SsWeak, out: *mut *mut SsStor
 }
 
 /// Whether no strong reference is left (true for NULL).
+///
+/// # Safety
+/// `w` is NULL or a live `ss_weak` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_weak_expired(w: *const SsWeak) -> bool {
     ffi_value!("ss_weak_expired", true, {
@@ -308,6 +388,10 @@ pub unsafe extern "C" fn ss_weak_expired(w: *const SsWeak) -> bool {
 }
 
 /// Frees a weak reference. NULL is a no-op.
+///
+/// # Safety
+/// `w` is NULL or a live `ss_weak` that no other thread is using; it must not
+/// be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_weak_free(w: *mut SsWeak) {
     ffi_value!("ss_weak_free", (), {

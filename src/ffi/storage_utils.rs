@@ -10,6 +10,9 @@ use std::os::raw::c_char;
 
 /// Writes a fresh process-wide segment name (`/torch_<pid>_<rand>_<n>`,
 /// at most 46 bytes plus NUL) into `buf` of `len` bytes.
+///
+/// # Safety
+/// `buf` is NULL or writable for `len` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn ss_new_process_wide_shm_handle(buf: *mut c_char, len: usize) -> ss_status {
     ffi_status!("ss_new_process_wide_shm_handle", {
@@ -20,6 +23,9 @@ pub unsafe extern "C" fn ss_new_process_wide_shm_handle(buf: *mut c_char, len: u
 
 /// A new anonymous shared-memory segment of `size` zero bytes whose name is
 /// already removed; its descriptor is kept (`ss_map_fd`), flags 86.
+///
+/// # Safety
+/// `out` is NULL or points to a writable `ss_map*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_new_shm_fd_storage(size: usize, out: *mut *mut SsMap) -> ss_status {
     ffi_status!("ss_new_shm_fd_storage", {
@@ -34,6 +40,11 @@ pub unsafe extern "C" fn ss_new_shm_fd_storage(size: usize, out: *mut *mut SsMap
 /// Copies `nbytes` from `src` into a new fd-backed segment (as
 /// `ss_new_shm_fd_storage`) and returns its map: `share_memory_()`.
 /// Fails with `SS_ERR_NO_SPACE` when /dev/shm cannot hold it.
+///
+/// # Safety
+/// `src` is NULL or readable for `nbytes` bytes (any alignment), and no
+/// thread writes them during the call; `out` is NULL or points to a writable
+/// `ss_map*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_share_memory(src: *const c_void, nbytes: usize, out: *mut *mut SsMap) -> ss_status {
     ffi_status!("ss_share_memory", {

@@ -73,6 +73,10 @@ unsafe fn bytes_arg<'a>(p: *const c_void, n: usize, what: &str) -> Result<&'a [u
 /// killed mid-write never leaves half a value; `add` runs under `flock`.
 /// A path that is an existing regular file: `SS_ERR_INVALID_ARGUMENT`.
 /// Keys left by an earlier job stay: use a fresh folder per job.
+///
+/// # Safety
+/// `path` is NULL or a NUL-terminated string; `out` is NULL or points to a
+/// writable `ss_store*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_file_open(path: *const c_char, out: *mut *mut SsStore) -> ss_status {
     ffi_status!("ss_store_file_open", {
@@ -98,6 +102,10 @@ pub unsafe extern "C" fn ss_store_file_open(path: *const c_char, out: *mut *mut 
 /// the join and every reply. Errors name `host:port`: port in use
 /// `SS_ERR_BUSY`, no server in time `SS_ERR_TIMEOUT`, server gone
 /// `SS_ERR_PEER_GONE`, bad reply `SS_ERR_PROTOCOL`.
+///
+/// # Safety
+/// `host` is NULL or a NUL-terminated string; `out` is NULL or points to a
+/// writable `ss_store*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_tcp_open(
     host: *const c_char,
@@ -127,6 +135,10 @@ pub unsafe extern "C" fn ss_store_tcp_open(
 
 /// The TCP port of a TCPStore (the one its server picked when opened with
 /// port 0). Another kind of store: `SS_ERR_UNSUPPORTED`.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+/// `out_port` is NULL or points to a writable `int`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_tcp_port(s: *const SsStore, out_port: *mut c_int) -> ss_status {
     ffi_status!("ss_store_tcp_port", {
@@ -143,6 +155,10 @@ pub unsafe extern "C" fn ss_store_tcp_port(s: *const SsStore, out_port: *mut c_i
 }
 
 /// A second reference to the same store (free both).
+///
+/// # Safety
+/// `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `ss_store*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_ref(s: *const SsStore, out: *mut *mut SsStore) -> ss_status {
     ffi_status!("ss_store_ref", {
@@ -157,6 +173,11 @@ pub unsafe extern "C" fn ss_store_ref(s: *const SsStore, out: *mut *mut SsStore)
 
 /// Sets `key` to the `len` bytes at `value` (NULL allowed when `len` is 0),
 /// replacing an earlier value and waking its waiters.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+/// `key` is NULL or a NUL-terminated string; `value` is NULL or readable for
+/// `len` bytes, not written by another thread during the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_set(s: *const SsStore, key: *const c_char, value: *const c_void, len: usize) -> ss_status {
     ffi_status!("ss_store_set", {
@@ -173,6 +194,12 @@ pub unsafe extern "C" fn ss_store_set(s: *const SsStore, key: *const c_char, val
 /// `buf_len` bytes, its length to `out_len`. A value longer than `buf_len`:
 /// `SS_ERR_BUFFER_TOO_SMALL`, with the needed length written to `out_len`
 /// (call again with a larger buffer; `buf` may be NULL when `buf_len` is 0).
+///
+/// # Safety
+/// `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+/// `key` is NULL or a NUL-terminated string; `buf` is NULL or writable for
+/// `buf_len` bytes, which no other thread accesses during the call; `out_len`
+/// is NULL or points to a writable `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_get(
     s: *const SsStore,
@@ -220,6 +247,11 @@ unsafe fn copy_value_out(key: &str, value: &[u8], buf: *mut c_void, buf_len: usi
 /// Adds `delta` to the integer under `key` (missing counts as 0; stored as
 /// decimal text, as c10d does) and writes the new value to `out_value`.
 /// A key holding something else: `SS_ERR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+/// `key` is NULL or a NUL-terminated string; `out_value` is NULL or points to
+/// a writable `int64_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_add(s: *const SsStore, key: *const c_char, delta: i64, out_value: *mut i64) -> ss_status {
     ffi_status!("ss_store_add", {
@@ -236,6 +268,11 @@ pub unsafe extern "C" fn ss_store_add(s: *const SsStore, key: *const c_char, del
 
 /// Waits until all `nkeys` keys are set (`timeout_ms` 0 waits forever;
 /// expiry is `SS_ERR_TIMEOUT` naming the keys still missing).
+///
+/// # Safety
+/// `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+/// `keys` is NULL or readable for `nkeys` pointers, each NULL or a
+/// NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_wait(s: *const SsStore, keys: *const *const c_char, nkeys: usize, timeout_ms: i64) -> ss_status {
     ffi_status!("ss_store_wait", {
@@ -265,6 +302,12 @@ unsafe fn keys_arg<'a>(keys: *const *const c_char, nkeys: usize) -> Result<Vec<&
 
 /// Writes to `out_all_set` whether all `nkeys` keys are set now (no
 /// waiting; no keys: true). A host-callback store: `SS_ERR_UNSUPPORTED`.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+/// `keys` is NULL or readable for `nkeys` pointers, each NULL or a
+/// NUL-terminated string; `out_all_set` is NULL or points to a writable
+/// `bool`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_check(s: *const SsStore, keys: *const *const c_char, nkeys: usize, out_all_set: *mut bool) -> ss_status {
     ffi_status!("ss_store_check", {
@@ -288,6 +331,14 @@ pub unsafe extern "C" fn ss_store_check(s: *const SsStore, keys: *const *const c
 /// the same; calling again with a larger buffer gives the same answer
 /// without changing anything (unless another process wrote meanwhile).
 /// A host-callback store: `SS_ERR_UNSUPPORTED`.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+/// `key` is NULL or a NUL-terminated string; `expected` and `desired` are
+/// NULL or readable for `expected_len` and `desired_len` bytes, not written
+/// during the call; `buf` is NULL or writable for `buf_len` bytes, which no
+/// other thread accesses during the call; `out_len` is NULL or points to a
+/// writable `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_compare_set(
     s: *const SsStore,
@@ -318,6 +369,11 @@ pub unsafe extern "C" fn ss_store_compare_set(
 
 /// Deletes `key`; writes to `out_existed` whether it was set (NULL: not
 /// wanted). A host-callback store: `SS_ERR_UNSUPPORTED`.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+/// `key` is NULL or a NUL-terminated string; `out_existed` is NULL or points
+/// to a writable `bool`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_delete_key(s: *const SsStore, key: *const c_char, out_existed: *mut bool) -> ss_status {
     ffi_status!("ss_store_delete_key", {
@@ -336,6 +392,10 @@ pub unsafe extern "C" fn ss_store_delete_key(s: *const SsStore, key: *const c_ch
 /// Writes the number of keys set to `out_count` (a TCPStore counts its
 /// join counter `init/` too, as PyTorch's does). A host-callback store:
 /// `SS_ERR_UNSUPPORTED`.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_store` (other threads may use it meanwhile);
+/// `out_count` is NULL or points to a writable `int64_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_num_keys(s: *const SsStore, out_count: *mut i64) -> ss_status {
     ffi_status!("ss_store_num_keys", {
@@ -351,6 +411,10 @@ pub unsafe extern "C" fn ss_store_num_keys(s: *const SsStore, out_count: *mut i6
 
 /// Drops this reference; the store closes with its last one. NULL is a
 /// no-op.
+///
+/// # Safety
+/// `s` is NULL or a live `ss_store` that no other thread is using; it must
+/// not be used after the call (other references to the store stay valid).
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_free(s: *mut SsStore) {
     ffi_value!("ss_store_free", (), {

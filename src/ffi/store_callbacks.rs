@@ -222,6 +222,12 @@ impl Store for CallbackStore {
 /// (the table is copied; `ctx` is the host's). `free_ctx(ctx)` runs once,
 /// when the last reference goes. A required function missing:
 /// `SS_ERR_NULL_POINTER`, and `ctx` stays the caller's to release.
+///
+/// # Safety
+/// `cb` is NULL or points to a readable `ss_store_callbacks` whose functions,
+/// with `ctx`, keep that type's contract (callable from any thread at once,
+/// never unwinding) for as long as the store lives; `out` is NULL or points
+/// to a writable `ss_store*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_from_callbacks(
     cb: *const SsStoreCallbacks,

@@ -55,6 +55,10 @@ unsafe fn opt_group<'a>(p: *const c_char) -> Result<Option<&'a str>> {
 /// rank of symmetric memory runs on one host; 4096 is far beyond the GPUs
 /// or cores of any host), `rank` in [0, world_size); anything else is
 /// `SS_ERR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `group` is NULL or a NUL-terminated string; `store` is NULL or a live
+/// `ss_store` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_set_group_info(group: *const c_char, rank: c_int, world_size: c_int, store: *const SsStore) -> ss_status {
     ffi_status!("ss_symm_set_group_info", {
@@ -68,6 +72,10 @@ pub unsafe extern "C" fn ss_symm_set_group_info(group: *const c_char, rank: c_in
 
 /// This process's rank and the world size of group `group`; an unknown
 /// group is `SS_ERR_NOT_FOUND`.
+///
+/// # Safety
+/// `group` is NULL or a NUL-terminated string; `out_rank` and
+/// `out_world_size` are NULL or point to a writable `int`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_get_group_info(group: *const c_char, out_rank: *mut c_int, out_world_size: *mut c_int) -> ss_status {
     ffi_status!("ss_symm_get_group_info", {
@@ -90,6 +98,9 @@ pub unsafe extern "C" fn ss_symm_get_group_info(group: *const c_char, out_rank: 
 /// "Backend can not be changed after use." (`SS_ERR_BUSY`); an unknown name
 /// is `SS_ERR_NOT_FOUND`. Without it, CUDA allocations use the backend named
 /// by `TORCH_SYMMMEM` (default CUDA).
+///
+/// # Safety
+/// `name` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_set_backend(name: *const c_char) -> ss_status {
     ffi_status!("ss_symm_set_backend", {
@@ -102,6 +113,9 @@ pub unsafe extern "C" fn ss_symm_set_backend(name: *const c_char) -> ss_status {
 /// The signal pad size, in bytes, of the blocks allocated from now on
 /// (PyTorch's `get_signal_pad_size`; default 9216 = 32 channels x 72 ranks
 /// x 4 bytes).
+///
+/// # Safety
+/// `out` is NULL or points to a writable `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_get_signal_pad_size(out: *mut usize) -> ss_status {
     ffi_status!("ss_symm_get_signal_pad_size", {
@@ -118,7 +132,7 @@ pub unsafe extern "C" fn ss_symm_get_signal_pad_size(out: *mut usize) -> ss_stat
 /// (after it: `SS_ERR_BUSY`). Every rank of a group must set the same size.
 /// Barrier/put/wait take channels below `size / 4 / world_size`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_symm_set_signal_pad_size(size: usize) -> ss_status {
+pub extern "C" fn ss_symm_set_signal_pad_size(size: usize) -> ss_status {
     ffi_status!("ss_symm_set_signal_pad_size", { registry::set_signal_pad_size(size) })
 }
 
@@ -131,6 +145,10 @@ pub unsafe extern "C" fn ss_symm_set_signal_pad_size(size: usize) -> ss_status {
 /// CUDA: `device_idx` is the device ordinal; the buffer is device memory
 /// (`SS_ERR_CUDA_UNAVAILABLE` with the reason where there is no driver or
 /// device).
+///
+/// # Safety
+/// `group` is NULL or a NUL-terminated string; `out` is NULL or points to a
+/// writable `void*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_alloc(
     device_type: c_int,
@@ -156,6 +174,10 @@ pub unsafe extern "C" fn ss_symm_alloc(
 /// the same block (and its rendezvous objects) back. While the previous use
 /// is not freed: `SS_ERR_BUSY`; with another size: `SS_ERR_SIZE_MISMATCH`.
 /// A persistent block stays mapped until the process ends.
+///
+/// # Safety
+/// `group` is NULL or a NUL-terminated string; `out` is NULL or points to a
+/// writable `void*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_alloc_persistent(
     device_type: c_int,
@@ -179,6 +201,10 @@ pub unsafe extern "C" fn ss_symm_alloc_persistent(
 
 /// The size asked for when `ptr` (a buffer address from `ss_symm_alloc`)
 /// was allocated.
+///
+/// # Safety
+/// `ptr` may be any value (it is only looked up); `out` is NULL or points to
+/// a writable `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_get_alloc_size(ptr: *const c_void, out: *mut usize) -> ss_status {
     ffi_status!("ss_symm_get_alloc_size", {
@@ -196,6 +222,10 @@ pub unsafe extern "C" fn ss_symm_get_alloc_size(ptr: *const c_void, out: *mut us
 /// Frees the block at `ptr` and its `ss_symm_mem` objects (a persistent
 /// block is kept for reuse). NULL is a no-op; an address that is not a live
 /// block is `SS_ERR_NOT_FOUND`.
+///
+/// # Safety
+/// `ptr` may be any value (it is only looked up). No thread may use the
+/// block's buffer or its `ss_symm_mem` objects during the call or after it.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_free(ptr: *mut c_void) -> ss_status {
     ffi_status!("ss_symm_free", {
@@ -217,6 +247,11 @@ pub unsafe extern "C" fn ss_symm_free(ptr: *mut c_void) -> ss_status {
 /// (pid from their rendezvous requests, same uid): ranks must share a pid
 /// and network namespace. A second call for the same block and group
 /// returns the same object. `*out` is owned by the block.
+///
+/// # Safety
+/// `ptr` may be any value (it is only looked up); `group` is NULL or a
+/// NUL-terminated string; `out` is NULL or points to a writable
+/// `ss_symm_mem*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_rendezvous(ptr: *mut c_void, group: *const c_char, timeout_ms: i64, out: *mut *mut SsSymmMem) -> ss_status {
     ffi_status!("ss_symm_rendezvous", {
@@ -238,6 +273,9 @@ pub unsafe extern "C" fn ss_symm_rendezvous(ptr: *mut c_void, group: *const c_ch
 }
 
 /// This process's rank in the object's group; -1 for NULL.
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_rank(h: *const SsSymmMem) -> c_int {
     ffi_value!("ss_symm_mem_rank", -1, {
@@ -247,6 +285,9 @@ pub unsafe extern "C" fn ss_symm_mem_rank(h: *const SsSymmMem) -> c_int {
 }
 
 /// The number of ranks of the object's group; -1 for NULL.
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_world_size(h: *const SsSymmMem) -> c_int {
     ffi_value!("ss_symm_mem_world_size", -1, {
@@ -256,6 +297,9 @@ pub unsafe extern "C" fn ss_symm_mem_world_size(h: *const SsSymmMem) -> c_int {
 }
 
 /// Usable bytes of each rank's buffer; 0 for NULL.
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_buffer_size(h: *const SsSymmMem) -> usize {
     ffi_value!("ss_symm_mem_buffer_size", 0, {
@@ -265,6 +309,9 @@ pub unsafe extern "C" fn ss_symm_mem_buffer_size(h: *const SsSymmMem) -> usize {
 }
 
 /// Bytes of each rank's signal pad; 0 for NULL.
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_signal_pad_size(h: *const SsSymmMem) -> usize {
     ffi_value!("ss_symm_mem_signal_pad_size", 0, {
@@ -288,6 +335,11 @@ unsafe fn ptr_out(h: *const SsSymmMem, out: *mut *mut c_void, f: impl FnOnce(&Sy
 }
 
 /// The address, in this process, of rank `rank`'s buffer.
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `void*`. The address is valid until
+/// the block is freed.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_buffer_ptr(h: *const SsSymmMem, rank: c_int, out: *mut *mut c_void) -> ss_status {
     ffi_status!("ss_symm_mem_buffer_ptr", {
@@ -298,6 +350,11 @@ pub unsafe extern "C" fn ss_symm_mem_buffer_ptr(h: *const SsSymmMem, rank: c_int
 
 /// The address, in this process, of rank `rank`'s signal pad (uint32
 /// slots; keep them zero after your own use, as barrier/put/wait do).
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `void*`. The address is valid until
+/// the block is freed.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_signal_pad_ptr(h: *const SsSymmMem, rank: c_int, out: *mut *mut c_void) -> ss_status {
     ffi_status!("ss_symm_mem_signal_pad_ptr", {
@@ -309,6 +366,11 @@ pub unsafe extern "C" fn ss_symm_mem_signal_pad_ptr(h: *const SsSymmMem, rank: c
 /// A device-readable array of `world_size` pointers: every rank's buffer as
 /// mapped here (PyTorch's `get_buffer_ptrs_dev`), for kernels. CUDA: device
 /// memory; CPU: host memory. Owned by the object.
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `void*`. The array is valid until
+/// the block is freed.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_buffer_ptrs_dev(h: *const SsSymmMem, out: *mut *mut c_void) -> ss_status {
     ffi_status!("ss_symm_mem_buffer_ptrs_dev", {
@@ -318,6 +380,11 @@ pub unsafe extern "C" fn ss_symm_mem_buffer_ptrs_dev(h: *const SsSymmMem, out: *
 }
 
 /// The same array for the signal pads (PyTorch's `get_signal_pad_ptrs_dev`).
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `void*`. The array is valid until
+/// the block is freed.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_signal_pad_ptrs_dev(h: *const SsSymmMem, out: *mut *mut c_void) -> ss_status {
     ffi_status!("ss_symm_mem_signal_pad_ptrs_dev", {
@@ -328,6 +395,9 @@ pub unsafe extern "C" fn ss_symm_mem_signal_pad_ptrs_dev(h: *const SsSymmMem, ou
 
 /// Whether the block has a multicast address (false for NULL, for CPU
 /// blocks, and where `ss_symm_mem_multicast_ptr` says why not).
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile).
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_has_multicast(h: *const SsSymmMem) -> bool {
     ffi_value!("ss_symm_mem_has_multicast", false, {
@@ -339,6 +409,10 @@ pub unsafe extern "C" fn ss_symm_mem_has_multicast(h: *const SsSymmMem) -> bool 
 /// The buffer's address in the block's multicast mapping; without one
 /// `SS_ERR_UNSUPPORTED` with the reason (`TORCH_SYMM_MEM_DISABLE_MULTICAST`, ranks sharing a device,
 /// a device or driver without multicast, …).
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `void*`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_multicast_ptr(h: *const SsSymmMem, out: *mut *mut c_void) -> ss_status {
     ffi_status!("ss_symm_mem_multicast_ptr", {
@@ -351,6 +425,11 @@ pub unsafe extern "C" fn ss_symm_mem_multicast_ptr(h: *const SsSymmMem, out: *mu
 /// PyTorch's checks: a bad rank ("Invalid peer rank") or a range past the
 /// buffer ("the requested size (N bytes) exceeds the allocated size (M
 /// bytes)") is `SS_ERR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem` (other threads may use it meanwhile);
+/// `out` is NULL or points to a writable `void*`. The address is valid until
+/// the block is freed.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_get_buffer(
     h: *const SsSymmMem,
@@ -372,6 +451,11 @@ pub unsafe extern "C" fn ss_symm_mem_get_buffer(
 /// `stream` and returns; a kernel that times out records it in host-mapped
 /// memory and ends (the stream goes on), and the next barrier/put/wait on
 /// this object returns that `SS_ERR_TIMEOUT` without enqueuing anything.
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem`; no other thread may run a barrier,
+/// put or wait on `channel` of it meanwhile. `stream` is NULL or, for a CUDA
+/// block, a live `cudaStream_t` of the block's device.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_barrier(h: *const SsSymmMem, channel: c_int, timeout_ms: i64, stream: *mut c_void) -> ss_status {
     ffi_status!("ss_symm_mem_barrier", {
@@ -383,6 +467,11 @@ pub unsafe extern "C" fn ss_symm_mem_barrier(h: *const SsSymmMem, channel: c_int
 
 /// Signals rank `dst_rank` on `channel` (waits while its previous signal
 /// from us is unconsumed). Timeout and stream as for the barrier.
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem`; no other thread may use the pair
+/// (`dst_rank`, `channel`) of it meanwhile (put, wait or barrier). `stream`
+/// is NULL or, for a CUDA block, a live `cudaStream_t` of the block's device.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_put_signal(h: *const SsSymmMem, dst_rank: c_int, channel: c_int, timeout_ms: i64, stream: *mut c_void) -> ss_status {
     ffi_status!("ss_symm_mem_put_signal", {
@@ -394,6 +483,11 @@ pub unsafe extern "C" fn ss_symm_mem_put_signal(h: *const SsSymmMem, dst_rank: c
 
 /// Waits for the signal of rank `src_rank` on `channel` and consumes it.
 /// Timeout and stream as for the barrier.
+///
+/// # Safety
+/// `h` is NULL or a live `ss_symm_mem`; no other thread may use the pair
+/// (`src_rank`, `channel`) of it meanwhile (put, wait or barrier). `stream`
+/// is NULL or, for a CUDA block, a live `cudaStream_t` of the block's device.
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_mem_wait_signal(h: *const SsSymmMem, src_rank: c_int, channel: c_int, timeout_ms: i64, stream: *mut c_void) -> ss_status {
     ffi_status!("ss_symm_mem_wait_signal", {

@@ -5,7 +5,7 @@
 //! segments (it was killed, or it broke the protocol) has *abandoned*
 //! them. An abandoned segment is removed as soon as no connected client
 //! holds it and no live process maps or holds it open (see
-//! [`segment_users`]); until then it is re-checked every 2 s. Segments
+//! [`super::segment_users`]); until then it is re-checked every 2 s. Segments
 //! freed cleanly are left to their holders' reference count, as libshm
 //! does. With no clients, every tracked segment no one uses is removed, and
 //! the daemon exits after 2 s idle once nothing it tracks is still in use.
@@ -55,7 +55,7 @@ const STALE_AGE: Duration = Duration::from_secs(10);
 /// Removes the socket folders of daemons that were killed (a SIGKILL
 /// leaves `<base>/torch-shm-dir-XXXXXX/manager.sock` behind, one per
 /// killed daemon, for good): folders of this user, mode 0700, holding
-/// nothing but a socket that is older than [`STALE_AGE`] and on which
+/// nothing but a socket that is older than `STALE_AGE` and on which
 /// nothing listens (connect is refused). A live daemon, even a stopped
 /// one, has a listening socket, so its folder stays. Returns how many went.
 pub fn sweep_stale_socket_dirs(base: &Path) -> usize {

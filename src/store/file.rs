@@ -1,6 +1,6 @@
 //! The embedded store for one host: a folder shared by the ranks.
 //!
-//! Each key is one file (name from [`file_key::file_name`]) holding the raw
+//! Each key is one file (name from [`super::file_key::file_name`]) holding the raw
 //! value. A value is written to a temporary file in the same folder and
 //! renamed over the key's file, so a reader sees the whole old value or
 //! the whole new one, and a writer killed mid-write leaves only a stray

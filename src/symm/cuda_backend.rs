@@ -36,7 +36,7 @@ use std::sync::Arc;
 
 /// The signal kernels, NUL-terminated for `cuModuleLoadDataEx`.
 pub const SIGNAL_PTX: &str = concat!(include_str!("cuda_signals.ptx"), "\0");
-/// Kernel names in the PTX, in [`Op`] order.
+/// Kernel names in the PTX, in `Op` order.
 pub const KERNELS: [&str; 3] = ["ss_symm_put_signal", "ss_symm_wait_signal", "ss_symm_barrier"];
 
 #[derive(Clone, Copy)]

@@ -5,8 +5,8 @@
 //!
 //! Pieces: the allocator [`registry`] (one allocator per device type and
 //! backend name), [`group`] info (rank, world size, store), the
-//! [`alloc`]ation table (plain and persistent blocks, the rendezvous cache),
-//! the [`rendezvous`] itself (store all-gather + descriptor ring over
+//! [`alloc`](mod@alloc)ation table (plain and persistent blocks, the rendezvous cache),
+//! the [`rendezvous`](mod@rendezvous) itself (store all-gather + descriptor ring over
 //! abstract-namespace Unix sockets), and the [`cpu_backend`], a real multi-process
 //! backend in shared memory that PyTorch does not have, and the
 //! [`cuda_backend`] (driver VMM and PTX signal kernels), both through the

@@ -325,7 +325,7 @@ fn find_directory(file: &[u8]) -> Result<Directory> {
     }
     let offset = usize::try_from(offset).map_err(|_| corrupt("central directory offset out of range"))?;
     let size = usize::try_from(size).map_err(|_| corrupt("central directory size out of range"))?;
-    if offset.checked_add(size).map_or(true, |end| end != end_records) {
+    if offset.checked_add(size) != Some(end_records) {
         return Err(corrupt(format!(
             "central directory ({size} bytes at {offset}) does not end where the end records begin ({end_records})"
         )));

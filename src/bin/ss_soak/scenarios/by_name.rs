@@ -57,7 +57,8 @@ impl Scenario for ByName {
                 Some(l) if l.starts_with("err ") && r.fired() => {
                     // The manager or the producer is gone: a typed error is
                     // the promise; the sender cancels its in-flight +1.
-                    if r.alive(p) && r.ask(p, "decref")?.is_some() {
+                    let cancelled = r.alive(p) && r.ask(p, "decref")?.is_some();
+                    if cancelled {
                         model.base -= 1;
                     }
                 }

@@ -54,15 +54,12 @@ impl Scenario for CudaCounters {
             }
         }
         if r.alive(p) {
-            match r.ask(p, &format!("close {slot}"))? {
-                Some(l) => {
-                    let v: i64 = l.strip_prefix("slot ").and_then(|v| v.parse().ok()).ok_or_else(|| format!("close answered <{l}>"))?;
-                    model.check(r, "slot seen by the producer", v)?;
-                    if !r.fired() && read_i64(&name, 0).is_some() {
-                        return Err(format!("<{name}> left after its producer closed it, with no kill"));
-                    }
+            if let Some(l) = r.ask(p, &format!("close {slot}"))? {
+                let v: i64 = l.strip_prefix("slot ").and_then(|v| v.parse().ok()).ok_or_else(|| format!("close answered <{l}>"))?;
+                model.check(r, "slot seen by the producer", v)?;
+                if !r.fired() && read_i64(&name, 0).is_some() {
+                    return Err(format!("<{name}> left after its producer closed it, with no kill"));
                 }
-                None => {}
             }
         }
         Ok(())

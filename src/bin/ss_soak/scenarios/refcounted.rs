@@ -34,7 +34,7 @@ impl Scenario for Refcounted {
         r.created += 1;
         let mut model = Expected { base: 1, slack: 0 };
         // References each participant holds: opens plus increfs not yet decref'd.
-        let mut refs = vec![1i64, 0, 0];
+        let mut refs = [1i64, 0, 0];
         let check = |r: &mut Round, model: &Expected, what: &str| -> Result<(), String> {
             match header_count(&name) {
                 Some(c) => model.check(r, what, c as i64),

@@ -197,12 +197,9 @@ impl Scenario for Symm {
         let mut st = State { tcp, medium: None, alloc_tried: false, alloc_ok: vec![false; ws], handle: vec![false; ws], rendezvous_tried: false, wrote: Vec::new(), seed, freed: false };
         if tcp {
             // Rank 0 serves the store first (one step, where the kill may land).
-            match r.ask(ranks[0], "serve")? {
-                Some(l) => {
-                    let port: u16 = l.strip_prefix("port ").and_then(|p| p.parse().ok()).ok_or_else(|| format!("rank 0: serve answered <{l}>"))?;
-                    st.medium = Some(format!("tcp {port}"));
-                }
-                None => {}
+            if let Some(l) = r.ask(ranks[0], "serve")? {
+                let port: u16 = l.strip_prefix("port ").and_then(|p| p.parse().ok()).ok_or_else(|| format!("rank 0: serve answered <{l}>"))?;
+                st.medium = Some(format!("tcp {port}"));
             }
         } else {
             st.medium = Some("file".into());

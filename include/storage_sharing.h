@@ -397,7 +397,9 @@ typedef struct {
   uint32_t max_holds;
   /**
    * Blocks above this many bytes get a segment of their own, released
-   * when they are freed (default 1 MiB; at most segment_size / 4).
+   * when they are freed (at least 64, at most segment_size / 4). 0 (the
+   * default): automatic, 1 MiB or segment_size / 4 if that is less, so
+   * setting segment_size alone always works.
    */
   size_t large_threshold;
 } ss_arena_options;
@@ -569,7 +571,9 @@ extern "C" {
 
 /**
  * Fills `*out` with the default options: 64 MiB segments by fd, 4096
- * holds per segment, blocks above 1 MiB in segments of their own.
+ * holds per segment, and an automatic large threshold (0: blocks above
+ * 1 MiB, or above a quarter of a smaller segment_size, get segments of
+ * their own).
  *
  * # Safety
  * `out` is NULL or points to a writable `ss_arena_options`.
@@ -579,6 +583,14 @@ ss_status ss_arena_options_default(ss_arena_options *out);
 /**
  * A new arena with `options` (NULL: the defaults). No segment is made
  * until the first allocation. Release with `ss_arena_close`.
+ *
+ * The arena is this process's. In a child forked from it, every call
+ * on the inherited arena (alloc, free, share, unshare, segment_fd,
+ * collect, stats, send, ss_storage_new_in_arena) fails with
+ * `SS_ERR_INVALID_ARGUMENT` ("arena was created by pid X; this is a
+ * forked child") and changes nothing of the parent's; blocks allocated
+ * before the fork stay readable, views inherited from the parent keep
+ * the parent's holds, and `ss_arena_close` there releases nothing.
  *
  * # Safety
  * `options` is NULL or points to a readable `ss_arena_options`; `out` is
@@ -2050,7 +2062,10 @@ ss_status ss_store_from_callbacks(const ss_store_callbacks *cb, void *ctx, ss_st
  * Registers group `group`: this process is `rank` of `world_size`, and the
  * ranks meet through `store`. The group keeps its own reference to the
  * store (free yours whenever you like). A second call for the same name is
- * `SS_ERR_ALREADY_EXISTS`, as in PyTorch.
+ * `SS_ERR_ALREADY_EXISTS`, as in PyTorch. `world_size` is 1 to 4096 (every
+ * rank of symmetric memory runs on one host; 4096 is far beyond the GPUs
+ * or cores of any host), `rank` in [0, world_size); anything else is
+ * `SS_ERR_INVALID_ARGUMENT`.
  *
  * # Safety
  * `group` is NULL or a NUL-terminated string; `store` is NULL or a live
@@ -2104,8 +2119,10 @@ ss_status ss_symm_set_signal_pad_size(size_t size);
 
 /**
  * Allocates a symmetric block whose buffer holds `size` bytes on device
- * `device_type` (`SS_DEVICE_CPU`, `SS_DEVICE_CUDA`) `device_idx` (0 for
- * CPU); `group` (may be NULL) is the default group of its rendezvous.
+ * `device_type` (`SS_DEVICE_CPU`, `SS_DEVICE_CUDA`) `device_idx`;
+ * `group` (may be NULL) is the default group of its rendezvous.
+ * CPU: `device_idx` is 0 or -1 (both mean the one CPU device, -1 as in
+ * PyTorch's "no index"); any other value is `SS_ERR_INVALID_ARGUMENT`.
  * Writes the buffer's address to `*out`. Free it with `ss_symm_free`.
  * CUDA: `device_idx` is the device ordinal; the buffer is device memory
  * (`SS_ERR_CUDA_UNAVAILABLE` with the reason where there is no driver or
@@ -2163,9 +2180,15 @@ ss_status ss_symm_free(void *ptr);
 /**
  * Rendezvous of the block at `ptr` with the other ranks of `group` (NULL:
  * the group given at allocation): every rank must call it with a block of
- * the same size. `timeout_ms` 0 waits forever; ranks that do not arrive in
- * time give `SS_ERR_TIMEOUT` naming them. A second call for the same block
- * and group returns the same object. `*out` is owned by the block.
+ * the same size and signal pad size (a different pad is
+ * `SS_ERR_SIZE_MISMATCH` naming both pads and ranks). `timeout_ms` 0 waits
+ * forever; ranks that do not arrive in time give `SS_ERR_TIMEOUT` naming
+ * the first 8 of them and counting the rest. Block descriptors travel over
+ * Linux abstract-namespace sockets that vanish with their process (nothing
+ * in TMPDIR), checked with `SO_PEERCRED` to be the peer ranks' processes
+ * (pid from their rendezvous requests, same uid): ranks must share a pid
+ * and network namespace. A second call for the same block and group
+ * returns the same object. `*out` is owned by the block.
  *
  * # Safety
  * `ptr` may be any value (it is only looked up); `group` is NULL or a

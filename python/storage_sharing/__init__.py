@@ -227,6 +227,9 @@ def recv_block(sock) -> RemoteBlock:
 class _MapBase(_BufferMixin):
     __slots__ = ()
 
+    def __init__(self, *args, **kwargs) -> None:
+        pass  # made by __new__; the ctypes array must not see the arguments
+
     @property
     def address(self) -> int:
         return self._native.address

@@ -148,9 +148,6 @@ pub fn fetch(name: &str, segment_id: u64, timeout: Duration) -> Result<OwnedFd> 
     }
     match (buf[0], fds.pop()) {
         (0, Some(fd)) => Ok(fd),
-        _ => Err(Error::new(
-            ErrorKind::NotFound,
-            format!("{what}: segment {segment_id}: {}", String::from_utf8_lossy(&buf[1..n])),
-        )),
+        _ => Err(Error::new(ErrorKind::NotFound, format!("{what}: segment {segment_id}: {}", String::from_utf8_lossy(&buf[1..n])))),
     }
 }

@@ -1,0 +1,35 @@
+//! `storage_sharing._native`: the library's safe Rust API as Python
+//! classes. The pure-Python package around it adds the buffer protocol,
+//! the exception classes and the torch integration.
+
+use pyo3::prelude::*;
+
+mod arena;
+mod errors;
+mod fd_server;
+mod manager;
+mod maps;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<arena::PyArena>()?;
+    m.add_class::<arena::NativeBlock>()?;
+    m.add_class::<arena::NativeView>()?;
+    m.add_class::<arena::Handle>()?;
+    m.add_function(wrap_pyfunction!(arena::open_remote, m)?)?;
+    m.add_function(wrap_pyfunction!(arena::open_shared, m)?)?;
+    m.add_function(wrap_pyfunction!(arena::import_segment_fd, m)?)?;
+    m.add_function(wrap_pyfunction!(arena::has_segment, m)?)?;
+    m.add_function(wrap_pyfunction!(arena::trim_remote_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(arena::remote_cache_size, m)?)?;
+    m.add_function(wrap_pyfunction!(arena::send_block, m)?)?;
+    m.add_function(wrap_pyfunction!(arena::recv_block, m)?)?;
+    m.add_class::<maps::PyMapAllocator>()?;
+    m.add_class::<maps::PyRefcountedMapAllocator>()?;
+    m.add_class::<manager::PyManagerClient>()?;
+    m.add_function(wrap_pyfunction!(manager::spawn_manager, m)?)?;
+    maps::add_flags(m)?;
+    m.add("HANDLE_SIZE", storage_sharing::arena::handle::WIRE_SIZE)?;
+    fd_server::install_fork_handler();
+    Ok(())
+}

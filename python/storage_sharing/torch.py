@@ -1,0 +1,228 @@
+"""torch.multiprocessing and DataLoader on the shareable arena.
+
+After :func:`enable`:
+
+* ``UntypedStorage._new_shared`` (what DataLoader's ``default_collate``
+  calls inside a worker to allocate a batch) returns a storage in this
+  process's arena, so collation writes straight into shared memory;
+* a CPU storage in the arena pickles, through torch.multiprocessing
+  (Queue, SimpleQueue, Pipe, Pool, spawn arguments), as its 112-byte
+  handle: the receiver maps the producer's segment once (its descriptor
+  comes from the producer's fd server, once per segment) and builds an
+  ordinary tensor over the producer's bytes, no copy. The block goes back
+  to the producer when the last tensor over it dies;
+* every other storage (not in this process's arena, CUDA, empty, ...)
+  takes PyTorch's own reduction, unchanged.
+
+DataLoader workers get ``enable()`` through a wrapped ``worker_init_fn``
+(fork, spawn and forkserver alike), and processes started after
+``enable()`` see ``STORAGE_SHARING_TORCH`` in their environment: importing
+this module there enables it too.
+"""
+
+import inspect
+import os
+import threading
+from typing import Optional
+
+import torch
+import torch.multiprocessing  # noqa: F401  (registers PyTorch's reductions first)
+import torch.utils.data.dataloader as _dataloader
+from multiprocessing.reduction import ForkingPickler
+
+from . import Arena, Error, Handle, open_shared
+
+ENV = "STORAGE_SHARING_TORCH"
+DEFAULT_SEGMENT_SIZE = 256 << 20
+DEFAULT_LARGE_THRESHOLD = 64 << 20
+_COLLECT_EVERY = 256
+
+_lock = threading.Lock()
+_arena: Optional[Arena] = None
+_arena_pid = 0
+_allocs = 0
+_options = {"segment_size": DEFAULT_SEGMENT_SIZE, "large_threshold": DEFAULT_LARGE_THRESHOLD}
+_saved: dict = {}
+
+
+def _reset_after_fork() -> None:
+    # A lock another thread held at fork() would stay held in the child.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def process_arena() -> Arena:
+    """This process's arena (a new one after fork: a child never allocates
+    from its parent's segments)."""
+    global _arena, _arena_pid, _allocs
+    pid = os.getpid()
+    arena = _arena
+    if arena is not None and _arena_pid == pid:
+        return arena
+    with _lock:
+        if _arena is None or _arena_pid != pid:
+            _arena = Arena(segment_size=_options["segment_size"], large_threshold=_options["large_threshold"])
+            _arena_pid = pid
+            _allocs = 0
+        return _arena
+
+
+def new_storage(nbytes: int) -> torch.UntypedStorage:
+    """A CPU UntypedStorage of ``nbytes`` bytes in this process's arena."""
+    global _allocs
+    arena = process_arena()
+    block = arena.alloc(max(int(nbytes), 1))
+    _allocs += 1
+    if _allocs % _COLLECT_EVERY == 0:
+        arena.collect()  # holds of consumers that died
+    return torch.frombuffer(block, dtype=torch.uint8, count=int(nbytes)).untyped_storage()
+
+
+def empty(*size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised CPU tensor whose memory is an arena block."""
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    numel = 1
+    for s in size:
+        numel *= int(s)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    storage = new_storage(numel * itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, size)
+
+
+def to_arena(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU ``tensor`` in the arena (one copy)."""
+    out = empty(tensor.shape, dtype=tensor.dtype)
+    out.copy_(tensor)
+    return out
+
+
+def in_arena(obj) -> bool:
+    """Whether a tensor's or storage's memory is a block of this process's arena."""
+    storage = obj.untyped_storage() if isinstance(obj, torch.Tensor) else obj
+    if isinstance(storage, torch.TypedStorage):
+        storage = storage._untyped_storage
+    arena = _arena
+    if arena is None or _arena_pid != os.getpid() or storage.device.type != "cpu" or storage.nbytes() == 0:
+        return False
+    try:
+        return arena._native.block_size(storage.data_ptr()) >= storage.nbytes()
+    except Error:
+        return False
+
+
+def _rebuild_storage(handle: bytes, address: str, nbytes: int) -> torch.UntypedStorage:
+    view = open_shared(Handle.from_bytes(handle), address)
+    return torch.frombuffer(view, dtype=torch.uint8, count=nbytes).untyped_storage()
+
+
+def _reduce_storage(storage):
+    arena = _arena
+    if (
+        arena is not None
+        and _arena_pid == os.getpid()
+        and type(storage) is torch.UntypedStorage
+        and storage.device.type == "cpu"
+        and storage.nbytes() > 0
+    ):
+        try:
+            handle = arena._native.share(storage.data_ptr())
+        except Error:
+            handle = None  # not a block of ours: PyTorch's way
+        if handle is not None:
+            if handle.size >= storage.nbytes():
+                return (_rebuild_storage, (bytes(handle), arena.fd_server_address(), storage.nbytes()))
+            arena.unshare(handle)
+    return _saved["reduce_storage"](storage)
+
+
+def _new_shared(cls, size, *, device="cpu"):
+    if cls is torch.UntypedStorage and torch.device(device).type == "cpu" and size > 0:
+        return new_storage(size)
+    return _saved["new_shared"].__get__(None, cls)(size, device=device)
+
+
+class _EnableInWorker:
+    """A DataLoader worker_init_fn that enables the arena in the worker,
+    then calls the user's function (picklable for spawn/forkserver)."""
+
+    def __init__(self, user_fn, options):
+        self.user_fn = user_fn
+        self.options = options
+
+    def __call__(self, worker_id):
+        enable(**self.options)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def _iter_init(self, loader, *args, **kwargs):
+    fn = loader.worker_init_fn
+    if is_enabled() and not isinstance(fn, _EnableInWorker):
+        loader.worker_init_fn = _EnableInWorker(fn, dict(_options))
+        try:
+            return _saved["iter_init"](self, loader, *args, **kwargs)
+        finally:
+            loader.worker_init_fn = fn
+    return _saved["iter_init"](self, loader, *args, **kwargs)
+
+
+def is_enabled() -> bool:
+    return bool(_saved)
+
+
+def enable(segment_size: int = DEFAULT_SEGMENT_SIZE, large_threshold: int = DEFAULT_LARGE_THRESHOLD) -> None:
+    """Puts CPU tensors shared through torch.multiprocessing and DataLoader
+    batches on the arena (see the module's doc). Idempotent.
+
+    ``segment_size``: bytes of each shared segment blocks are carved from;
+    blocks above ``large_threshold`` (at most a quarter of it) get a
+    segment of their own. The defaults keep batches up to 64 MiB in
+    reused segments: after the first batches, no new mapping is made.
+    """
+    if large_threshold > segment_size // 4:
+        raise ValueError(f"large_threshold {large_threshold} must be at most a quarter of segment_size {segment_size}")
+    _options.update(segment_size=int(segment_size), large_threshold=int(large_threshold))
+    os.environ[ENV] = f"{int(segment_size)}:{int(large_threshold)}"
+    with _lock:
+        if _saved:
+            return
+        _saved["reduce_storage"] = ForkingPickler._extra_reducers[torch.UntypedStorage]
+        _saved["new_shared"] = inspect.getattr_static(torch.UntypedStorage, "_new_shared")
+        _saved["own_new_shared"] = "_new_shared" in torch.UntypedStorage.__dict__
+        _saved["iter_init"] = _dataloader._MultiProcessingDataLoaderIter.__init__
+        ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
+        torch.UntypedStorage._new_shared = classmethod(_new_shared)
+        _dataloader._MultiProcessingDataLoaderIter.__init__ = _iter_init
+
+
+def disable() -> None:
+    """Back to PyTorch's own sharing. Tensors already in the arena stay valid."""
+    os.environ.pop(ENV, None)
+    with _lock:
+        if not _saved:
+            return
+        ForkingPickler.register(torch.UntypedStorage, _saved["reduce_storage"])
+        if _saved["own_new_shared"]:
+            torch.UntypedStorage._new_shared = _saved["new_shared"]
+        else:
+            del torch.UntypedStorage._new_shared
+        _dataloader._MultiProcessingDataLoaderIter.__init__ = _saved["iter_init"]
+        _saved.clear()
+
+
+def _enable_from_env() -> None:
+    value = os.environ.get(ENV)
+    if not value:
+        return
+    try:
+        seg, large = (int(v) for v in value.split(":"))
+    except ValueError:
+        seg, large = DEFAULT_SEGMENT_SIZE, DEFAULT_LARGE_THRESHOLD
+    enable(seg, large)
+
+
+_enable_from_env()

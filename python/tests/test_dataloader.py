@@ -1,0 +1,79 @@
+"""DataLoader workers with enable(): batches allocated in the workers'
+arenas, identical to PyTorch's own, under fork, spawn and forkserver."""
+
+import os
+import signal
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import DataLoader  # noqa: E402
+
+import storage_sharing as ss  # noqa: E402
+import storage_sharing.torch as st  # noqa: E402
+import _workers as w  # noqa: E402
+
+
+def batches(dataset, **kw):
+    return list(DataLoader(dataset, batch_size=4, num_workers=2, **kw))
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_batches_identical_to_pytorch(method, persistent):
+    ds = w.SquareDataset(22)
+    kw = dict(multiprocessing_context=method, persistent_workers=persistent, worker_init_fn=w.user_init)
+    st.disable()
+    expected = batches(ds, **kw)
+    mapped = ss.remote_cache_size()
+    st.enable()
+    try:
+        loader = DataLoader(ds, batch_size=4, num_workers=2, **kw)
+        for _ in range(2 if persistent else 1):
+            got = list(loader)
+            assert same(got, expected)
+        assert ss.remote_cache_size() > mapped, "batches came from the workers' arena segments"
+        assert loader.worker_init_fn is w.user_init, "the user's loader is left as it was"
+    finally:
+        st.disable()
+
+
+def test_pin_memory_and_many_small_tensors():
+    ds = w.ManySmall(8, k=256)
+    st.enable()
+    try:
+        got = batches(ds, pin_memory=True, multiprocessing_context="fork")
+    finally:
+        st.disable()
+    expected = batches(ds, multiprocessing_context="fork")
+    assert same(got, expected) and len(got[0]) == 256
+
+
+def test_worker_kill9_leaves_received_batches_readable(shm_names):
+    st.enable()
+    try:
+        loader = DataLoader(w.SquareDataset(400), batch_size=4, num_workers=2, multiprocessing_context="spawn")
+        it = iter(loader)
+        first = next(it)
+        pids = [p.pid for p in it._workers]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        # DataLoader notices (RuntimeError), or the pipe broke mid-message.
+        with pytest.raises(Exception):  # noqa: B017  (which one depends on timing)
+            for _ in it:
+                pass
+        assert torch.equal(first[0][1], torch.full((3, 8, 8), 1.0)), "still readable after its producer died"
+        del it, loader
+        assert shm_names(pids) == []
+    finally:
+        st.disable()

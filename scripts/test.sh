@@ -48,6 +48,9 @@ echo "== lint gate: rustfmt, clippy -D warnings, rustdoc -D warnings"
 cargo fmt --check
 cargo clippy --release --all-targets --quiet -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps --quiet
+# The Python package is a crate of its own (PyO3): the same gate.
+cargo fmt --manifest-path python/Cargo.toml --check
+CARGO_TARGET_DIR="$target/python" cargo clippy --manifest-path python/Cargo.toml --release --all-targets --quiet -- -D warnings
 part_done "lint gate"
 
 echo "== cargo build (release library for the C tests)"
@@ -65,6 +68,10 @@ if [ -n "${CI:-}" ] && [ "$torch_tests" -eq 0 ]; then
     exit 1
 fi
 part_done "cargo test"
+
+echo "== Python package: pip install ./python (maturin, PyO3), pytest"
+CARGO_TARGET_DIR="$target/python" bash python/run_tests.sh
+part_done "Python package"
 
 echo "== C tests (ctest, -Wall -Wextra -Wpedantic -Werror, and under ASan+UBSan)"
 for variant in plain asan; do

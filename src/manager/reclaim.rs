@@ -135,7 +135,7 @@ impl Reclaimer {
     /// The timed recheck: in-flight counts every tick, mapped names once a
     /// scan interval has passed. Returns the names removed.
     pub fn on_tick(&mut self, held: impl Fn(&str) -> bool) -> Vec<String> {
-        let scan_due = self.last_scan.is_none_or(|t| t.elapsed() >= TICK_MAX);
+        let scan_due = self.last_scan.map_or(true, |t| t.elapsed() >= TICK_MAX);
         let due: Vec<String> =
             self.watch.iter().filter(|(_, w)| scan_due || **w == Wait::InFlight).map(|(n, _)| n.clone()).collect();
         let removed = self.recheck(due, held);

@@ -7,9 +7,9 @@
 //! we may read are seen; a segment is created with mode 0600, so those are
 //! the only ones that can map it (root aside).
 
+use crate::shm::HEADER_SIZE;
 use std::collections::HashSet;
 use std::fs;
-use crate::shm::HEADER_SIZE;
 use std::io::{BufRead, BufReader};
 
 /// Where POSIX shared-memory objects live.

@@ -105,15 +105,14 @@ fn torch_producer_killed_with_64_tensors_queued_loses_none_and_leaks_none() {
         return;
     }
     let py = python();
-    let root = std::env::temp_dir().join(format!("ss-kill9-torch-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
+    let tmp = TempDir::new();
+    let root = &tmp.0;
     torch_with_our_manager(&root.join("site"), &torch_dir(&py));
     std::fs::write(root.join("consumer.py"), SCRIPT).unwrap();
     let (out_path, err_path) = (root.join("stdout"), root.join("stderr"));
     let mut child = Command::new(&py)
         .arg(root.join("consumer.py"))
-        .current_dir(&root)
+        .current_dir(root)
         .env("PYTHONPATH", root.join("site"))
         // Our daemon logs to the stderr it inherits: proof that it served.
         .env("SS_SHM_MANAGER_LOG", "1")
@@ -144,5 +143,22 @@ fn torch_producer_killed_with_64_tensors_queued_loses_none_and_leaks_none() {
     let manager = field("manager ").expect("manager socket");
     assert!(wait_until(HANG_GUARD, || !Path::new(&manager).exists()), "manager {manager} still running");
     assert_eq!(segments_of(&pid).len(), 0);
-    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The test's folder, removed even when the test fails.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> TempDir {
+        let dir = std::env::temp_dir().join(format!("ss-kill9-torch-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

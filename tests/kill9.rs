@@ -13,7 +13,9 @@ use storage_sharing::storage::Storage;
 use storage_sharing::ErrorKind;
 
 const ENTRY: &str = "child_entry";
-const CLEANUP: Duration = Duration::from_secs(15);
+// A hang guard: a reference in flight with no client left is kept for the
+// manager's grace period (10 s) before it is given up.
+const CLEANUP: Duration = Duration::from_secs(30);
 
 #[test]
 fn child_entry() {
@@ -21,6 +23,8 @@ fn child_entry() {
         "producer_steps" => producer_steps(&mut parent),
         "producer" => producer(&mut parent),
         "consumer" => consumer(&mut parent),
+        "keeper" => keeper(&mut parent),
+        "drainer" => drainer(&mut parent),
         other => panic!("unknown role {other}"),
     });
 }
@@ -157,12 +161,12 @@ fn producer_killed_with_incref_in_flight_before_consumer_opens() {
     let Pair { prod, mut cons, manager, name } = producer_and_consumer();
     let pid = prod.pid();
     prod.kill9();
-    // Nobody maps it any more: the manager removes it at once.
-    assert!(wait_until(CLEANUP, || !shm_exists(&name)));
-    cons.send("open");
-    let got = cons.recv();
-    assert!(got == "error NotFound" || got == "error PeerGone", "consumer got {got}");
-    cons.finish();
+    // The reference taken for the receiver is still in the header: the
+    // segment is in flight, not abandoned, and must still open.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(shm_exists(&name), "a segment in flight to a receiver was removed");
+    open_in(&mut cons);
+    drop(cons);
     assert_cleaned(pid, &manager);
 }
 
@@ -241,4 +245,95 @@ fn consumer_in_this_process_survives_producer_kill() {
     assert!(wait_until(CLEANUP, || segments_of(pid).is_empty()), "segments left: {:?}", segments_of(pid));
     let e = Storage::new_shared_filename(&manager, &name, n).unwrap_err();
     assert!(matches!(e.kind(), ErrorKind::NotFound | ErrorKind::PeerGone), "{e}");
+}
+
+/// Shares N storages by name; the even ones get the reference a sender
+/// takes for its receiver (as PyTorch's reduction does before queueing).
+/// Sends one line per storage, `manager name nbytes in_flight`, then
+/// "done", and waits to be killed.
+fn keeper(parent: &mut Parent) {
+    let n: usize = parent.arg.parse().unwrap();
+    let mut keep = Vec::new();
+    for i in 0..n {
+        let s = Storage::from_bytes(&pattern(4096 + i, i as u8)).unwrap();
+        let h = s.share_filename().unwrap();
+        let in_flight = i % 2 == 0;
+        if in_flight {
+            s.shared_incref().unwrap();
+        }
+        parent.send(&format!("{} {} {} {}", h.manager_handle, h.filename, h.nbytes, in_flight as u8));
+        keep.push(s);
+    }
+    parent.send("done");
+    parent.wait_for_close();
+}
+
+/// Opens every handle in its argument (`manager name nbytes seed;...`) as a
+/// receiver does (open, then cancel the sender's reference), checks the
+/// bytes, and holds them until told to close.
+fn drainer(parent: &mut Parent) {
+    parent.send("ready");
+    assert_eq!(parent.recv(), "open");
+    let mut held = Vec::new();
+    for item in parent.arg.split(';') {
+        let p: Vec<&str> = item.split(' ').collect();
+        let n: usize = p[2].parse().unwrap();
+        match Storage::new_shared_filename(p[0], p[1], n) {
+            Ok(s) => {
+                s.shared_decref().unwrap();
+                if s.to_vec() != pattern(n, p[3].parse().unwrap()) {
+                    return parent.send(&format!("bad bytes in {}", p[1]));
+                }
+                held.push(s);
+            }
+            Err(e) => return parent.send(&format!("error {}: {e}", p[1])),
+        }
+    }
+    parent.send("opened");
+    assert_eq!(parent.recv(), "close");
+    drop(held);
+    parent.send("closed");
+    parent.wait_for_close();
+}
+
+#[test]
+fn producer_killed_with_storages_in_flight_loses_none_and_leaks_none() {
+    const N: usize = 8;
+    let mut prod = Peer::spawn(ENTRY, "keeper", &N.to_string());
+    let pid = prod.pid();
+    let mut manager = String::new();
+    let (mut taken, mut kept) = (Vec::new(), Vec::new());
+    for i in 0..N {
+        let line = prod.recv();
+        let p: Vec<&str> = line.split(' ').collect();
+        manager = p[0].to_string();
+        if p[3] == "1" {
+            taken.push(format!("{} {} {} {i}", p[0], p[1], p[2]));
+        } else {
+            kept.push(p[1].to_string());
+        }
+    }
+    assert_eq!(prod.recv(), "done");
+    let taken_names: Vec<String> = taken.iter().map(|t| t.split(' ').nth(1).unwrap().to_string()).collect();
+    prod.kill9();
+    // Only the dead producer referenced these: they go at once.
+    assert!(wait_until(CLEANUP, || kept.iter().all(|n| !shm_exists(n))), "left: {:?}", segments_of(pid));
+    // The receiver's references keep the rest, past the manager's idle
+    // shutdown (no client is connected now), until the receiver comes.
+    std::thread::sleep(Duration::from_millis(3000));
+    let lost: Vec<&String> = taken_names.iter().filter(|n| !shm_exists(n)).collect();
+    assert!(lost.is_empty(), "segments in flight were removed: {lost:?}");
+    let mut cons = Peer::spawn(ENTRY, "drainer", &taken.join(";"));
+    assert_eq!(cons.recv(), "ready");
+    cons.send("open");
+    assert_eq!(cons.recv(), "opened");
+    assert_eq!(segments_of(pid).len(), taken.len());
+    cons.send("close");
+    assert_eq!(cons.recv(), "closed");
+    // Its closes leave only the dead producer's references: all go, while
+    // the receiver is still connected.
+    assert!(wait_until(CLEANUP, || segments_of(pid).is_empty()), "left: {:?}", segments_of(pid));
+    drop(cons);
+    assert_cleaned(pid, &manager);
+    assert_eq!(segments_of(pid).len(), 0);
 }

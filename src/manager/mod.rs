@@ -4,6 +4,7 @@
 
 pub mod client;
 pub mod protocol;
+pub mod reclaim;
 pub mod segment_users;
 pub mod server;
 pub mod spawn;

@@ -7,6 +7,7 @@
 //! we may read are seen; a segment is created with mode 0600, so those are
 //! the only ones that can map it (root aside).
 
+use crate::shm::HEADER_SIZE;
 use std::collections::HashSet;
 use std::fs;
 use std::io::{BufRead, BufReader};
@@ -79,6 +80,40 @@ fn scan_fds(pid: i32, paths: &[(String, &String)], found: &mut HashSet<String>) 
     }
 }
 
+/// The reference count in the header of the refcounted segment `name` (an
+/// int32 at offset 0 of its 64-byte header, whose other bytes stay zero),
+/// read through a read-only mapping so that reading never changes it.
+/// None when `name` is gone or is not laid out as a refcounted segment:
+/// shorter than the header plus one byte, or with anything but zeros in
+/// the header's unused bytes (an arena segment, say, whose header starts
+/// with a magic number).
+pub fn header_refcount(name: &str) -> Option<i32> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(shm_path(name)).ok()?;
+    if file.metadata().ok()?.len() <= HEADER_SIZE as u64 {
+        return None;
+    }
+    // SAFETY: a fresh read-only shared mapping of the header only; the
+    // file is at least that long (checked above).
+    let base = unsafe {
+        libc::mmap(std::ptr::null_mut(), HEADER_SIZE, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0)
+    };
+    if base == libc::MAP_FAILED {
+        return None;
+    }
+    // SAFETY: the mapping is page-aligned and HEADER_SIZE bytes long;
+    // holders update the count atomically, so it is read atomically too.
+    let (count, rest_zero) = unsafe {
+        let count = (*(base as *const std::sync::atomic::AtomicI32)).load(std::sync::atomic::Ordering::SeqCst);
+        let rest = std::slice::from_raw_parts((base as *const u8).add(4), HEADER_SIZE - 4);
+        (count, rest.iter().all(|b| *b == 0))
+    };
+    // SAFETY: unmapping exactly what was mapped above.
+    unsafe { libc::munmap(base, HEADER_SIZE) };
+    rest_zero.then_some(count)
+}
+
 /// Start time of `pid` in clock ticks since boot (field 22 of
 /// `/proc/<pid>/stat`), or None when there is no such process.
 pub fn process_start_ticks(pid: i32) -> Option<u64> {
@@ -135,6 +170,29 @@ mod tests {
         assert!(names_in_use(&set, Some(std::process::id() as i32)).is_empty());
         drop(m);
         assert!(!in_use(&name));
+    }
+
+    #[test]
+    fn reads_the_header_count_without_changing_it() {
+        use crate::shm::flags::NOCREATE;
+        use crate::shm::RefcountedMapAllocator;
+        let name = new_process_wide_shm_handle();
+        let a = RefcountedMapAllocator::open(&name, flags::SHAREDMEM | flags::EXCLUSIVE, 100).unwrap();
+        assert_eq!(header_refcount(&name), Some(1));
+        let b = RefcountedMapAllocator::open(&name, flags::SHAREDMEM | NOCREATE, 100).unwrap();
+        a.incref().unwrap();
+        assert_eq!(header_refcount(&name), Some(3));
+        assert_eq!(a.refcount().unwrap(), 3);
+        drop(b);
+        assert_eq!(header_refcount(&name), Some(2));
+        // Something other than zeros after the count: not a refcounted header.
+        // SAFETY: the user data follows the 64-byte header; writing the
+        // header's unused bytes through the base is what another layout does.
+        unsafe { *a.data().sub(HEADER_SIZE).add(8) = 1 };
+        assert_eq!(header_refcount(&name), None);
+        a.decref().unwrap();
+        drop(a);
+        assert_eq!(header_refcount(&name), None);
     }
 
     #[test]

@@ -3,29 +3,32 @@
 //!
 //! A client that closes its connection while it still has registered
 //! segments (it was killed, or it broke the protocol) has *abandoned*
-//! them. An abandoned segment is removed as soon as no connected client
-//! holds it and no live process maps or holds it open (see
-//! [`super::segment_users`]); until then it is re-checked every 2 s. Segments
-//! freed cleanly are left to their holders' reference count, as libshm
-//! does. With no clients, every tracked segment no one uses is removed, and
-//! the daemon exits after 2 s idle once nothing it tracks is still in use.
+//! them. An abandoned segment is removed once no connected client holds
+//! it, its header count is down to the references the gone clients left,
+//! and no live process maps or holds it open; a count above that is a
+//! reference taken for a receiver, so the segment waits for it (see
+//! [`reclaim`](super::reclaim)). Segments freed cleanly are left to their
+//! holders' reference count, as libshm does. Once no client is connected,
+//! every tracked segment gets the same decision; the daemon exits after
+//! 2 s idle once nothing it tracks is still in use or in flight.
 
 use super::protocol::{AllocInfo, ALLOC_INFO_SIZE, OK_REPLY};
-use super::segment_users::{names_in_use, shm_path};
+use super::reclaim::{Reclaimer, IN_FLIGHT_GRACE};
+use super::segment_users::shm_path;
 use crate::error::{Error, ErrorKind, Result};
-use crate::shm::flags::SHAREDMEM;
-use crate::shm::map::unlink_name;
 use crate::shm::names::validate_shm_name;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::CString;
 use std::io::{ErrorKind as IoKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Idle time after which a daemon with no clients exits (libshm's value).
 pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_millis(2000);
+/// The shortest sleep between timed rechecks, so that none can spin.
+const MIN_WAIT: Duration = Duration::from_millis(10);
 
 /// The socket folder, created with mkdtemp (mode 0700) under the first of
 /// TMPDIR, TMP, TEMP, TEMPDIR that is set, else /tmp.
@@ -114,7 +117,13 @@ fn nobody_listens(path: &Path) -> bool {
         return false;
     }
     // SAFETY: addr is a valid sockaddr_un of the size given.
-    let rc = unsafe { libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t) };
+    let rc = unsafe {
+        libc::connect(
+            fd,
+            (&addr as *const libc::sockaddr_un).cast(),
+            std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+        )
+    };
     let refused = rc != 0 && crate::error::errno() == libc::ECONNREFUSED;
     // SAFETY: our descriptor.
     unsafe { libc::close(fd) };
@@ -139,10 +148,11 @@ pub struct Server {
     listener: UnixListener,
     sessions: HashMap<u64, Session>,
     next_id: u64,
-    /// Every name registered and not known to be gone.
-    tracked: HashSet<String>,
-    /// Abandoned names still in use somewhere: re-checked on each tick.
-    watch: HashSet<String>,
+    reclaim: Reclaimer,
+    /// Since when no client has been connected.
+    idle_since: Option<Instant>,
+    /// When the timed work (rechecks, idle exit) is due next.
+    due: Option<Instant>,
     log: bool,
     /// The only uid whose clients are served (this process's own).
     uid: libc::uid_t,
@@ -157,7 +167,10 @@ impl Server {
             Ok(l) => l,
             Err(e) => {
                 let _ = std::fs::remove_dir(&dir);
-                return Err(Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not bind <{}>", socket.display())));
+                return Err(Error::from_errno(
+                    e.raw_os_error().unwrap_or(libc::EIO),
+                    format!("could not bind <{}>", socket.display()),
+                ));
             }
         };
         // std listens with a backlog of 128 (libshm: 10): many clients may
@@ -168,15 +181,19 @@ impl Server {
             listener,
             sessions: HashMap::new(),
             next_id: 0,
-            tracked: HashSet::new(),
-            watch: HashSet::new(),
+            reclaim: Reclaimer::default(),
+            idle_since: Some(Instant::now()),
+            due: None,
             log: std::env::var_os("SS_SHM_MANAGER_LOG").is_some_and(|v| v != "0"),
             // SAFETY: geteuid cannot fail and has no side effects.
             uid: unsafe { libc::geteuid() },
         };
         // On failure dropping `server` removes the socket and its folder.
         server.listener.set_nonblocking(true).map_err(|e| {
-            Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not make <{}> non-blocking", server.socket.display()))
+            Error::from_errno(
+                e.raw_os_error().unwrap_or(libc::EIO),
+                format!("could not make <{}> non-blocking", server.socket.display()),
+            )
         })?;
         Ok(server)
     }
@@ -196,11 +213,14 @@ impl Server {
         let stop = stop_signal_fd();
         let stop_fd = stop.as_ref().map_or(-1, |f| f.as_raw_fd());
         loop {
-            let timeout = if self.sessions.is_empty() || !self.watch.is_empty() {
-                SHUTDOWN_TIMEOUT.as_millis() as libc::c_int
-            } else {
-                -1
-            };
+            // The earlier of the pending deadline and a new one: events
+            // arriving faster than a deadline must not keep pushing it back.
+            let now = Instant::now();
+            let wake = self.next_wakeup().map(|d| now + d.max(MIN_WAIT));
+            self.due = [self.due, wake].into_iter().flatten().min();
+            let timeout = self
+                .due
+                .map_or(-1, |t| t.saturating_duration_since(now).as_millis().min(i32::MAX as u128) as libc::c_int);
             let ids: Vec<u64> = self.sessions.keys().copied().collect();
             let mut fds = Vec::with_capacity(ids.len() + 2);
             fds.push(libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 });
@@ -222,14 +242,6 @@ impl Server {
                 self.note("stop signal");
                 break;
             }
-            if n == 0 {
-                self.recheck_watch();
-                if self.sessions.is_empty() && self.idle_cleanup() {
-                    self.note("idle, exiting");
-                    break;
-                }
-                continue;
-            }
             for (i, id) in ids.iter().enumerate() {
                 let rev = fds[i + 2].revents;
                 if rev & libc::POLLIN != 0 {
@@ -241,12 +253,64 @@ impl Server {
             if fds[0].revents & libc::POLLIN != 0 {
                 self.accept_all();
             }
+            // Checked after the events too, so busy clients cannot starve it.
+            if self.due.is_some_and(|t| Instant::now() >= t) {
+                self.due = None;
+                if self.timed_work() {
+                    self.note("idle, exiting");
+                    break;
+                }
+            }
         }
-        // Stopping: nobody will tell us about these clients any more, so
-        // everything tracked that no live process uses goes now.
+        // Stopping: nobody will tell us about these clients any more, nor
+        // can a receiver register, so everything tracked that no live
+        // process uses goes now, in flight or not.
         self.sessions.clear();
-        self.idle_cleanup();
+        self.reclaim.give_up_in_flight();
+        let removed = self.reclaim.recheck_all(|_| false);
+        self.noted_removals(&removed);
         Ok(())
+    }
+
+    /// How long poll may sleep: until the next recheck, the end of the
+    /// in-flight grace, or the idle exit, whichever comes first.
+    fn next_wakeup(&self) -> Option<Duration> {
+        let tick = self.reclaim.next_tick();
+        let Some(since) = self.idle_since else { return tick };
+        let idle_deadline = if self.reclaim.nothing_watched() {
+            Some(SHUTDOWN_TIMEOUT)
+        } else if self.reclaim.has_in_flight() {
+            Some(IN_FLIGHT_GRACE)
+        } else {
+            None
+        };
+        let until = idle_deadline.map(|d| d.saturating_sub(since.elapsed()));
+        match (tick, until) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Timed rechecks, and with no client: the end of the grace for
+    /// segments in flight, and the idle exit. True when the daemon exits.
+    fn timed_work(&mut self) -> bool {
+        let sessions = &self.sessions;
+        let removed = self.reclaim.on_tick(|n| held_by_anyone(sessions, n));
+        self.noted_removals(&removed);
+        let Some(since) = self.idle_since else { return false };
+        if since.elapsed() >= IN_FLIGHT_GRACE && self.reclaim.has_in_flight() {
+            self.note("no receiver came for the segments in flight; giving them up");
+            self.reclaim.give_up_in_flight();
+            let removed = self.reclaim.recheck_all(|_| false);
+            self.noted_removals(&removed);
+        }
+        self.reclaim.nothing_watched() && since.elapsed() >= SHUTDOWN_TIMEOUT
+    }
+
+    fn noted_removals(&self, names: &[String]) {
+        for name in names {
+            self.note(format!("removed segment {name}"));
+        }
     }
 
     fn accept_all(&mut self) {
@@ -260,13 +324,21 @@ impl Server {
                     // The 0700 folder keeps other users out, but not root;
                     // a peer of another uid could free this user's names.
                     if peer_uid != self.uid {
-                        self.note(format!("refused a client of uid {peer_uid} (pid {peer_pid}): this manager serves uid {} only", self.uid));
+                        self.note(format!(
+                            "refused a client of uid {peer_uid} (pid {peer_pid}): this manager serves uid {} only",
+                            self.uid
+                        ));
                         continue;
                     }
                     let id = self.next_id;
                     self.next_id += 1;
                     self.note(format!("client {id} connected (pid {peer_pid})"));
-                    self.sessions.insert(id, Session { stream, peer_pid, pending: Vec::new(), held: HashMap::new(), mute: false });
+                    self.idle_since = None;
+                    self.reclaim.trust_counts();
+                    self.sessions.insert(
+                        id,
+                        Session { stream, peer_pid, pending: Vec::new(), held: HashMap::new(), mute: false },
+                    );
                 }
                 Err(e) if e.kind() == IoKind::WouldBlock => return,
                 Err(e) if e.kind() == IoKind::Interrupted => {}
@@ -354,7 +426,7 @@ impl Server {
     fn on_register(&mut self, id: u64, name: &str) -> Result<()> {
         // Recorded before the reply: a client gone before reading it has
         // still registered the name (it may have created it since).
-        self.tracked.insert(name.to_string());
+        self.reclaim.track(name);
         let s = self.sessions.get_mut(&id).expect("live session");
         *s.held.entry(name.to_string()).or_default() += 1;
         if s.mute {
@@ -380,71 +452,38 @@ impl Server {
             }
         }
         if !shm_exists(name) {
-            self.forget(name);
-        } else if self.watch.contains(name) && !self.held_by_anyone(name) {
-            self.recheck(&[name.to_string()].into_iter().collect());
+            self.reclaim.forget(name);
+        } else if self.reclaim.is_watched(name) && !held_by_anyone(&self.sessions, name) {
+            let removed = self.reclaim.recheck([name.to_string()], |_| false);
+            self.noted_removals(&removed);
         }
-    }
-
-    fn held_by_anyone(&self, name: &str) -> bool {
-        self.sessions.values().any(|s| s.held.contains_key(name))
-    }
-
-    fn forget(&mut self, name: &str) {
-        self.tracked.remove(name);
-        self.watch.remove(name);
     }
 
     fn drop_session(&mut self, id: u64, why: &str) {
         let Some(s) = self.sessions.remove(&id) else { return };
         self.note(format!("client {id} (pid {}) gone: {why}; {} names held", s.peer_pid, s.held.len()));
-        // Its references are abandoned: the header count stays too high,
-        // so a segment it held is watched until nobody uses it, even if
-        // other clients still hold it now.
-        let abandoned: HashSet<String> = s.held.into_keys().collect();
-        self.watch.extend(abandoned.iter().cloned());
-        self.recheck(&abandoned);
-    }
-
-    /// Removes each of `names` that exists and no live process uses; the
-    /// rest stay on the watch list.
-    fn recheck(&mut self, names: &HashSet<String>) {
-        let candidates: HashSet<String> = names.iter().filter(|n| !self.held_by_anyone(n)).cloned().collect();
-        if candidates.is_empty() {
-            return;
+        // Its references stay in the headers for good: each name it held
+        // is watched until only such references are left in it and no live
+        // process uses it, even if other clients hold it now.
+        let mut abandoned = Vec::with_capacity(s.held.len());
+        for (name, refs) in s.held {
+            self.reclaim.abandon(&name, refs);
+            abandoned.push(name);
         }
-        let used = names_in_use(&candidates, None);
-        for name in candidates {
-            if used.contains(&name) {
-                self.watch.insert(name);
-            } else {
-                self.unlink(&name);
-            }
-        }
+        let sessions = &self.sessions;
+        let removed = if sessions.is_empty() {
+            // The last client: every tracked name is nobody's now.
+            self.idle_since = Some(Instant::now());
+            self.reclaim.recheck_all(|_| false)
+        } else {
+            self.reclaim.recheck(abandoned, |n| held_by_anyone(sessions, n))
+        };
+        self.noted_removals(&removed);
     }
+}
 
-    fn recheck_watch(&mut self) {
-        let watch: HashSet<String> = self.watch.clone();
-        self.recheck(&watch);
-    }
-
-    /// With no clients: removes every tracked name no one uses. True when
-    /// nothing tracked is left in use (the daemon may exit).
-    fn idle_cleanup(&mut self) -> bool {
-        let tracked: HashSet<String> = self.tracked.iter().filter(|n| shm_exists(n)).cloned().collect();
-        self.tracked.retain(|n| tracked.contains(n));
-        self.recheck(&tracked);
-        self.watch.is_empty() || !self.sessions.is_empty()
-    }
-
-    fn unlink(&mut self, name: &str) {
-        if let Ok(c) = CString::new(name) {
-            if unlink_name(&c, name, SHAREDMEM).is_ok() {
-                self.note(format!("removed abandoned segment {name}"));
-            }
-        }
-        self.forget(name);
-    }
+fn held_by_anyone(sessions: &HashMap<u64, Session>, name: &str) -> bool {
+    sessions.values().any(|s| s.held.contains_key(name))
 }
 
 impl Drop for Server {
@@ -465,7 +504,13 @@ fn peer_credentials(stream: &UnixStream) -> (i32, libc::uid_t) {
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     let rc = unsafe {
-        libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
     };
     if rc == 0 {
         (cred.pid, cred.uid)

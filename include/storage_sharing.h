@@ -1859,6 +1859,9 @@ ss_status ss_share_memory(const void *src, size_t nbytes, ss_map **out);
  * is a file written atomically (temporary file + rename), so a process
  * killed mid-write never leaves half a value; `add` runs under `flock`.
  * A path that is an existing regular file: `SS_ERR_INVALID_ARGUMENT`.
+ * Waits share one inotify watch per store and poll when inotify or
+ * descriptors run out; a FIFO or device at a key's path is
+ * `SS_ERR_CORRUPT`, never a hang.
  * Keys left by an earlier job stay: use a fresh folder per job.
  *
  * # Safety

@@ -1,19 +1,23 @@
 //! The file store across processes, through the C API where it matters:
 //! concurrent adds, a get that waits for a later set, timeouts that name
-//! the keys, and a writer killed with -9 mid-write.
+//! the keys, a writer killed with -9 mid-write, a FIFO at a key's path,
+//! and many waiters sharing one inotify instance.
 
 mod common;
 
-use common::{child_command, my_role};
+use common::{child_command, my_role, wait_until};
 use std::ffi::{CStr, CString};
 use std::os::raw::c_char;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use storage_sharing::ffi::errors::ss_last_error_message;
 use storage_sharing::ffi::status::ss_status;
 use storage_sharing::ffi::store::*;
+use storage_sharing::store::file_key::file_name;
 use storage_sharing::store::{FileStore, Store};
+use storage_sharing::ErrorKind;
 
 const ADDS_PER_CHILD: i64 = 200;
 const BIG: usize = 8 << 20;
@@ -71,13 +75,124 @@ fn child_role() {
                 if answer == me.as_bytes() {
                     won.push(round.to_string());
                 }
-                let moved = store.compare_set(&key, &answer, format!("{}+", String::from_utf8_lossy(&answer)).as_bytes()).unwrap();
+                let moved = store
+                    .compare_set(&key, &answer, format!("{}+", String::from_utf8_lossy(&answer)).as_bytes())
+                    .unwrap();
                 assert!(moved.starts_with(&answer), "round {round}: {moved:?} does not extend {answer:?}");
             }
             println!("WON {}", won.join(" "));
         }
+        "non_regular_keys" => non_regular_keys(&store, &args[0]),
+        "many_waiters" => many_waiters(store),
         other => panic!("unknown role {other}"),
     }
+}
+
+/// A FIFO and a device at keys' paths: every reading call fails at once
+/// with `Corrupt` naming the key (a FIFO used to block `get` for good).
+fn non_regular_keys(store: &FileStore, dir: &str) {
+    let fifo = CString::new(format!("{dir}/{}", file_name("pipe"))).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    std::os::unix::fs::symlink("/dev/zero", PathBuf::from(dir).join(file_name("zero"))).unwrap();
+    for key in ["pipe", "zero"] {
+        let e = store.get(key, Some(Duration::from_millis(300))).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        assert!(e.message().contains(&format!("{key:?}")) && e.message().contains("not a regular file"), "{e}");
+        assert_eq!(store.add(key, 1).unwrap_err().kind(), ErrorKind::Corrupt);
+        assert_eq!(store.compare_set(key, b"", b"x").unwrap_err().kind(), ErrorKind::Corrupt);
+        println!("{key}: {e}");
+    }
+    println!("non-regular ok");
+}
+
+/// The descriptors of this process that are inotify instances.
+fn inotify_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t.as_os_str() == "anon_inode:inotify"))
+        .count()
+}
+
+const WAITERS: usize = 160;
+
+/// More waiters than the default per-user inotify limit (128) share one
+/// instance, and no instance stays once the waits are over.
+fn many_waiters(store: FileStore) {
+    let store = std::sync::Arc::new(store);
+    let entered = std::sync::Arc::new(AtomicUsize::new(0));
+    let threads: Vec<_> = (0..WAITERS)
+        .map(|i| {
+            let (store, entered) = (store.clone(), entered.clone());
+            std::thread::spawn(move || {
+                entered.fetch_add(1, Ordering::SeqCst);
+                store.get(&format!("m/{i}"), Some(Duration::from_secs(60)))
+            })
+        })
+        .collect();
+    assert!(wait_until(Duration::from_secs(30), || entered.load(Ordering::SeqCst) == WAITERS));
+    // Slack for the last threads to reach their wait (not a timing assertion).
+    std::thread::sleep(Duration::from_millis(300));
+    let held = inotify_fds();
+    assert!(held <= 1, "{WAITERS} waiters on one store hold {held} inotify instances");
+    for i in 0..WAITERS {
+        store.set(&format!("m/{i}"), i.to_string().as_bytes()).unwrap();
+    }
+    for (i, t) in threads.into_iter().enumerate() {
+        assert_eq!(t.join().unwrap().unwrap(), i.to_string().as_bytes());
+    }
+    // Waits one after another, each woken by a set from another thread.
+    for round in 0..20 {
+        let s2 = store.clone();
+        let setter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(2));
+            s2.set(&format!("seq/{round}"), b"v").unwrap();
+        });
+        assert_eq!(store.get(&format!("seq/{round}"), Some(Duration::from_secs(30))).unwrap(), b"v");
+        setter.join().unwrap();
+    }
+    assert!(
+        wait_until(Duration::from_secs(10), || inotify_fds() == 0),
+        "{} inotify instances stay after every wait ended",
+        inotify_fds()
+    );
+    println!("many waiters ok");
+}
+
+/// Runs `cmd`, killing it if it has not exited within `limit`.
+fn run_with_watchdog(mut cmd: std::process::Command, limit: Duration) -> std::process::Output {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let end = Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > end {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("child still running after {limit:?}: hung");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+#[test]
+fn a_fifo_or_device_at_a_key_is_an_error_not_a_hang() {
+    let dir = fresh_dir("fifo");
+    let out = run_with_watchdog(child_command("non_regular_keys", &[dir.to_str().unwrap()]), Duration::from_secs(20));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("non-regular ok"), "{text}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn waiters_share_one_inotify_instance_and_release_it() {
+    let dir = fresh_dir("inotify");
+    let out = run_with_watchdog(child_command("many_waiters", &[dir.to_str().unwrap()]), Duration::from_secs(120));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("many waiters ok"), "{text}");
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 const ROUNDS: usize = 100;
@@ -190,9 +305,15 @@ fn c_api_timeouts_name_keys_and_arguments_are_checked() {
 
         let mut len = 0usize;
         let mut small = [0u8; 4];
-        assert_eq!(ss_store_get(s, a.as_ptr(), 100, small.as_mut_ptr().cast(), 4, &mut len), ss_status::SS_ERR_BUFFER_TOO_SMALL);
+        assert_eq!(
+            ss_store_get(s, a.as_ptr(), 100, small.as_mut_ptr().cast(), 4, &mut len),
+            ss_status::SS_ERR_BUFFER_TOO_SMALL
+        );
         assert_eq!(len, 10);
-        assert_eq!(ss_store_get(s, a.as_ptr(), 100, std::ptr::null_mut(), 0, &mut len), ss_status::SS_ERR_BUFFER_TOO_SMALL);
+        assert_eq!(
+            ss_store_get(s, a.as_ptr(), 100, std::ptr::null_mut(), 0, &mut len),
+            ss_status::SS_ERR_BUFFER_TOO_SMALL
+        );
         assert_eq!(len, 10);
         let mut buf = [0u8; 16];
         assert_eq!(ss_store_get(s, a.as_ptr(), 100, buf.as_mut_ptr().cast(), 16, &mut len), ss_status::SS_OK);
@@ -239,10 +360,9 @@ fn writer_killed_mid_write_never_leaves_half_a_value() {
         // Kill only while a temporary file of the writer exists: mid-write.
         let end = Instant::now() + Duration::from_secs(30);
         loop {
-            let writing = std::fs::read_dir(&dir)
-                .unwrap()
-                .flatten()
-                .any(|e| e.file_name().to_string_lossy().starts_with(&tmp_prefix) && e.metadata().is_ok_and(|m| m.len() > 0));
+            let writing = std::fs::read_dir(&dir).unwrap().flatten().any(|e| {
+                e.file_name().to_string_lossy().starts_with(&tmp_prefix) && e.metadata().is_ok_and(|m| m.len() > 0)
+            });
             if writing && (round == 0 || store.get("big", Some(Duration::from_millis(1))).is_ok()) {
                 break;
             }

@@ -72,6 +72,9 @@ unsafe fn bytes_arg<'a>(p: *const c_void, n: usize, what: &str) -> Result<&'a [u
 /// is a file written atomically (temporary file + rename), so a process
 /// killed mid-write never leaves half a value; `add` runs under `flock`.
 /// A path that is an existing regular file: `SS_ERR_INVALID_ARGUMENT`.
+/// Waits share one inotify watch per store and poll when inotify or
+/// descriptors run out; a FIFO or device at a key's path is
+/// `SS_ERR_CORRUPT`, never a hang.
 /// Keys left by an earlier job stay: use a fresh folder per job.
 ///
 /// # Safety

@@ -59,7 +59,10 @@ pub fn send_fds(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<usize> {
         }
         let e = errno();
         if e != libc::EINTR {
-            return Err(Error::from_errno(e, format!("sendmsg of {} bytes and {} descriptors on socket {sock}", payload.len(), fds.len())));
+            return Err(Error::from_errno(
+                e,
+                format!("sendmsg of {} bytes and {} descriptors on socket {sock}", payload.len(), fds.len()),
+            ));
         }
     }
 }
@@ -73,7 +76,10 @@ pub fn send_fds(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<usize> {
 /// the kernel) is `BufferTooSmall` too, its descriptors closed.
 pub fn recv_fds(sock: RawFd, buf: &mut [u8], max_fds: usize) -> Result<(usize, Vec<OwnedFd>)> {
     if max_fds > MAX_FDS_PER_MESSAGE {
-        return Err(Error::new(ErrorKind::InvalidArgument, format!("max_fds {max_fds} above the kernel's {MAX_FDS_PER_MESSAGE}")));
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!("max_fds {max_fds} above the kernel's {MAX_FDS_PER_MESSAGE}"),
+        ));
     }
     let space = cmsg_space(max_fds);
     let mut control = vec![0u64; space.div_ceil(8).max(1)];
@@ -146,13 +152,32 @@ pub fn recv_fds(sock: RawFd, buf: &mut [u8], max_fds: usize) -> Result<(usize, V
     if fds.len() > max_fds {
         let got = fds.len();
         drop(fds);
-        return Err(Error::new(ErrorKind::BufferTooSmall, format!("received {got} descriptors, more than the {max_fds} asked for; all were closed")));
+        return Err(Error::new(
+            ErrorKind::BufferTooSmall,
+            format!("received {got} descriptors, more than the {max_fds} asked for; all were closed"),
+        ));
     }
     Ok((n, fds))
 }
 
-fn open_fd_count() -> usize {
-    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+/// Above this soft limit, counting by probing each number costs too much.
+const MAX_PROBED: u64 = 1 << 16;
+
+/// How many descriptors this process has open. At the limit
+/// /proc/self/fd cannot be listed (that takes one more), so then each
+/// number below the soft limit is probed instead; `None` when that is too
+/// many to probe.
+fn open_fd_count() -> Option<u64> {
+    if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+        // Less the listing's own descriptor.
+        return Some(dir.count().saturating_sub(1) as u64);
+    }
+    let limit = soft_limit();
+    if limit > MAX_PROBED {
+        return None;
+    }
+    // SAFETY: F_GETFD only reads a descriptor's flags.
+    Some((0..limit as i32).filter(|&fd| unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1).count() as u64)
 }
 
 fn soft_limit() -> u64 {
@@ -165,11 +190,15 @@ fn soft_limit() -> u64 {
 }
 
 fn at_fd_limit() -> bool {
-    open_fd_count() as u64 + 1 >= soft_limit()
+    open_fd_count().map_or(true, |n| n + 2 >= soft_limit())
 }
 
-fn fd_limit_text() -> String {
-    format!("{} open, soft limit {}", open_fd_count().saturating_sub(1), soft_limit())
+/// This process's descriptor use, for messages: "N open, soft limit M".
+pub(crate) fn fd_limit_text() -> String {
+    match open_fd_count() {
+        Some(n) => format!("{n} open, soft limit {}", soft_limit()),
+        None => format!("soft limit {}", soft_limit()),
+    }
 }
 
 #[cfg(test)]

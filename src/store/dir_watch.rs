@@ -1,7 +1,6 @@
-//! Wakes a file-store wait as soon as a key file appears (inotify on the
-//! folder), instead of sleeping through a polling interval. Watches are
-//! kept and reused: closing an inotify descriptor waits for the kernel's
-//! grace period (milliseconds here), which would delay every woken get.
+//! An inotify watch of a store's folder, so a wait wakes as soon as a key
+//! file appears instead of sleeping through a polling interval. One watch
+//! is shared by all waits on a store: see [`super::shared_watch`].
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -16,7 +15,7 @@ pub struct DirWatch {
 
 impl DirWatch {
     /// A watch on `dir`; `None` where inotify cannot be used (no more
-    /// instances, a file system without it): callers then poll.
+    /// instances or descriptors, a file system without it): callers poll.
     pub fn new(dir: &Path) -> Option<DirWatch> {
         let path = CString::new(dir.as_os_str().as_bytes()).ok()?;
         // SAFETY: inotify_init1 takes flags only; a non-negative result is a
@@ -38,25 +37,26 @@ impl DirWatch {
     }
 
     /// Waits until something happened in the folder or `limit` passed, and
-    /// drains the events (the caller re-checks its keys either way).
-    pub fn wait(&self, limit: Duration) {
+    /// consumes the events; true when there were any.
+    pub fn wait(&self, limit: Duration) -> bool {
         let mut pfd = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         let ms = limit.as_millis().clamp(1, i32::MAX as u128) as i32;
         // SAFETY: one valid pollfd.
         unsafe { libc::poll(&mut pfd, 1, ms) };
-        self.drain();
+        self.drain()
     }
 
-    /// Discards pending events (a reused watch starts clean; the caller
-    /// checks its keys after this, so nothing is missed).
-    pub fn drain(&self) {
+    /// Reads every pending event; true when there was one.
+    fn drain(&self) -> bool {
         let mut buf = [0u8; 4096];
+        let mut any = false;
         loop {
             // SAFETY: reads into a local buffer of its stated size.
             let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
             if n <= 0 {
-                break;
+                return any;
             }
+            any = true;
         }
     }
 }
@@ -79,9 +79,10 @@ mod tests {
             std::fs::rename(d2.join(".tmp"), d2.join("k.x")).unwrap();
         });
         let t0 = Instant::now();
-        w.wait(Duration::from_secs(60));
         // Woken by the rename, not by the 60 s limit.
+        assert!(w.wait(Duration::from_secs(60)));
         assert!(t0.elapsed() < Duration::from_secs(30));
+        assert!(!w.wait(Duration::from_millis(1)), "the events were consumed");
         t.join().unwrap();
         std::fs::remove_dir_all(dir).unwrap();
     }

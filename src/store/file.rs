@@ -9,8 +9,15 @@
 //! `flock` of `.lock`, so an add's read-modify-write is never interleaved
 //! with another write; the kernel drops the lock of a killed process.
 //! A wait sleeps on an inotify watch of the folder, so it wakes as soon
-//! as a key file is renamed into place; where inotify is unavailable it
-//! polls with a backoff (50 µs doubling to 5 ms).
+//! as a key file is renamed into place. All waits on a store share one
+//! watch, closed soon after the last wait ends ([`SharedWatch`]). Where
+//! inotify is unavailable (no instance or descriptor left) a wait polls
+//! with a backoff (50 µs doubling to 5 ms); so does a wait that cannot
+//! open a key for want of a descriptor, until one is free or it times out.
+//!
+//! Keys are opened without blocking and must be regular files: a FIFO or
+//! device at a key's path (nothing this store writes) is `Corrupt`, never
+//! a hang.
 //!
 //! The path must be a folder (created, with its parents, if missing). An
 //! existing regular file is refused with `InvalidArgument`: it is not a
@@ -19,17 +26,19 @@
 //! each job a fresh one (old keys would otherwise be seen by the new job).
 
 use super::deadline::{deadline, expired, remaining, timeout_error, Backoff};
-use super::dir_watch::DirWatch;
 use super::file_key::{file_name, is_key_file};
+use super::shared_watch::{SharedWatch, Waiter};
 use super::{Store, Timeout};
 use crate::error::{Error, ErrorKind, Result};
+use std::fs::FileType;
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind as IoKind, Read, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 const LOCK_FILE: &str = ".lock";
 const TMP_PREFIX: &str = ".tmp.";
@@ -44,14 +53,51 @@ pub struct FileStore {
     dir: PathBuf,
     lock: File,
     tmp_seq: AtomicU64,
-    /// Idle inotify watches of the folder, reused by waits.
-    watches: Mutex<Vec<DirWatch>>,
+    /// The inotify watch of the folder that waits share.
+    watch: Arc<SharedWatch>,
+}
+
+/// This process's descriptor use, for messages.
+fn fd_limit_text() -> String {
+    crate::storage::fd_passing::fd_limit_text()
 }
 
 fn io_error(e: std::io::Error, context: impl std::fmt::Display) -> Error {
     match e.raw_os_error() {
-        Some(errno) => Error::from_errno(errno, context),
+        Some(errno) => {
+            let err = Error::from_errno(errno, context);
+            if err.kind() == ErrorKind::TooManyFiles {
+                return Error::new(err.kind(), format!("{} ({})", err.message(), fd_limit_text()));
+            }
+            err
+        }
         None => Error::new(ErrorKind::Io, format!("{context}: {e}")),
+    }
+}
+
+/// One look at a key's file.
+enum Attempt {
+    Value(Vec<u8>),
+    Missing,
+    /// The file could not be opened: this process (or the system) has no
+    /// descriptor free.
+    NoDescriptor(std::io::Error),
+}
+
+/// What a key's path holds when it is not a regular file, for messages.
+fn type_name(t: FileType) -> &'static str {
+    if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_dir() {
+        "a folder"
+    } else {
+        "something"
     }
 }
 
@@ -66,7 +112,10 @@ impl FileStore {
             Ok(m) if !m.is_dir() => {
                 return Err(Error::new(
                     ErrorKind::InvalidArgument,
-                    format!("file store <{}> exists and is not a folder (a store is a folder of key files)", dir.display()),
+                    format!(
+                        "file store <{}> exists and is not a folder (a store is a folder of key files)",
+                        dir.display()
+                    ),
                 ))
             }
             Ok(_) => {}
@@ -82,7 +131,8 @@ impl FileStore {
             .truncate(false)
             .open(&lock_path)
             .map_err(|e| io_error(e, format_args!("unable to open <{}>", lock_path.display())))?;
-        let store = FileStore { dir, lock, tmp_seq: AtomicU64::new(0), watches: Mutex::new(Vec::new()) };
+        let watch = SharedWatch::new(dir.clone());
+        let store = FileStore { dir, lock, tmp_seq: AtomicU64::new(0), watch };
         store.sweep_dead_temps();
         Ok(store)
     }
@@ -114,16 +164,58 @@ impl FileStore {
 
     /// The value of `key` if it is set now.
     fn read_now(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        match self.attempt_read(key)? {
+            Attempt::Value(v) => Ok(Some(v)),
+            Attempt::Missing => Ok(None),
+            Attempt::NoDescriptor(e) => Err(self.read_error(key, e)),
+        }
+    }
+
+    fn read_error(&self, key: &str, e: std::io::Error) -> Error {
+        io_error(e, format_args!("unable to read key {key:?} in {}", self.describe()))
+    }
+
+    /// Reads `key`'s file, telling a missing key and a lack of descriptors
+    /// (which a wait outlasts) from real errors.
+    fn attempt_read(&self, key: &str) -> Result<Attempt> {
         let path = self.key_path(key);
-        let mut file = match File::open(&path) {
+        // O_NONBLOCK: opening a FIFO would otherwise wait for a writer.
+        let opened = OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(&path);
+        let mut file = match opened {
             Ok(f) => f,
-            Err(e) if e.kind() == IoKind::NotFound => return Ok(None),
-            Err(e) => return Err(io_error(e, format_args!("unable to read key {key:?} in {}", self.describe()))),
+            Err(e) if e.kind() == IoKind::NotFound => return Ok(Attempt::Missing),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                return Ok(Attempt::NoDescriptor(e))
+            }
+            Err(e) => {
+                // A socket cannot be opened at all: name it like the others.
+                if let Ok(meta) = std::fs::metadata(&path) {
+                    self.check_regular(key, &path, meta.file_type())?;
+                }
+                return Err(self.read_error(key, e));
+            }
         };
+        let meta = file.metadata().map_err(|e| self.read_error(key, e))?;
+        self.check_regular(key, &path, meta.file_type())?;
         let mut value = Vec::new();
-        file.read_to_end(&mut value)
-            .map_err(|e| io_error(e, format_args!("unable to read key {key:?} in {}", self.describe())))?;
-        Ok(Some(value))
+        file.read_to_end(&mut value).map_err(|e| self.read_error(key, e))?;
+        Ok(Attempt::Value(value))
+    }
+
+    /// A key's file must be a regular file: this store writes nothing else.
+    fn check_regular(&self, key: &str, path: &Path, t: FileType) -> Result<()> {
+        if t.is_file() {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::Corrupt,
+            format!(
+                "key {key:?} in {}: <{}> is {}, not a regular file (this store writes only regular files there)",
+                self.describe(),
+                path.display(),
+                type_name(t)
+            ),
+        ))
     }
 
     /// Writes `value` to a new temporary file in the folder; the caller
@@ -134,11 +226,8 @@ impl FileStore {
         let tid = unsafe { libc::syscall(libc::SYS_gettid) };
         let tmp = self.dir.join(format!("{TMP_PREFIX}{}.{tid}.{seq}", std::process::id()));
         let context = || format!("unable to write key {key:?} in {}", self.describe());
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .map_err(|e| io_error(e, context()))?;
+        let mut file =
+            OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| io_error(e, context()))?;
         if let Err(e) = file.write_all(value) {
             let _ = std::fs::remove_file(&tmp);
             return Err(io_error(e, context()));
@@ -156,7 +245,8 @@ impl FileStore {
 
     /// Runs `f` holding the folder's exclusive lock.
     fn locked<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        let _guard = FlockGuard::lock(&self.lock).map_err(|e| e.context(format!("unable to lock {}", self.describe())))?;
+        let _guard =
+            FlockGuard::lock(&self.lock).map_err(|e| e.context(format!("unable to lock {}", self.describe())))?;
         f()
     }
 }
@@ -196,20 +286,32 @@ impl Store for FileStore {
     }
 
     fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>> {
-        if let Some(v) = self.read_now(key)? {
-            return Ok(v);
-        }
         let end = deadline(timeout);
-        let mut sleeper = Sleeper::new(&self.dir, &self.watches);
+        let mut sleeper: Option<Sleeper> = None;
         loop {
-            // The watch exists before this check: a set after it wakes us.
-            if let Some(v) = self.read_now(key)? {
-                return Ok(v);
-            }
+            // Taken before the check: a set after it wakes the sleep below.
+            let seen = sleeper.as_ref().map_or(0, Sleeper::generation);
+            let no_descriptor = match self.attempt_read(key)? {
+                Attempt::Value(v) => return Ok(v),
+                Attempt::Missing => None,
+                Attempt::NoDescriptor(e) => Some(e),
+            };
             if expired(end) {
-                return Err(timeout_error(timeout, &[key], &self.describe()));
+                return Err(match no_descriptor {
+                    Some(e) => {
+                        let e = self.read_error(key, e);
+                        let tried = timeout.unwrap_or_default().as_millis();
+                        Error::new(e.kind(), format!("{}; retried for {tried} ms", e.message()))
+                    }
+                    None => timeout_error(timeout, &[key], &self.describe()),
+                });
             }
-            sleeper.sleep(end);
+            match &mut sleeper {
+                // Check once more with the watch in place before sleeping.
+                None => sleeper = Some(Sleeper::new(&self.watch)),
+                // A freed descriptor makes no inotify event: poll for it.
+                Some(s) => s.sleep(seen, end, no_descriptor.is_some()),
+            }
         }
     }
 
@@ -225,7 +327,10 @@ impl Store for FileStore {
                 })?,
             };
             let new = old.checked_add(delta).ok_or_else(|| {
-                Error::new(ErrorKind::InvalidArgument, format!("adding {delta} to key {key:?} (= {old}) overflows in {}", self.describe()))
+                Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("adding {delta} to key {key:?} (= {old}) overflows in {}", self.describe()),
+                )
             })?;
             let tmp = self.write_temp(key, new.to_string().as_bytes())?;
             self.publish(&tmp, key)?;
@@ -239,22 +344,18 @@ impl Store for FileStore {
         if missing.is_empty() {
             return Ok(());
         }
-        let mut sleeper = Sleeper::new(&self.dir, &self.watches);
+        let mut sleeper = Sleeper::new(&self.watch);
         loop {
-            let mut still = Vec::with_capacity(missing.len());
-            for k in missing {
-                if !self.key_path(k).exists() {
-                    still.push(k);
-                }
-            }
-            missing = still;
+            // Taken before the check: a set after it wakes the sleep below.
+            let seen = sleeper.generation();
+            missing.retain(|k| !self.key_path(k).exists());
             if missing.is_empty() {
                 return Ok(());
             }
             if expired(end) {
                 return Err(timeout_error(timeout, &missing, &self.describe()));
             }
-            sleeper.sleep(end);
+            sleeper.sleep(seen, end, false);
         }
     }
 
@@ -285,7 +386,8 @@ impl Store for FileStore {
     }
 
     fn num_keys(&self) -> Result<i64> {
-        let entries = std::fs::read_dir(&self.dir).map_err(|e| io_error(e, format_args!("unable to list {}", self.describe())))?;
+        let entries = std::fs::read_dir(&self.dir)
+            .map_err(|e| io_error(e, format_args!("unable to list {}", self.describe())))?;
         let mut n = 0;
         for entry in entries {
             let entry = entry.map_err(|e| io_error(e, format_args!("unable to list {}", self.describe())))?;
@@ -301,40 +403,29 @@ impl Store for FileStore {
     }
 }
 
-/// How a waiting call sleeps: on an inotify watch of the folder (taken
-/// from the store's pool, returned after), else by polling with a backoff.
-enum Sleeper<'a> {
-    Watch(Option<DirWatch>, &'a Mutex<Vec<DirWatch>>),
-    Poll(Backoff),
+/// How a waiting call sleeps: on the store's shared inotify watch, else
+/// by polling with a backoff.
+struct Sleeper {
+    watch: Option<Waiter>,
+    backoff: Backoff,
 }
 
-impl<'a> Sleeper<'a> {
-    fn new(dir: &Path, pool: &'a Mutex<Vec<DirWatch>>) -> Sleeper<'a> {
-        let pooled = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        match pooled.or_else(|| DirWatch::new(dir)) {
-            Some(w) => {
-                w.drain();
-                Sleeper::Watch(Some(w), pool)
-            }
-            None => Sleeper::Poll(Backoff::new(POLL_START, POLL_CAP)),
-        }
+impl Sleeper {
+    fn new(shared: &Arc<SharedWatch>) -> Sleeper {
+        Sleeper { watch: shared.join(), backoff: Backoff::new(POLL_START, POLL_CAP) }
     }
 
-    fn sleep(&mut self, end: Option<std::time::Instant>) {
-        match self {
-            Sleeper::Watch(Some(w), _) => w.wait(remaining(end).map_or(WATCH_CAP, |r| r.min(WATCH_CAP))),
-            Sleeper::Watch(None, _) => {}
-            Sleeper::Poll(b) => b.sleep(end),
-        }
+    fn generation(&self) -> u64 {
+        self.watch.as_ref().map_or(0, Waiter::generation)
     }
-}
 
-impl Drop for Sleeper<'_> {
-    fn drop(&mut self) {
-        if let Sleeper::Watch(w, pool) = self {
-            if let Some(w) = w.take() {
-                pool.lock().unwrap_or_else(|p| p.into_inner()).push(w);
-            }
+    /// Sleeps until the folder changed after generation `seen` (or a
+    /// polling interval passed, with `poll` or without a watch), never past
+    /// `end`.
+    fn sleep(&mut self, seen: u64, end: Option<Instant>, poll: bool) {
+        match &self.watch {
+            Some(w) if !poll => w.wait_past(seen, remaining(end).map_or(WATCH_CAP, |r| r.min(WATCH_CAP))),
+            _ => self.backoff.sleep(end),
         }
     }
 }
@@ -370,7 +461,11 @@ mod tests {
         assert!(e.message().contains("\"x\", \"y/z\""), "{}", e.message());
         assert!(!e.message().contains("a/b"), "{}", e.message());
         let e = s.get("late", Some(Duration::from_millis(5))).unwrap_err();
-        assert!(e.message().contains("\"late\"") && e.message().contains(&dir.display().to_string()), "{}", e.message());
+        assert!(
+            e.message().contains("\"late\"") && e.message().contains(&dir.display().to_string()),
+            "{}",
+            e.message()
+        );
         // Nothing but key files and the lock file: no temporaries left.
         let mut names: Vec<String> =
             std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();

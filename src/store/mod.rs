@@ -8,6 +8,7 @@ pub mod deadline;
 pub mod dir_watch;
 pub mod file;
 pub mod file_key;
+pub mod shared_watch;
 pub mod tcp;
 
 pub use file::FileStore;

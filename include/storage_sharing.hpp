@@ -630,8 +630,11 @@ inline ss_cuda_ipc_handle cuda_ipc_handle_from_text(const std::string &text) {
 
 /* One reference to a key-value store (c10d's "Store"), the rendezvous medium
  * of symmetric memory. Copying is explicit (ref()); the store closes with its
- * last reference. Timeouts are in milliseconds, 0 waits forever. All const
- * members may run on several threads at once. */
+ * last reference. Timeouts are in milliseconds; 0, the default of get and
+ * wait, waits forever. All const members may run on several threads at once,
+ * each caller gets its own answer, and one thread's calls take effect in the
+ * order it made them. A key is any bytes but NUL (UTF-8 or not); a key with
+ * a NUL byte is refused with Error SS_ERR_INVALID_ARGUMENT. */
 class Store {
 public:
     Store() noexcept = default;
@@ -691,16 +694,18 @@ public:
     }
 
     void set(const std::string &key, const void *data, std::size_t len) const {
-        check(ss_store_set(handle_.get(), key.c_str(), data, len), "ss_store_set");
+        check(ss_store_set(handle_.get(), c_string_arg(key, "ss_store_set", "key"), data, len), "ss_store_set");
     }
     void set(const std::string &key, const std::string &value) const { set(key, value.data(), value.size()); }
     void set(const std::string &key, const std::vector<uint8_t> &value) const { set(key, value.data(), value.size()); }
 
     /* The value of key, waiting until it is set (Error with SS_ERR_TIMEOUT,
-     * naming the key, when timeout_ms passes first). */
+     * naming the key, when timeout_ms passes first; 0, the default, waits
+     * forever). */
     std::vector<uint8_t> get(const std::string &key, int64_t timeout_ms = 0) const {
+        const char *k = c_string_arg(key, "ss_store_get", "key");
         return read_value(256, "ss_store_get", [&](void *buf, std::size_t size, std::size_t *len) {
-            return ss_store_get(handle_.get(), key.c_str(), timeout_ms, buf, size, len);
+            return ss_store_get(handle_.get(), k, timeout_ms, buf, size, len);
         });
     }
     std::string get_string(const std::string &key, int64_t timeout_ms = 0) const {
@@ -708,18 +713,21 @@ public:
         return std::string(v.begin(), v.end());
     }
 
-    /* Adds delta to the integer under key (missing = 0); the new value. */
+    /* Adds delta to the integer under key (missing = 0); the new value.
+     * Wraps in two's complement past either end (INT64_MAX + 1 is
+     * INT64_MIN), as PyTorch's TCPStore servers do. */
     int64_t add(const std::string &key, int64_t delta) const {
         int64_t out = 0;
-        check(ss_store_add(handle_.get(), key.c_str(), delta, &out), "ss_store_add");
+        check(ss_store_add(handle_.get(), c_string_arg(key, "ss_store_add", "key"), delta, &out), "ss_store_add");
         return out;
     }
 
-    /* Waits until every key is set (SS_ERR_TIMEOUT names the missing ones). */
+    /* Waits until every key is set (SS_ERR_TIMEOUT names the missing ones;
+     * timeout_ms 0, the default, waits forever). */
     void wait(const std::vector<std::string> &keys, int64_t timeout_ms = 0) const {
         std::vector<const char *> ptrs;
         ptrs.reserve(keys.size());
-        for (const std::string &k : keys) ptrs.push_back(k.c_str());
+        for (const std::string &k : keys) ptrs.push_back(c_string_arg(k, "ss_store_wait", "key"));
         check(ss_store_wait(handle_.get(), ptrs.data(), ptrs.size(), timeout_ms), "ss_store_wait");
     }
 
@@ -727,7 +735,7 @@ public:
     bool check_keys(const std::vector<std::string> &keys) const {
         std::vector<const char *> ptrs;
         ptrs.reserve(keys.size());
-        for (const std::string &k : keys) ptrs.push_back(k.c_str());
+        for (const std::string &k : keys) ptrs.push_back(c_string_arg(k, "ss_store_check", "key"));
         bool all = false;
         check(ss_store_check(handle_.get(), ptrs.data(), ptrs.size(), &all), "ss_store_check");
         return all;
@@ -738,8 +746,9 @@ public:
     std::vector<uint8_t> compare_set(const std::string &key, const std::string &expected, const std::string &desired) const {
         // A retry after a longer current value does not swap a second time.
         const std::size_t size = expected.size() > desired.size() ? expected.size() : desired.size();
+        const char *k = c_string_arg(key, "ss_store_compare_set", "key");
         return read_value(size, "ss_store_compare_set", [&](void *buf, std::size_t buf_len, std::size_t *len) {
-            return ss_store_compare_set(handle_.get(), key.c_str(), expected.data(), expected.size(), desired.data(),
+            return ss_store_compare_set(handle_.get(), k, expected.data(), expected.size(), desired.data(),
                                         desired.size(), buf, buf_len, len);
         });
     }
@@ -747,7 +756,8 @@ public:
     /* Deletes key; whether it was set. */
     bool delete_key(const std::string &key) const {
         bool existed = false;
-        check(ss_store_delete_key(handle_.get(), key.c_str(), &existed), "ss_store_delete_key");
+        check(ss_store_delete_key(handle_.get(), c_string_arg(key, "ss_store_delete_key", "key"), &existed),
+              "ss_store_delete_key");
         return existed;
     }
 

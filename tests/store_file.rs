@@ -46,18 +46,18 @@ fn child_role() {
         "adder" => {
             let mut seen = Vec::new();
             for _ in 0..ADDS_PER_CHILD {
-                seen.push(store.add("counter", 1).unwrap().to_string());
+                seen.push(store.add(b"counter", 1).unwrap().to_string());
             }
             println!("SEEN {}", seen.join(" "));
         }
         "getter" => {
-            let v = store.get("late/key", Some(Duration::from_secs(30))).unwrap();
+            let v = store.get(b"late/key", Some(Duration::from_secs(30))).unwrap();
             println!("GOT {}", String::from_utf8(v).unwrap());
         }
         "writer" => {
             // Rewrites one big value forever, each version one repeated byte.
             for i in 0u64.. {
-                store.set("big", &vec![(i % 251) as u8 + 1; BIG]).unwrap();
+                store.set(b"big", &vec![(i % 251) as u8 + 1; BIG]).unwrap();
             }
         }
         "elector" => {
@@ -67,11 +67,11 @@ fn child_role() {
             let mut won = Vec::new();
             for round in 0..ROUNDS {
                 let key = format!("leader/{round}");
-                let answer = store.compare_set(&key, b"", me.as_bytes()).unwrap();
+                let answer = store.compare_set(key.as_bytes(), b"", me.as_bytes()).unwrap();
                 if answer == me.as_bytes() {
                     won.push(round.to_string());
                 }
-                let moved = store.compare_set(&key, &answer, format!("{}+", String::from_utf8_lossy(&answer)).as_bytes()).unwrap();
+                let moved = store.compare_set(key.as_bytes(), &answer, format!("{}+", String::from_utf8_lossy(&answer)).as_bytes()).unwrap();
                 assert!(moved.starts_with(&answer), "round {round}: {moved:?} does not extend {answer:?}");
             }
             println!("WON {}", won.join(" "));
@@ -107,14 +107,14 @@ fn compare_set_elects_exactly_one_leader_per_round_across_four_processes() {
     assert!(wins.iter().all(|&w| w == 1), "rounds without exactly one winner: {wins:?}");
     let store = FileStore::open(&dir).unwrap();
     for round in 0..ROUNDS {
-        let v = store.get(&format!("leader/{round}"), Some(Duration::from_secs(1))).unwrap();
+        let v = store.get(format!("leader/{round}").as_bytes(), Some(Duration::from_secs(1))).unwrap();
         let v = String::from_utf8(v).unwrap();
         assert!(names.iter().any(|n| v.starts_with(n)) && v.ends_with('+'), "round {round}: {v}");
     }
     assert_eq!(store.num_keys().unwrap(), ROUNDS as i64);
-    assert!(store.check(&["leader/0", &format!("leader/{}", ROUNDS - 1)]).unwrap());
-    assert!(store.delete_key("leader/0").unwrap());
-    assert!(!store.check(&["leader/0"]).unwrap());
+    assert!(store.check(&[b"leader/0".as_slice(), format!("leader/{}", ROUNDS - 1).as_bytes()]).unwrap());
+    assert!(store.delete_key(b"leader/0").unwrap());
+    assert!(!store.check(&[b"leader/0".as_slice()]).unwrap());
     assert_eq!(store.num_keys().unwrap(), ROUNDS as i64 - 1);
     std::fs::remove_dir_all(dir).unwrap();
 }
@@ -243,7 +243,7 @@ fn writer_killed_mid_write_never_leaves_half_a_value() {
                 .unwrap()
                 .flatten()
                 .any(|e| e.file_name().to_string_lossy().starts_with(&tmp_prefix) && e.metadata().is_ok_and(|m| m.len() > 0));
-            if writing && (round == 0 || store.get("big", Some(Duration::from_millis(1))).is_ok()) {
+            if writing && (round == 0 || store.get(b"big", Some(Duration::from_millis(1))).is_ok()) {
                 break;
             }
             assert!(Instant::now() < end, "writer never started writing");
@@ -251,7 +251,7 @@ fn writer_killed_mid_write_never_leaves_half_a_value() {
         }
         child.kill().unwrap();
         child.wait().unwrap();
-        match store.get("big", Some(Duration::from_millis(1))) {
+        match store.get(b"big", Some(Duration::from_millis(1))) {
             Ok(v) => {
                 assert_eq!(v.len(), BIG, "round {round}: a half value is visible");
                 assert!(v.iter().all(|b| *b == v[0]), "round {round}: mixed versions in one value");

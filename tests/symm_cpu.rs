@@ -212,9 +212,9 @@ fn role_timeouts(me: Rank) {
         let e = h.put_signal(1, 3, t(100), 0).unwrap_err();
         assert!(e.message().contains("rank 0 failed to send signal to rank 1 on channel 3 after 100 ms"), "{}", e.message());
         assert!(pad_is_zero(&h, 0), "a timed-out wait leaves no mark");
-        me.store.set("timeouts/done", b"1").unwrap();
+        me.store.set(b"timeouts/done", b"1").unwrap();
     } else {
-        me.store.wait(&["timeouts/done"], t(30_000)).unwrap();
+        me.store.wait(&[b"timeouts/done".as_slice()], t(30_000)).unwrap();
         // Consume the signal rank 0's failed barrier left, so the pads are
         // clean again, and finish with a good barrier.
         h.wait_signal(0, 3, t(1000), 0).unwrap();
@@ -235,7 +235,7 @@ fn role_kill9(me: Rank) {
         h.barrier(1, None, 0).unwrap();
         unreachable!("rank 2 passed a barrier the others never entered");
     }
-    me.store.wait(&["kill9/dead"], t(30_000)).unwrap();
+    me.store.wait(&[b"kill9/dead".as_slice()], t(30_000)).unwrap();
     let mut outcome = Ok(());
     for _ in 0..2 {
         outcome = h.barrier(1, t(500), 0);

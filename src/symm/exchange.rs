@@ -21,10 +21,10 @@ pub fn all_gather(group: &GroupInfo, prefix: &str, value: &[u8], timeout: Timeou
     let seq = group.next_seq();
     let key = |r: usize| format!("{prefix}/{seq}/{r}");
     let deadline = timeout.map(|t| Instant::now() + t);
-    group.store.set(&key(group.rank), value)?;
+    group.store.set(key(group.rank).as_bytes(), value)?;
     let peers: Vec<usize> = (0..group.world_size).filter(|&r| r != group.rank).collect();
     let keys: Vec<String> = peers.iter().map(|&r| key(r)).collect();
-    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let key_refs: Vec<&[u8]> = keys.iter().map(String::as_bytes).collect();
     if let Err(e) = group.store.wait(&key_refs, timeout) {
         if e.kind() != ErrorKind::Timeout {
             return Err(e.context(format!("exchange {seq} of group {}", group.name)));
@@ -38,7 +38,7 @@ pub fn all_gather(group: &GroupInfo, prefix: &str, value: &[u8], timeout: Timeou
             continue;
         }
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)));
-        out.push(group.store.get(&key(r), left)?);
+        out.push(group.store.get(key(r).as_bytes(), left)?);
     }
     Ok(out)
 }
@@ -52,7 +52,7 @@ fn missing_ranks_error(group: &GroupInfo, peers: &[usize], keys: &[String], seq:
     let missing: Vec<String> = peers
         .iter()
         .zip(keys)
-        .filter(|(_, k)| group.store.wait(&[k.as_str()], Some(Duration::ZERO)).is_err())
+        .filter(|(_, k)| group.store.wait(&[k.as_bytes()], Some(Duration::ZERO)).is_err())
         .map(|(r, _)| r.to_string())
         .collect();
     let waited = timeout.map_or("ever".to_string(), |t| format!("{} ms", t.as_millis()));

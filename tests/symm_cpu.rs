@@ -718,7 +718,7 @@ fn rank_killed_mid_barrier_makes_the_others_time_out() {
     victim.kill().unwrap();
     victim.wait().unwrap();
     let store = FileStore::open(dir.join("store")).unwrap();
-    storage_sharing::store::Store::set(&store, "kill9/dead", b"1").unwrap();
+    storage_sharing::store::Store::set(&store, b"kill9/dead", b"1").unwrap();
     let outs = finish(children.into_iter().filter(|(r, _)| *r != 2).collect());
     assert_all_ok(&outs);
     for (_, o) in &outs {

@@ -315,7 +315,7 @@ impl TcpClient {
         if now != GET_SENTINEL {
             return Ok(now);
         }
-        self.wait_raw(&[k.clone()], &[key], timeout)?;
+        self.wait_raw(std::slice::from_ref(&k), &[key], timeout)?;
         self.exchange(&Request::Get(k).to_bytes(), |r| r.read_bytes())
     }
 

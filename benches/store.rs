@@ -150,19 +150,19 @@ fn main() {
             echo.read_exact(&mut reply).unwrap();
         }));
         samples[1].push(time(&mut || {
-            ours_client.set("bench/k", VALUE).unwrap();
-            assert_eq!(ours_client.get("bench/k", T).unwrap().len(), VALUE.len());
+            ours_client.set(b"bench/k", VALUE).unwrap();
+            assert_eq!(ours_client.get(b"bench/k", T).unwrap().len(), VALUE.len());
         }));
         for (i, (_, _, c)) in torch_servers.iter().enumerate() {
             samples[2 + i].push(time(&mut || {
-                c.set("bench/k", VALUE).unwrap();
-                assert_eq!(c.get("bench/k", T).unwrap().len(), VALUE.len());
+                c.set(b"bench/k", VALUE).unwrap();
+                assert_eq!(c.get(b"bench/k", T).unwrap().len(), VALUE.len());
             }));
         }
         let f = samples.len() - 1;
         samples[f].push(time(&mut || {
-            file.set("bench/k", VALUE).unwrap();
-            assert_eq!(file.get("bench/k", T).unwrap().len(), VALUE.len());
+            file.set(b"bench/k", VALUE).unwrap();
+            assert_eq!(file.get(b"bench/k", T).unwrap().len(), VALUE.len());
         }));
     }
     let echo_us = median(samples[0].clone());
@@ -203,7 +203,7 @@ fn main() {
         let file = file.clone();
         std::thread::spawn(move || {
             for i in 0..n {
-                file.get(&format!("wake/{i}"), T).unwrap();
+                file.get(format!("wake/{i}").as_bytes(), T).unwrap();
                 tx.send(Instant::now()).unwrap();
             }
         })
@@ -212,7 +212,7 @@ fn main() {
     for i in 0..n {
         std::thread::sleep(Duration::from_millis(2)); // the waiter is asleep by now
         let t0 = Instant::now();
-        file.set(&format!("wake/{i}"), VALUE).unwrap();
+        file.set(format!("wake/{i}").as_bytes(), VALUE).unwrap();
         wake.push((rx.recv().unwrap() - t0).as_secs_f64() * 1e6);
     }
     waiter.join().unwrap();

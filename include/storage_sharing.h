@@ -355,7 +355,20 @@ typedef struct ss_storage ss_storage;
  * `ss_store_ref`) keeps the store alive.
  *
  * Thread safety: a `const ss_store*` may be used from several threads at
- * once; every operation may run concurrently with the others.
+ * once; every operation may run concurrently with the others, each caller
+ * gets the answer to its own request, and the calls one thread makes
+ * take effect in the order it made them (a `get` after a `set` of the
+ * same key returns that value or a later one).
+ *
+ * Fork: a child made by fork() may go on using a TCPStore handle it
+ * inherited: its first call opens the child's own connection (validated
+ * as any new client), and it never reads a reply meant for its parent.
+ * A master's server keeps running in the parent only; freeing the handle
+ * in the child leaves it alone. A file store handle needs nothing of the
+ * kind, and a host-callback store is as fork-safe as its callbacks.
+ *
+ * Keys: a key is any bytes but NUL (a C string carries it), UTF-8 or not,
+ * as PyTorch's stores allow.
  */
 typedef struct ss_store ss_store;
 
@@ -551,7 +564,8 @@ typedef void (*ss_store_free_ctx_fn)(void *ctx);
 
 /**
  * The functions of a host-provided store. `set`, `get`, `add` and `wait`
- * are required, `free_ctx` may be NULL. They may be called from several
+ * are required, `free_ctx` may be NULL. Keys come as NUL-terminated byte
+ * strings, not necessarily UTF-8. They may be called from several
  * threads at once (a rendezvous runs on the caller's thread, a group may
  * live on others), must not unwind (no C++ exception may escape them),
  * and report failures as `ss_status` codes; the library adds the keys to
@@ -1425,7 +1439,9 @@ void ss_atfork_prepare(void);
 void ss_atfork_parent(void);
 
 /**
- * Releases what `ss_atfork_prepare` took, in the child after the fork.
+ * Releases what `ss_atfork_prepare` took, in the child after the fork,
+ * and tells the library it runs in a new process (so a TCPStore handle
+ * opens its own connection instead of sharing its parent's).
  */
 void ss_atfork_child(void);
 
@@ -1948,6 +1964,8 @@ ss_status ss_store_get(const ss_store *s,
 /**
  * Adds `delta` to the integer under `key` (missing counts as 0; stored as
  * decimal text, as c10d does) and writes the new value to `out_value`.
+ * Every store wraps in two's complement past either end of `int64_t`
+ * (`INT64_MAX + 1` gives `INT64_MIN`), as PyTorch's TCPStore servers do.
  * A key holding something else: `SS_ERR_INVALID_ARGUMENT`.
  *
  * # Safety

@@ -630,8 +630,11 @@ inline ss_cuda_ipc_handle cuda_ipc_handle_from_text(const std::string &text) {
 
 /* One reference to a key-value store (c10d's "Store"), the rendezvous medium
  * of symmetric memory. Copying is explicit (ref()); the store closes with its
- * last reference. Timeouts are in milliseconds, 0 waits forever. All const
- * members may run on several threads at once. */
+ * last reference. Timeouts are in milliseconds; 0, the default of get and
+ * wait, waits forever. All const members may run on several threads at once,
+ * each caller gets its own answer, and one thread's calls take effect in the
+ * order it made them. A key is any bytes but NUL (UTF-8 or not); a key with
+ * a NUL byte is refused with Error SS_ERR_INVALID_ARGUMENT. */
 class Store {
 public:
     Store() noexcept = default;
@@ -698,7 +701,8 @@ public:
     void set(const std::string &key, const std::vector<uint8_t> &value) const { set(key, value.data(), value.size()); }
 
     /* The value of key, waiting until it is set (Error with SS_ERR_TIMEOUT,
-     * naming the key, when timeout_ms passes first). */
+     * naming the key, when timeout_ms passes first; 0, the default, waits
+     * forever). */
     std::vector<uint8_t> get(const std::string &key, int64_t timeout_ms = 0) const {
         const char *c_key = c_string_arg(key, "ss_store_get", "key");
         return read_value(256, "ss_store_get", [&](void *buf, std::size_t size, std::size_t *len) {
@@ -710,14 +714,17 @@ public:
         return std::string(v.begin(), v.end());
     }
 
-    /* Adds delta to the integer under key (missing = 0); the new value. */
+    /* Adds delta to the integer under key (missing = 0); the new value.
+     * Wraps in two's complement past either end (INT64_MAX + 1 is
+     * INT64_MIN), as PyTorch's TCPStore servers do. */
     int64_t add(const std::string &key, int64_t delta) const {
         int64_t out = 0;
         check(ss_store_add(handle_.get(), c_string_arg(key, "ss_store_add", "key"), delta, &out), "ss_store_add");
         return out;
     }
 
-    /* Waits until every key is set (SS_ERR_TIMEOUT names the missing ones). */
+    /* Waits until every key is set (SS_ERR_TIMEOUT names the missing ones;
+     * timeout_ms 0, the default, waits forever). */
     void wait(const std::vector<std::string> &keys, int64_t timeout_ms = 0) const {
         std::vector<const char *> ptrs = key_ptrs(keys, "ss_store_wait");
         check(ss_store_wait(handle_.get(), ptrs.data(), ptrs.size(), timeout_ms), "ss_store_wait");

@@ -15,7 +15,7 @@
 
 use std::any::Any;
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -54,9 +54,7 @@ impl<T: Send + 'static> ForkSafeMutex<T> {
             }
             None => debug_assert!(false, "more than {CAPACITY} fork-safe locks"),
         }
-        if !HANDLERS_INSTALLED.swap(true, Ordering::AcqRel) {
-            crate::ffi::fork::install_fork_handlers();
-        }
+        install_handlers();
     }
 }
 
@@ -133,6 +131,32 @@ pub fn before_fork() {
         backoff = (backoff * 2).min(Duration::from_millis(1));
     };
     HELD.with(|h| h.borrow_mut().extend(held));
+}
+
+/// How many forks separate this process from the first one that used the
+/// library: 0 there, its parent's count + 1 in a forked child. Objects that
+/// hold per-process resources (sockets) compare it with the count they
+/// were made under to learn, without a system call, that they are in a
+/// child.
+static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// This process's fork generation (see above). Installs the fork handlers
+/// that count it, so call it once before relying on it to change.
+pub fn fork_generation() -> u64 {
+    install_handlers();
+    FORK_GENERATION.load(Ordering::Acquire)
+}
+
+fn install_handlers() {
+    if !HANDLERS_INSTALLED.load(Ordering::Acquire) && !HANDLERS_INSTALLED.swap(true, Ordering::AcqRel) {
+        crate::ffi::fork::install_fork_handlers();
+    }
+}
+
+/// pthread_atfork "child": counts the fork, then releases the locks.
+pub fn after_fork_in_child() {
+    FORK_GENERATION.fetch_add(1, Ordering::AcqRel);
+    after_fork();
 }
 
 /// Releases what [`before_fork`] took (pthread_atfork "parent" and

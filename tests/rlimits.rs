@@ -186,7 +186,7 @@ fn store_nofile(dir: &str) {
             let (store, entered) = (store.clone(), entered.clone());
             std::thread::spawn(move || {
                 entered.fetch_add(1, Ordering::SeqCst);
-                store.get(&format!("w/{i}"), Some(Duration::from_secs(30)))
+                store.get(format!("w/{i}").as_bytes(), Some(Duration::from_secs(30)))
             })
         })
         .collect();
@@ -211,12 +211,12 @@ fn store_nofile(dir: &str) {
         filler.push(f);
         assert!(filler.len() < 64, "the limit was never reached");
     }
-    let e = store.get("w/0", Some(Duration::from_millis(50))).unwrap_err();
+    let e = store.get(b"w/0", Some(Duration::from_millis(50))).unwrap_err();
     println!("get at the limit: {e}");
     assert_eq!(e.kind(), ErrorKind::TooManyFiles, "{e}");
     assert!(e.message().contains("\"w/0\"") && e.message().contains("(32 open, soft limit 32)"), "{e}");
     drop(filler);
-    assert_eq!(store.get("w/0", Some(Duration::from_secs(5))).unwrap(), b"0");
+    assert_eq!(store.get(b"w/0", Some(Duration::from_secs(5))).unwrap(), b"0");
     println!("store nofile ok");
 }
 
@@ -237,7 +237,7 @@ fn file_store_waits_at_nofile_32_poll_instead_of_failing() {
     }
     let store = FileStore::open(&dir).unwrap();
     for i in 0..STORE_WAITERS {
-        store.set(&format!("w/{i}"), i.to_string().as_bytes()).unwrap();
+        store.set(format!("w/{i}").as_bytes(), i.to_string().as_bytes()).unwrap();
     }
     stdout.read_to_string(&mut text).unwrap();
     let mut err = String::new();
@@ -286,13 +286,13 @@ fn store_no_inotify(dir: &str) {
     let setter = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(30));
         for k in ["late/0", "late/1", "late/2"] {
-            s2.set(k, k.as_bytes()).unwrap();
+            s2.set(k.as_bytes(), k.as_bytes()).unwrap();
         }
     });
-    assert_eq!(store.get("late/0", Some(Duration::from_secs(30))).unwrap(), b"late/0");
-    store.wait(&["late/1", "late/2"], Some(Duration::from_secs(30))).unwrap();
+    assert_eq!(store.get(b"late/0", Some(Duration::from_secs(30))).unwrap(), b"late/0");
+    store.wait(&[b"late/1".as_slice(), b"late/2"], Some(Duration::from_secs(30))).unwrap();
     setter.join().unwrap();
-    let e = store.get("never", Some(Duration::from_millis(50))).unwrap_err();
+    let e = store.get(b"never", Some(Duration::from_millis(50))).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
     println!("store no inotify ok ({} instances held by the test)", instances.len());
 }

@@ -50,18 +50,18 @@ fn child_role() {
         "adder" => {
             let mut seen = Vec::new();
             for _ in 0..ADDS_PER_CHILD {
-                seen.push(store.add("counter", 1).unwrap().to_string());
+                seen.push(store.add(b"counter", 1).unwrap().to_string());
             }
             println!("SEEN {}", seen.join(" "));
         }
         "getter" => {
-            let v = store.get("late/key", Some(Duration::from_secs(30))).unwrap();
+            let v = store.get(b"late/key", Some(Duration::from_secs(30))).unwrap();
             println!("GOT {}", String::from_utf8(v).unwrap());
         }
         "writer" => {
             // Rewrites one big value forever, each version one repeated byte.
             for i in 0u64.. {
-                store.set("big", &vec![(i % 251) as u8 + 1; BIG]).unwrap();
+                store.set(b"big", &vec![(i % 251) as u8 + 1; BIG]).unwrap();
             }
         }
         "elector" => {
@@ -71,13 +71,11 @@ fn child_role() {
             let mut won = Vec::new();
             for round in 0..ROUNDS {
                 let key = format!("leader/{round}");
-                let answer = store.compare_set(&key, b"", me.as_bytes()).unwrap();
+                let answer = store.compare_set(key.as_bytes(), b"", me.as_bytes()).unwrap();
                 if answer == me.as_bytes() {
                     won.push(round.to_string());
                 }
-                let moved = store
-                    .compare_set(&key, &answer, format!("{}+", String::from_utf8_lossy(&answer)).as_bytes())
-                    .unwrap();
+                let moved = store.compare_set(key.as_bytes(), &answer, format!("{}+", String::from_utf8_lossy(&answer)).as_bytes()).unwrap();
                 assert!(moved.starts_with(&answer), "round {round}: {moved:?} does not extend {answer:?}");
             }
             println!("WON {}", won.join(" "));
@@ -91,16 +89,16 @@ fn child_role() {
 /// A FIFO and a device at keys' paths: every reading call fails at once
 /// with `Corrupt` naming the key (a FIFO used to block `get` for good).
 fn non_regular_keys(store: &FileStore, dir: &str) {
-    let fifo = CString::new(format!("{dir}/{}", file_name("pipe"))).unwrap();
+    let fifo = CString::new(format!("{dir}/{}", file_name(b"pipe"))).unwrap();
     // SAFETY: a NUL-terminated path.
     assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
-    std::os::unix::fs::symlink("/dev/zero", PathBuf::from(dir).join(file_name("zero"))).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", PathBuf::from(dir).join(file_name(b"zero"))).unwrap();
     for key in ["pipe", "zero"] {
-        let e = store.get(key, Some(Duration::from_millis(300))).unwrap_err();
+        let e = store.get(key.as_bytes(), Some(Duration::from_millis(300))).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
         assert!(e.message().contains(&format!("{key:?}")) && e.message().contains("not a regular file"), "{e}");
-        assert_eq!(store.add(key, 1).unwrap_err().kind(), ErrorKind::Corrupt);
-        assert_eq!(store.compare_set(key, b"", b"x").unwrap_err().kind(), ErrorKind::Corrupt);
+        assert_eq!(store.add(key.as_bytes(), 1).unwrap_err().kind(), ErrorKind::Corrupt);
+        assert_eq!(store.compare_set(key.as_bytes(), b"", b"x").unwrap_err().kind(), ErrorKind::Corrupt);
         println!("{key}: {e}");
     }
     println!("non-regular ok");
@@ -127,7 +125,7 @@ fn many_waiters(store: FileStore) {
             let (store, entered) = (store.clone(), entered.clone());
             std::thread::spawn(move || {
                 entered.fetch_add(1, Ordering::SeqCst);
-                store.get(&format!("m/{i}"), Some(Duration::from_secs(60)))
+                store.get(format!("m/{i}").as_bytes(), Some(Duration::from_secs(60)))
             })
         })
         .collect();
@@ -137,7 +135,7 @@ fn many_waiters(store: FileStore) {
     let held = inotify_fds();
     assert!(held <= 1, "{WAITERS} waiters on one store hold {held} inotify instances");
     for i in 0..WAITERS {
-        store.set(&format!("m/{i}"), i.to_string().as_bytes()).unwrap();
+        store.set(format!("m/{i}").as_bytes(), i.to_string().as_bytes()).unwrap();
     }
     for (i, t) in threads.into_iter().enumerate() {
         assert_eq!(t.join().unwrap().unwrap(), i.to_string().as_bytes());
@@ -147,9 +145,9 @@ fn many_waiters(store: FileStore) {
         let s2 = store.clone();
         let setter = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(2));
-            s2.set(&format!("seq/{round}"), b"v").unwrap();
+            s2.set(format!("seq/{round}").as_bytes(), b"v").unwrap();
         });
-        assert_eq!(store.get(&format!("seq/{round}"), Some(Duration::from_secs(30))).unwrap(), b"v");
+        assert_eq!(store.get(format!("seq/{round}").as_bytes(), Some(Duration::from_secs(30))).unwrap(), b"v");
         setter.join().unwrap();
     }
     assert!(
@@ -222,14 +220,14 @@ fn compare_set_elects_exactly_one_leader_per_round_across_four_processes() {
     assert!(wins.iter().all(|&w| w == 1), "rounds without exactly one winner: {wins:?}");
     let store = FileStore::open(&dir).unwrap();
     for round in 0..ROUNDS {
-        let v = store.get(&format!("leader/{round}"), Some(Duration::from_secs(1))).unwrap();
+        let v = store.get(format!("leader/{round}").as_bytes(), Some(Duration::from_secs(1))).unwrap();
         let v = String::from_utf8(v).unwrap();
         assert!(names.iter().any(|n| v.starts_with(n)) && v.ends_with('+'), "round {round}: {v}");
     }
     assert_eq!(store.num_keys().unwrap(), ROUNDS as i64);
-    assert!(store.check(&["leader/0", &format!("leader/{}", ROUNDS - 1)]).unwrap());
-    assert!(store.delete_key("leader/0").unwrap());
-    assert!(!store.check(&["leader/0"]).unwrap());
+    assert!(store.check(&[b"leader/0".as_slice(), format!("leader/{}", ROUNDS - 1).as_bytes()]).unwrap());
+    assert!(store.delete_key(b"leader/0").unwrap());
+    assert!(!store.check(&[b"leader/0".as_slice()]).unwrap());
     assert_eq!(store.num_keys().unwrap(), ROUNDS as i64 - 1);
     std::fs::remove_dir_all(dir).unwrap();
 }
@@ -360,10 +358,11 @@ fn writer_killed_mid_write_never_leaves_half_a_value() {
         // Kill only while a temporary file of the writer exists: mid-write.
         let end = Instant::now() + Duration::from_secs(30);
         loop {
-            let writing = std::fs::read_dir(&dir).unwrap().flatten().any(|e| {
-                e.file_name().to_string_lossy().starts_with(&tmp_prefix) && e.metadata().is_ok_and(|m| m.len() > 0)
-            });
-            if writing && (round == 0 || store.get("big", Some(Duration::from_millis(1))).is_ok()) {
+            let writing = std::fs::read_dir(&dir)
+                .unwrap()
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with(&tmp_prefix) && e.metadata().is_ok_and(|m| m.len() > 0));
+            if writing && (round == 0 || store.get(b"big", Some(Duration::from_millis(1))).is_ok()) {
                 break;
             }
             assert!(Instant::now() < end, "writer never started writing");
@@ -371,7 +370,7 @@ fn writer_killed_mid_write_never_leaves_half_a_value() {
         }
         child.kill().unwrap();
         child.wait().unwrap();
-        match store.get("big", Some(Duration::from_millis(1))) {
+        match store.get(b"big", Some(Duration::from_millis(1))) {
             Ok(v) => {
                 assert_eq!(v.len(), BIG, "round {round}: a half value is visible");
                 assert!(v.iter().all(|b| *b == v[0]), "round {round}: mixed versions in one value");

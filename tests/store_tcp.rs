@@ -31,18 +31,18 @@ fn child_role() {
             let rank: usize = args[1].parse().unwrap();
             let s = TcpStore::open("127.0.0.1", port, false, 3, T).unwrap();
             for _ in 0..100 {
-                s.add("counter", 1).unwrap();
+                s.add(b"counter", 1).unwrap();
             }
-            s.set(&format!("rank/{rank}"), format!("value of {rank}").as_bytes()).unwrap();
-            s.wait(&["rank/0", "rank/1", "rank/2"], T).unwrap();
+            s.set(format!("rank/{rank}").as_bytes(), format!("value of {rank}").as_bytes()).unwrap();
+            s.wait(&[b"rank/0".as_slice(), b"rank/1", b"rank/2"], T).unwrap();
             for r in 0..3 {
-                assert_eq!(s.get(&format!("rank/{r}"), T).unwrap(), format!("value of {r}").as_bytes());
+                assert_eq!(s.get(format!("rank/{r}").as_bytes(), T).unwrap(), format!("value of {r}").as_bytes());
             }
             println!("RANK_OK");
         }
         "master" => {
             let s = TcpStore::open("127.0.0.1", port, true, 0, T).unwrap();
-            s.set("ready", b"1").unwrap();
+            s.set(b"ready", b"1").unwrap();
             std::thread::sleep(Duration::from_secs(60));
         }
         other => panic!("unknown role {other}"),
@@ -65,45 +65,45 @@ fn three_ranks_in_three_processes_through_our_server() {
     assert_eq!(s.port(), port);
     assert_eq!(s.describe(), format!("TCPStore at 127.0.0.1:{port}"));
     for _ in 0..100 {
-        s.add("counter", 1).unwrap();
+        s.add(b"counter", 1).unwrap();
     }
-    s.set("rank/0", b"value of 0").unwrap();
-    s.wait(&["rank/0", "rank/1", "rank/2"], T).unwrap();
+    s.set(b"rank/0", b"value of 0").unwrap();
+    s.wait(&[b"rank/0".as_slice(), b"rank/1", b"rank/2"], T).unwrap();
     for k in kids {
         let out = k.wait_with_output().unwrap();
         assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("RANK_OK"));
     }
-    assert_eq!(s.add("counter", 0).unwrap(), 300);
-    assert!(s.check(&["rank/1", "rank/2"]).unwrap());
+    assert_eq!(s.add(b"counter", 0).unwrap(), 300);
+    assert!(s.check(&[b"rank/1".as_slice(), b"rank/2"]).unwrap());
 }
 
 #[test]
 fn timeouts_name_keys_and_the_connection_stays_usable() {
     let s = TcpStore::open("127.0.0.1", 0, true, 0, T).unwrap();
     let addr = format!("127.0.0.1:{}", s.port());
-    s.set("here", b"x").unwrap();
+    s.set(b"here", b"x").unwrap();
     let t0 = Instant::now();
-    let e = s.wait(&["here", "g/0/1", "g/0/2"], Some(Duration::from_millis(100))).unwrap_err();
+    let e = s.wait(&[b"here".as_slice(), b"g/0/1", b"g/0/2"], Some(Duration::from_millis(100))).unwrap_err();
     assert!(t0.elapsed() >= Duration::from_millis(100));
     assert_eq!(e.kind(), ErrorKind::Timeout);
     assert!(e.message().contains("\"g/0/1\", \"g/0/2\"") && !e.message().contains("\"here\""), "{e}");
     assert!(e.message().contains(&addr), "{e}");
-    let e = s.get("late", Some(Duration::from_millis(50))).unwrap_err();
+    let e = s.get(b"late", Some(Duration::from_millis(50))).unwrap_err();
     assert!(e.message().contains("\"late\""), "{e}");
     // After the cancelled waits the connection is still in step.
-    assert_eq!(s.get("here", T).unwrap(), b"x");
+    assert_eq!(s.get(b"here", T).unwrap(), b"x");
     let s2 = std::sync::Arc::new(s);
     let s3 = s2.clone();
     let setter = std::thread::spawn(move || {
         let c = TcpStore::open("127.0.0.1", s3.port(), false, 0, T).unwrap();
         std::thread::sleep(Duration::from_millis(50));
-        c.set("late", b"now").unwrap();
+        c.set(b"late", b"now").unwrap();
     });
-    assert_eq!(s2.get("late", T).unwrap(), b"now");
+    assert_eq!(s2.get(b"late", T).unwrap(), b"now");
     setter.join().unwrap();
-    assert_eq!(s2.get("empty-or-not", Some(Duration::from_millis(1))).unwrap_err().kind(), ErrorKind::Timeout);
-    s2.set("e", b"").unwrap();
-    assert_eq!(s2.get("e", T).unwrap(), b"");
+    assert_eq!(s2.get(b"empty-or-not", Some(Duration::from_millis(1))).unwrap_err().kind(), ErrorKind::Timeout);
+    s2.set(b"e", b"").unwrap();
+    assert_eq!(s2.get(b"e", T).unwrap(), b"");
 }
 
 #[test]
@@ -112,9 +112,9 @@ fn a_blocked_get_does_not_hold_up_a_set_from_another_thread() {
     let s2 = s.clone();
     let setter = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(50));
-        s2.set("k", b"v").unwrap();
+        s2.set(b"k", b"v").unwrap();
     });
-    assert_eq!(s.get("k", None).unwrap(), b"v");
+    assert_eq!(s.get(b"k", None).unwrap(), b"v");
     setter.join().unwrap();
 }
 
@@ -159,7 +159,7 @@ fn bad_replies_and_a_vanished_server_are_typed_errors() {
         std::thread::sleep(Duration::from_millis(200));
     });
     let s = TcpStore::open("127.0.0.1", port, false, 0, T).unwrap();
-    let e = s.check(&["k"]).unwrap_err();
+    let e = s.check(&[b"k".as_slice()]).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
     assert!(e.message().contains(&format!("127.0.0.1:{port}")), "{e}");
 
@@ -169,7 +169,7 @@ fn bad_replies_and_a_vanished_server_are_typed_errors() {
         let _ = c.read(&mut b).unwrap();
     });
     let s = TcpStore::open("127.0.0.1", port, false, 0, T).unwrap();
-    let e = s.add("n", 1).unwrap_err();
+    let e = s.add(b"n", 1).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::PeerGone, "{e}");
     assert!(e.message().contains(&format!("127.0.0.1:{port}")), "{e}");
 
@@ -181,7 +181,7 @@ fn bad_replies_and_a_vanished_server_are_typed_errors() {
         std::thread::sleep(Duration::from_millis(200));
     });
     let s = TcpStore::open("127.0.0.1", port, false, 0, T).unwrap();
-    assert_eq!(s.get("k", T).unwrap_err().kind(), ErrorKind::Protocol);
+    assert_eq!(s.get(b"k", T).unwrap_err().kind(), ErrorKind::Protocol);
 
     // A handshake answered with the wrong nonce.
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -202,30 +202,30 @@ fn a_master_killed_with_9_leaves_its_clients_a_peer_gone_error() {
     let port = free_port();
     let mut master = child_command("master", &[&port.to_string()]).stdout(Stdio::null()).spawn().unwrap();
     let s = TcpStore::open("127.0.0.1", port, false, 0, T).unwrap();
-    assert_eq!(s.get("ready", T).unwrap(), b"1");
+    assert_eq!(s.get(b"ready", T).unwrap(), b"1");
     master.kill().unwrap();
     master.wait().unwrap();
     // A set has no reply, yet it still learns that the server is gone.
-    let e = s.set("k", b"v").unwrap_err();
+    let e = s.set(b"k", b"v").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::PeerGone, "{e}");
     assert!(e.message().contains(&format!("127.0.0.1:{port}")), "{e}");
-    let e = s.get("never", T).unwrap_err();
+    let e = s.get(b"never", T).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::PeerGone, "{e}");
     assert!(e.message().contains(&format!("127.0.0.1:{port}")), "{e}");
 }
 
 /// Our half of the exchange in tests/python/tcpstore_peer.py.
 fn play_exchange(s: &TcpStore) {
-    s.set("from_c", b"hello from C").unwrap();
-    assert_eq!(s.get("from_py", T).unwrap(), b"hello\0from python");
-    s.add("counter", 5).unwrap();
-    s.set("after_add", b"").unwrap();
-    s.wait(&["py_done"], T).unwrap();
-    assert_eq!(s.get("counter", T).unwrap(), b"15");
-    assert_eq!(s.get("m2", T).unwrap(), b"bb");
-    assert_eq!(s.get("ap", T).unwrap(), b"1234");
-    assert!(!s.check(&["cas"]).unwrap());
-    s.set("c_done", b"1").unwrap();
+    s.set(b"from_c", b"hello from C").unwrap();
+    assert_eq!(s.get(b"from_py", T).unwrap(), b"hello\0from python");
+    s.add(b"counter", 5).unwrap();
+    s.set(b"after_add", b"").unwrap();
+    s.wait(&[b"py_done".as_slice()], T).unwrap();
+    assert_eq!(s.get(b"counter", T).unwrap(), b"15");
+    assert_eq!(s.get(b"m2", T).unwrap(), b"bb");
+    assert_eq!(s.get(b"ap", T).unwrap(), b"1234");
+    assert!(!s.check(&[b"cas".as_slice()]).unwrap());
+    s.set(b"c_done", b"1").unwrap();
 }
 
 fn wait_ok(mut child: std::process::Child) {
@@ -369,13 +369,13 @@ proptest! {
 fn add_to_a_non_integer_is_invalid_argument_not_a_vanished_server() {
     let s = TcpStore::open("127.0.0.1", 0, true, 0, T).unwrap();
     let c = TcpStore::open("127.0.0.1", s.port(), false, 0, T).unwrap();
-    c.set("text", b"hello").unwrap();
-    let e = c.add("text", 1).unwrap_err();
+    c.set(b"text", b"hello").unwrap();
+    let e = c.add(b"text", 1).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
     assert!(e.message().contains("\"text\"") && e.message().contains("integer"), "{e}");
     assert!(e.message().contains(&format!("127.0.0.1:{}", s.port())), "{e}");
     // The store is still fine, on this client and the server's own.
-    assert_eq!(c.add("n", 2).unwrap(), 2);
-    assert_eq!(c.get("text", T).unwrap(), b"hello");
-    assert_eq!(s.add("n", 3).unwrap(), 5);
+    assert_eq!(c.add(b"n", 2).unwrap(), 2);
+    assert_eq!(c.get(b"text", T).unwrap(), b"hello");
+    assert_eq!(s.add(b"n", 3).unwrap(), 5);
 }

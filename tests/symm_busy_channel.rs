@@ -48,7 +48,7 @@ fn waiting_rendezvous_neither_blocks_a_forked_child_nor_ignores_timeouts() {
     let mut sleeper = std::process::Command::new("sleep").arg("30").spawn().unwrap();
     let mut fake = RendezvousRequest::new(0, &layout_for(4096, registry::signal_pad_size()).unwrap());
     fake.pid = sleeper.id() as i32;
-    store.set("symmetric_memory-waits/CPUSymmetricMemory/0/1", &fake.to_bytes()).unwrap();
+    store.set(b"symmetric_memory-waits/CPUSymmetricMemory/0/1", &fake.to_bytes()).unwrap();
     group::set_group_info("waits", 0, 2, store.clone()).unwrap();
     let p = symm::alloc(DeviceType::Cpu, 0, 4096, Some("waits")).unwrap();
     let pv = p as usize;

@@ -212,9 +212,9 @@ fn role_timeouts(me: Rank) {
         let e = h.put_signal(1, 3, t(100), 0).unwrap_err();
         assert!(e.message().contains("rank 0 failed to send signal to rank 1 on channel 3 after 100 ms"), "{}", e.message());
         assert!(pad_is_zero(&h, 0), "a timed-out wait leaves no mark");
-        me.store.set("timeouts/done", b"1").unwrap();
+        me.store.set(b"timeouts/done", b"1").unwrap();
     } else {
-        me.store.wait(&["timeouts/done"], t(30_000)).unwrap();
+        me.store.wait(&[b"timeouts/done".as_slice()], t(30_000)).unwrap();
         // Consume the signal rank 0's failed barrier left, so the pads are
         // clean again, and finish with a good barrier.
         h.wait_signal(0, 3, t(1000), 0).unwrap();
@@ -235,7 +235,7 @@ fn role_kill9(me: Rank) {
         h.barrier(1, None, 0).unwrap();
         unreachable!("rank 2 passed a barrier the others never entered");
     }
-    me.store.wait(&["kill9/dead"], t(30_000)).unwrap();
+    me.store.wait(&[b"kill9/dead".as_slice()], t(30_000)).unwrap();
     let mut outcome = Ok(());
     for _ in 0..2 {
         outcome = h.barrier(1, t(500), 0);
@@ -821,7 +821,7 @@ fn rank_killed_mid_barrier_makes_the_others_time_out() {
     victim.kill().unwrap();
     victim.wait().unwrap();
     let store = FileStore::open(dir.join("store")).unwrap();
-    storage_sharing::store::Store::set(&store, "kill9/dead", b"1").unwrap();
+    storage_sharing::store::Store::set(&store, b"kill9/dead", b"1").unwrap();
     let outs = finish(children.into_iter().filter(|(r, _)| *r != 2).collect());
     assert_all_ok(&outs);
     for (_, o) in &outs {
@@ -881,7 +881,7 @@ fn rank_killed_with_its_descriptor_socket_open_leaves_nothing() {
     let mut fake = storage_sharing::symm::request::RendezvousRequest::new(0, &layout);
     fake.pid = sleeper.id() as i32;
     for r in [0, 2] {
-        storage_sharing::store::Store::set(&store, &format!("symmetric_memory-world/CPUSymmetricMemory/0/{r}"), &fake.to_bytes()).unwrap();
+        storage_sharing::store::Store::set(&store, format!("symmetric_memory-world/CPUSymmetricMemory/0/{r}").as_bytes(), &fake.to_bytes()).unwrap();
     }
     let mut ranks = spawn_ranks("waits_to_be_killed", &dir, 3, &[1], &[]);
     let pid = ranks[0].1.id();
@@ -925,8 +925,8 @@ fn publish_rank1(store: &FileStore, pid: u32, socket: &str) {
     let mut side = (registry::DEFAULT_SIGNAL_PAD_SIZE as u64).to_le_bytes().to_vec();
     side.extend_from_slice(socket.as_bytes());
     let key = "symmetric_memory-world/CPUSymmetricMemory/0/1";
-    store.set(&format!("{key}/side"), &side).unwrap();
-    store.set(key, &req.to_bytes()).unwrap();
+    store.set(format!("{key}/side").as_bytes(), &side).unwrap();
+    store.set(key.as_bytes(), &req.to_bytes()).unwrap();
 }
 
 /// Waits until `fd` is readable; panics after 30 s.
@@ -958,7 +958,7 @@ fn a_stranger_connection_is_not_taken_for_a_peer() {
     let (_, fds) = storage_sharing::storage::recv_fds(conn.as_raw_fd(), &mut origin, 1).unwrap();
     assert_eq!((u32::from_ne_bytes(origin), fds.len()), (0, 1));
     // Rank 0 now waits for rank 1: a stranger comes first.
-    let side = store.get("symmetric_memory-world/CPUSymmetricMemory/0/0/side", Some(Duration::from_secs(30))).unwrap();
+    let side = store.get(b"symmetric_memory-world/CPUSymmetricMemory/0/0/side", Some(Duration::from_secs(30))).unwrap();
     let socket0 = String::from_utf8(side[8..].to_vec()).unwrap();
     let d = dir.to_str().unwrap().to_string();
     common::run_ok(child_command("stranger", &[d.as_str(), "9", "2", socket0.as_str()]));
@@ -966,7 +966,7 @@ fn a_stranger_connection_is_not_taken_for_a_peer() {
     let out = abstract_socket::connect(&socket0).unwrap();
     storage_sharing::storage::send_fds(out.as_raw_fd(), &1u32.to_ne_bytes(), &[honest.as_raw_fd()]).unwrap();
     // The closing barrier of the rendezvous (exchange 1).
-    store.set("symmetric_memory-world/CPUSymmetricMemory/1/1", &0i32.to_ne_bytes()).unwrap();
+    store.set(b"symmetric_memory-world/CPUSymmetricMemory/1/1", &0i32.to_ne_bytes()).unwrap();
     let outs = finish(rank0);
     assert_all_ok(&outs);
     let _ = std::fs::remove_dir_all(&dir);

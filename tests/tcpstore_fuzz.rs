@@ -150,7 +150,7 @@ fn check_client_op(server: &FakeServer, op: usize, reply: &[u8]) {
     let t = Instant::now();
     let le8 = |b: &[u8]| b.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap()));
     let err = match op {
-        0 => match client.get("k", Some(Duration::from_secs(5))) {
+        0 => match client.get(b"k", Some(Duration::from_secs(5))) {
             Ok(v) => {
                 assert_eq!(le8(reply), Some(v.len() as u64), "get returned {} bytes from {reply:?}", v.len());
                 assert_eq!(&reply[8..8 + v.len()], &v[..]);
@@ -158,28 +158,28 @@ fn check_client_op(server: &FakeServer, op: usize, reply: &[u8]) {
             }
             Err(e) => Some(e),
         },
-        1 => match client.add("k", 3) {
+        1 => match client.add(b"k", 3) {
             Ok(n) => {
                 assert_eq!(le8(reply), Some(n as u64), "add returned {n} from {reply:?}");
                 None
             }
             Err(e) => Some(e),
         },
-        2 => match client.check(&["k"]) {
+        2 => match client.check(&[b"k".as_slice()]) {
             Ok(ready) => {
                 assert_eq!(reply.first(), Some(&if ready { 0 } else { 1 }), "check returned {ready} from {reply:?}");
                 None
             }
             Err(e) => Some(e),
         },
-        3 => match client.wait(&["k"], Some(Duration::from_secs(5))) {
+        3 => match client.wait(&[b"k".as_slice()], Some(Duration::from_secs(5))) {
             Ok(()) => {
                 assert_eq!(reply.first(), Some(&0), "wait returned from {reply:?}");
                 None
             }
             Err(e) => Some(e),
         },
-        _ => client.set("k", b"v").err(),
+        _ => client.set(b"k", b"v").err(),
     };
     if let Some(e) = err {
         assert!(CLIENT_KINDS.contains(&e.kind()), "op {op} on {reply:?}: {e}");
@@ -287,7 +287,7 @@ fn huge_reply_child() {
         r.rlim_cur = limit.min(r.rlim_max);
         assert_eq!(libc::setrlimit(libc::RLIMIT_AS, &r), 0);
     }
-    let e = client.get("k", Some(Duration::from_secs(5))).unwrap_err();
+    let e = client.get(b"k", Some(Duration::from_secs(5))).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::PeerGone, "{e}");
     println!("huge reply refused: {e}");
 }
@@ -630,15 +630,15 @@ fn garbage_clients_do_not_disturb_others() {
         .collect();
     for i in 0..300 {
         let key = format!("good/{i}");
-        store.set(&key, format!("{i}").as_bytes()).unwrap();
-        assert_eq!(store.get(&key, Some(Duration::from_secs(10))).unwrap(), format!("{i}").as_bytes());
-        assert_eq!(store.add("good/count", 1).unwrap(), i + 1);
+        store.set(key.as_bytes(), format!("{i}").as_bytes()).unwrap();
+        assert_eq!(store.get(key.as_bytes(), Some(Duration::from_secs(10))).unwrap(), format!("{i}").as_bytes());
+        assert_eq!(store.add(b"good/count", 1).unwrap(), i + 1);
     }
     done.store(true, Ordering::SeqCst);
     let conns: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
     assert!(conns >= 120);
     let other = TcpStore::open("127.0.0.1", port, false, 0, Some(Duration::from_secs(10))).unwrap();
-    assert_eq!(other.get("good/299", None).unwrap(), b"299");
+    assert_eq!(other.get(b"good/299", None).unwrap(), b"299");
 }
 
 /// Regression: replies were written while the server's state lock was
@@ -650,7 +650,7 @@ fn garbage_clients_do_not_disturb_others() {
 fn a_client_that_never_reads_stalls_no_one() {
     let store = TcpStore::open("127.0.0.1", 0, true, 0, Some(Duration::from_secs(5))).unwrap();
     let big = vec![7u8; 1 << 20];
-    store.set("big", &big).unwrap();
+    store.set(b"big", &big).unwrap();
     let mut hog = TcpStream::connect(("127.0.0.1", store.port())).unwrap();
     hog.set_write_timeout(Some(Duration::from_secs(3))).unwrap();
     let mut req = Request::Validate(VALIDATION_MAGIC).to_bytes();
@@ -662,9 +662,9 @@ fn a_client_that_never_reads_stalls_no_one() {
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();
     for i in 0..50 {
-        store.set(&format!("k{i}"), b"v").unwrap();
-        assert_eq!(store.get(&format!("k{i}"), None).unwrap(), b"v");
-        store.add("n", 1).unwrap();
+        store.set(format!("k{i}").as_bytes(), b"v").unwrap();
+        assert_eq!(store.get(format!("k{i}").as_bytes(), None).unwrap(), b"v");
+        store.add(b"n", 1).unwrap();
     }
     println!("50 rounds beside the hog in {:?}", t.elapsed());
     drop(hog);
@@ -680,7 +680,7 @@ fn a_client_that_never_reads_stalls_no_one() {
 #[test]
 fn waking_a_client_that_never_reads_stalls_no_one() {
     let store = TcpStore::open("127.0.0.1", 0, true, 0, Some(Duration::from_secs(5))).unwrap();
-    store.set("big", &vec![7u8; 1 << 20]).unwrap();
+    store.set(b"big", &vec![7u8; 1 << 20]).unwrap();
     let mut hog = TcpStream::connect(("127.0.0.1", store.port())).unwrap();
     let mut req = Request::Validate(VALIDATION_MAGIC).to_bytes();
     Request::Wait(vec![b"/go".to_vec()]).encode(&mut req);
@@ -691,9 +691,9 @@ fn waking_a_client_that_never_reads_stalls_no_one() {
     // 64 MiB of replies nobody reads: the server's writes to the hog block.
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();
-    store.set("go", b"1").unwrap();
-    assert_eq!(store.get("go", None).unwrap(), b"1");
-    store.add("n", 1).unwrap();
+    store.set(b"go", b"1").unwrap();
+    assert_eq!(store.get(b"go", None).unwrap(), b"1");
+    store.add(b"n", 1).unwrap();
     println!("waking the hog and two more calls in {:?}", t.elapsed());
     drop(hog);
 }

@@ -16,9 +16,13 @@ import (
 // Store is one reference to a key-value store (ss_store, c10d's "Store"):
 // the rendezvous medium of symmetric memory. The store closes with its last
 // reference (Close, or the finalizer of a forgotten one). Its methods may be
-// called from several goroutines at once; a Get blocked waiting for a key
-// does not hold up a Set from another goroutine. Close waits for calls in
-// progress. Timeouts: 0 waits forever.
+// called from several goroutines at once: each gets the answer to its own
+// call, one goroutine's calls take effect in the order it made them (a Get
+// after a Set of the same key sees that value or a later one), and a Get
+// blocked waiting for a key does not hold up a Set from another goroutine.
+// Close waits for calls in progress. Timeouts: 0 waits forever. A key is
+// any bytes but NUL (UTF-8 or not); a key with a NUL byte is refused with
+// ErrInvalidArgument.
 type Store struct {
 	mu sync.RWMutex
 	h  *C.ss_store // nil once closed
@@ -90,7 +94,8 @@ func OpenFileStore(path string) (*Store, error) {
 // OpenTCPStore joins (or with isMaster serves) a PyTorch c10d TCPStore at
 // host:port, as torch.distributed.TCPStore(host, port, worldSize, isMaster,
 // timeout) does. Port 0 with isMaster picks a free port (TCPPort). With
-// worldSize > 0 the master returns once that many ranks joined.
+// worldSize > 0 the master returns once that many ranks joined. timeout
+// bounds connecting, the join and every reply; 0 waits forever.
 func OpenTCPStore(host string, port int, isMaster bool, worldSize int, timeout time.Duration) (*Store, error) {
 	const op = "ss_store_tcp_open"
 	ms, err := timeoutMs(op, timeout)
@@ -185,7 +190,8 @@ func (s *Store) readValue(op string, size int, call func(h *C.ss_store, buf unsa
 }
 
 // Add adds delta to the integer under key (a missing key counts as 0) and
-// returns the new value.
+// returns the new value. It wraps in two's complement past either end of
+// int64 (math.MaxInt64 + 1 is math.MinInt64), as PyTorch's TCPStore does.
 func (s *Store) Add(key string, delta int64) (int64, error) {
 	const op = "ss_store_add"
 	k, err := cString(op, "key", key)

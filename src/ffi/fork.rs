@@ -22,10 +22,12 @@ pub extern "C" fn ss_atfork_parent() {
     ffi_value!("ss_atfork_parent", (), { fork_safe::after_fork() })
 }
 
-/// Releases what `ss_atfork_prepare` took, in the child after the fork.
+/// Releases what `ss_atfork_prepare` took, in the child after the fork,
+/// and tells the library it runs in a new process (so a TCPStore handle
+/// opens its own connection instead of sharing its parent's).
 #[no_mangle]
 pub extern "C" fn ss_atfork_child() {
-    ffi_value!("ss_atfork_child", (), { fork_safe::after_fork() })
+    ffi_value!("ss_atfork_child", (), { fork_safe::after_fork_in_child() })
 }
 
 /// Registers the three handlers above with pthread_atfork (called once).

@@ -1,11 +1,12 @@
 //! C API of the key-value stores: `ss_store`.
 
 use super::args::{free_handle, handle, out_arg, str_arg, write_out};
+use crate::store::show_key;
 use super::status::ss_status;
 use crate::error::{Error, ErrorKind, Result};
 use crate::store::{FileStore, StoreRef, TcpStore, Timeout};
 use std::os::raw::c_int;
-use std::ffi::c_void;
+use std::ffi::{c_void, CStr};
 use std::os::raw::c_char;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +17,20 @@ use std::time::Duration;
 /// `ss_store_ref`) keeps the store alive.
 ///
 /// Thread safety: a `const ss_store*` may be used from several threads at
-/// once; every operation may run concurrently with the others.
+/// once; every operation may run concurrently with the others, each caller
+/// gets the answer to its own request, and the calls one thread makes
+/// take effect in the order it made them (a `get` after a `set` of the
+/// same key returns that value or a later one).
+///
+/// Fork: a child made by fork() may go on using a TCPStore handle it
+/// inherited: its first call opens the child's own connection (validated
+/// as any new client), and it never reads a reply meant for its parent.
+/// A master's server keeps running in the parent only; freeing the handle
+/// in the child leaves it alone. A file store handle needs nothing of the
+/// kind, and a host-callback store is as fork-safe as its callbacks.
+///
+/// Keys: a key is any bytes but NUL (a C string carries it), UTF-8 or not,
+/// as PyTorch's stores allow.
 pub struct SsStore {
     store: StoreRef,
 }
@@ -50,6 +64,18 @@ pub fn timeout_arg(timeout_ms: i64) -> Result<Timeout> {
         )),
         t => Ok(Some(Duration::from_millis(t as u64))),
     }
+}
+
+/// A key argument: the bytes of a NUL-terminated string, UTF-8 or not.
+///
+/// # Safety
+/// `p` is NULL or points to a NUL-terminated string that outlives `'a`.
+unsafe fn key_arg<'a>(p: *const c_char, what: &str) -> Result<&'a [u8]> {
+    if p.is_null() {
+        return Err(super::args::null(what));
+    }
+    // SAFETY: per the contract above.
+    Ok(unsafe { CStr::from_ptr(p) }.to_bytes())
 }
 
 /// Reads `n` bytes at `p` (NULL allowed when `n` is 0).
@@ -186,7 +212,7 @@ pub unsafe extern "C" fn ss_store_set(s: *const SsStore, key: *const c_char, val
     ffi_status!("ss_store_set", {
         // SAFETY: NULL or a live handle / a NUL-terminated string / readable bytes.
         let store = unsafe { handle(s, "store") }?;
-        let key = unsafe { str_arg(key, "key") }?;
+        let key = unsafe { key_arg(key, "key") }?;
         let value = unsafe { bytes_arg(value, len, "value") }?;
         store.store.set(key, value)
     })
@@ -219,7 +245,7 @@ pub unsafe extern "C" fn ss_store_get(
         }
         // SAFETY: NULL or a live handle / a NUL-terminated string.
         let store = unsafe { handle(s, "store") }?;
-        let key = unsafe { str_arg(key, "key") }?;
+        let key = unsafe { key_arg(key, "key") }?;
         let timeout = timeout_arg(timeout_ms)?;
         let value = store.store.get(key, timeout)?;
         // SAFETY: checked above.
@@ -233,13 +259,13 @@ pub unsafe extern "C" fn ss_store_get(
 /// # Safety
 /// `out_len` passed `out_arg`; `buf` is writable for `buf_len` bytes and
 /// non-NULL when `buf_len` > 0.
-unsafe fn copy_value_out(key: &str, value: &[u8], buf: *mut c_void, buf_len: usize, out_len: *mut usize) -> Result<()> {
+unsafe fn copy_value_out(key: &[u8], value: &[u8], buf: *mut c_void, buf_len: usize, out_len: *mut usize) -> Result<()> {
     // SAFETY: per the contract above.
     unsafe { write_out(out_len, value.len()) };
     if value.len() > buf_len {
         return Err(Error::new(
             ErrorKind::BufferTooSmall,
-            format!("value of key {key:?} is {} bytes but buf_len is {buf_len}", value.len()),
+            format!("value of key {} is {} bytes but buf_len is {buf_len}", show_key(key), value.len()),
         ));
     }
     // SAFETY: buf is writable for buf_len >= value.len() bytes (non-NULL when value is non-empty).
@@ -249,6 +275,8 @@ unsafe fn copy_value_out(key: &str, value: &[u8], buf: *mut c_void, buf_len: usi
 
 /// Adds `delta` to the integer under `key` (missing counts as 0; stored as
 /// decimal text, as c10d does) and writes the new value to `out_value`.
+/// Every store wraps in two's complement past either end of `int64_t`
+/// (`INT64_MAX + 1` gives `INT64_MIN`), as PyTorch's TCPStore servers do.
 /// A key holding something else: `SS_ERR_INVALID_ARGUMENT`.
 ///
 /// # Safety
@@ -261,7 +289,7 @@ pub unsafe extern "C" fn ss_store_add(s: *const SsStore, key: *const c_char, del
         out_arg(out_value, "out_value")?;
         // SAFETY: NULL or a live handle / a NUL-terminated string.
         let store = unsafe { handle(s, "store") }?;
-        let key = unsafe { str_arg(key, "key") }?;
+        let key = unsafe { key_arg(key, "key") }?;
         let v = store.store.add(key, delta)?;
         // SAFETY: checked above.
         unsafe { write_out(out_value, v) };
@@ -291,14 +319,14 @@ pub unsafe extern "C" fn ss_store_wait(s: *const SsStore, keys: *const *const c_
 ///
 /// # Safety
 /// `keys` is NULL or readable for `nkeys` pointers, each NULL or a string.
-unsafe fn keys_arg<'a>(keys: *const *const c_char, nkeys: usize) -> Result<Vec<&'a str>> {
+unsafe fn keys_arg<'a>(keys: *const *const c_char, nkeys: usize) -> Result<Vec<&'a [u8]>> {
     if keys.is_null() && nkeys > 0 {
         return Err(super::args::null("keys"));
     }
     let mut list = Vec::with_capacity(nkeys);
     for i in 0..nkeys {
         // SAFETY: per the contract above.
-        list.push(unsafe { str_arg(*keys.add(i), &format!("keys[{i}]")) }?);
+        list.push(unsafe { key_arg(*keys.add(i), &format!("keys[{i}]")) }?);
     }
     Ok(list)
 }
@@ -361,7 +389,7 @@ pub unsafe extern "C" fn ss_store_compare_set(
         }
         // SAFETY: NULL or a live handle / a string / readable bytes.
         let store = unsafe { handle(s, "store") }?;
-        let key = unsafe { str_arg(key, "key") }?;
+        let key = unsafe { key_arg(key, "key") }?;
         let expected = unsafe { bytes_arg(expected, expected_len, "expected") }?;
         let desired = unsafe { bytes_arg(desired, desired_len, "desired") }?;
         let answer = store.store.compare_set(key, expected, desired)?;
@@ -382,7 +410,7 @@ pub unsafe extern "C" fn ss_store_delete_key(s: *const SsStore, key: *const c_ch
     ffi_status!("ss_store_delete_key", {
         // SAFETY: NULL or a live handle / a NUL-terminated string.
         let store = unsafe { handle(s, "store") }?;
-        let key = unsafe { str_arg(key, "key") }?;
+        let key = unsafe { key_arg(key, "key") }?;
         let existed = store.store.delete_key(key)?;
         if !out_existed.is_null() {
             // SAFETY: non-NULL, the caller's pointer to one bool.

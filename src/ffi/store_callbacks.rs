@@ -6,7 +6,7 @@ use super::status::ss_status;
 use super::store::{write_store, SsStore};
 use crate::error::{Error, ErrorKind, Result};
 use crate::store::deadline::timeout_error;
-use crate::store::{Store, StoreRef, Timeout};
+use crate::store::{show_key, Store, StoreRef, Timeout};
 use std::ffi::{c_void, CString};
 use std::os::raw::{c_char, c_int};
 use std::sync::Arc;
@@ -46,7 +46,8 @@ pub type ss_store_wait_fn =
 pub type ss_store_free_ctx_fn = Option<unsafe extern "C" fn(ctx: *mut c_void)>;
 
 /// The functions of a host-provided store. `set`, `get`, `add` and `wait`
-/// are required, `free_ctx` may be NULL. They may be called from several
+/// are required, `free_ctx` may be NULL. Keys come as NUL-terminated byte
+/// strings, not necessarily UTF-8. They may be called from several
 /// threads at once (a rendezvous runs on the caller's thread, a group may
 /// live on others), must not unwind (no C++ exception may escape them),
 /// and report failures as `ss_status` codes; the library adds the keys to
@@ -91,8 +92,8 @@ impl Drop for CallbackStore {
     }
 }
 
-fn c_key(key: &str) -> Result<CString> {
-    CString::new(key).map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("key {key:?} contains a NUL byte")))
+fn c_key(key: &[u8]) -> Result<CString> {
+    CString::new(key).map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("key {} contains a NUL byte", show_key(key))))
 }
 
 fn timeout_ms(timeout: Timeout) -> i64 {
@@ -153,14 +154,14 @@ fn kind_of_status(s: ss_status) -> ErrorKind {
 const GET_TRIES: usize = 4;
 
 impl Store for CallbackStore {
-    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+    fn set(&self, key: &[u8], value: &[u8]) -> Result<()> {
         let k = c_key(key)?;
         // SAFETY: the host's function, with a valid string and value bytes.
         let code = unsafe { (self.set)(self.ctx, k.as_ptr(), value.as_ptr().cast(), value.len()) };
-        self.status(code, || format!("set of key {key:?}"))
+        self.status(code, || format!("set of key {}", show_key(key)))
     }
 
-    fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>> {
+    fn get(&self, key: &[u8], timeout: Timeout) -> Result<Vec<u8>> {
         let k = c_key(key)?;
         let mut buf = vec![0u8; 256];
         let ms = timeout_ms(timeout);
@@ -171,7 +172,7 @@ impl Store for CallbackStore {
             let too_small = ss_status::SS_ERR_BUFFER_TOO_SMALL as c_int;
             if (code == 0 || code == too_small) && len != usize::MAX && len > buf.len() {
                 if len > crate::store::tcp::protocol::MAX_FIELD as usize {
-                    return Err(Error::new(ErrorKind::Protocol, format!("get of key {key:?} in {} reported {len} bytes", self.describe())));
+                    return Err(Error::new(ErrorKind::Protocol, format!("get of key {} in {} reported {len} bytes", show_key(key), self.describe())));
                 }
                 buf.resize(len, 0);
                 continue;
@@ -179,29 +180,29 @@ impl Store for CallbackStore {
             if code == ss_status::SS_ERR_TIMEOUT as c_int {
                 return Err(timeout_error(timeout, &[key], &self.describe()));
             }
-            self.status(code, || format!("get of key {key:?}"))?;
+            self.status(code, || format!("get of key {}", show_key(key)))?;
             if len == usize::MAX {
-                return Err(Error::new(ErrorKind::Protocol, format!("get of key {key:?} in {} returned no length", self.describe())));
+                return Err(Error::new(ErrorKind::Protocol, format!("get of key {} in {} returned no length", show_key(key), self.describe())));
             }
             buf.truncate(len);
             return Ok(buf);
         }
         Err(Error::new(
             ErrorKind::Protocol,
-            format!("get of key {key:?} in {}: the value grew on each of {GET_TRIES} tries", self.describe()),
+            format!("get of key {} in {}: the value grew on each of {GET_TRIES} tries", show_key(key), self.describe()),
         ))
     }
 
-    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+    fn add(&self, key: &[u8], delta: i64) -> Result<i64> {
         let k = c_key(key)?;
         let mut v = 0i64;
         // SAFETY: the host's function, with a valid string and out-pointer.
         let code = unsafe { (self.add)(self.ctx, k.as_ptr(), delta, &mut v) };
-        self.status(code, || format!("add to key {key:?}"))?;
+        self.status(code, || format!("add to key {}", show_key(key)))?;
         Ok(v)
     }
 
-    fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()> {
+    fn wait(&self, keys: &[&[u8]], timeout: Timeout) -> Result<()> {
         let owned = keys.iter().map(|k| c_key(k)).collect::<Result<Vec<_>>>()?;
         let ptrs: Vec<*const c_char> = owned.iter().map(|k| k.as_ptr()).collect();
         // SAFETY: the host's function, with `ptrs.len()` valid strings.
@@ -210,7 +211,7 @@ impl Store for CallbackStore {
             // The host does not say which keys are missing: name them all.
             return Err(timeout_error(timeout, keys, &self.describe()));
         }
-        self.status(code, || format!("wait for keys {keys:?}"))
+        self.status(code, || format!("wait for keys {}", keys.iter().map(|k| show_key(k)).collect::<Vec<_>>().join(", ")))
     }
 
     fn describe(&self) -> String {

@@ -25,10 +25,10 @@ pub fn expired(deadline: Option<Instant>) -> bool {
 }
 
 /// `ErrorKind::Timeout` naming the keys still missing and the store.
-pub fn timeout_error(timeout: Timeout, missing: &[&str], store: &str) -> Error {
+pub fn timeout_error(timeout: Timeout, missing: &[&[u8]], store: &str) -> Error {
     let waited = timeout.map_or_else(|| "forever".to_string(), |t| format!("{} ms", t.as_millis()));
     let noun = if missing.len() == 1 { "key" } else { "keys" };
-    let list: Vec<String> = missing.iter().map(|k| format!("{k:?}")).collect();
+    let list: Vec<String> = missing.iter().map(|k| super::show_key(k)).collect();
     Error::new(
         ErrorKind::Timeout,
         format!("timed out after {waited} waiting for {noun} {} in {store}", list.join(", ")),
@@ -64,10 +64,10 @@ mod tests {
 
     #[test]
     fn timeout_message_names_keys_and_store() {
-        let e = timeout_error(Some(Duration::from_millis(250)), &["a/0", "b"], "file store </tmp/x>");
+        let e = timeout_error(Some(Duration::from_millis(250)), &[b"a/0".as_slice(), b"b"], "file store </tmp/x>");
         assert_eq!(e.kind(), ErrorKind::Timeout);
         assert_eq!(e.message(), "timed out after 250 ms waiting for keys \"a/0\", \"b\" in file store </tmp/x>");
-        let e = timeout_error(Some(Duration::from_millis(1)), &["k"], "s");
+        let e = timeout_error(Some(Duration::from_millis(1)), &[b"k".as_slice()], "s");
         assert!(e.message().contains("for key \"k\" in s"), "{}", e.message());
     }
 

@@ -28,6 +28,7 @@
 use super::deadline::{deadline, expired, remaining, timeout_error, Backoff};
 use super::file_key::{file_name, is_key_file};
 use super::shared_watch::{SharedWatch, Waiter};
+use super::show_key;
 use super::{Store, Timeout};
 use crate::error::{Error, ErrorKind, Result};
 use std::fs::FileType;
@@ -158,12 +159,12 @@ impl FileStore {
         }
     }
 
-    fn key_path(&self, key: &str) -> PathBuf {
+    fn key_path(&self, key: &[u8]) -> PathBuf {
         self.dir.join(file_name(key))
     }
 
     /// The value of `key` if it is set now.
-    fn read_now(&self, key: &str) -> Result<Option<Vec<u8>>> {
+    fn read_now(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         match self.attempt_read(key)? {
             Attempt::Value(v) => Ok(Some(v)),
             Attempt::Missing => Ok(None),
@@ -171,13 +172,13 @@ impl FileStore {
         }
     }
 
-    fn read_error(&self, key: &str, e: std::io::Error) -> Error {
-        io_error(e, format_args!("unable to read key {key:?} in {}", self.describe()))
+    fn read_error(&self, key: &[u8], e: std::io::Error) -> Error {
+        io_error(e, format_args!("unable to read key {} in {}", show_key(key), self.describe()))
     }
 
     /// Reads `key`'s file, telling a missing key and a lack of descriptors
     /// (which a wait outlasts) from real errors.
-    fn attempt_read(&self, key: &str) -> Result<Attempt> {
+    fn attempt_read(&self, key: &[u8]) -> Result<Attempt> {
         let path = self.key_path(key);
         // O_NONBLOCK: opening a FIFO would otherwise wait for a writer.
         let opened = OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(&path);
@@ -203,14 +204,14 @@ impl FileStore {
     }
 
     /// A key's file must be a regular file: this store writes nothing else.
-    fn check_regular(&self, key: &str, path: &Path, t: FileType) -> Result<()> {
+    fn check_regular(&self, key: &[u8], path: &Path, t: FileType) -> Result<()> {
         if t.is_file() {
             return Ok(());
         }
         Err(Error::new(
             ErrorKind::Corrupt,
             format!(
-                "key {key:?} in {}: <{}> is {}, not a regular file (this store writes only regular files there)",
+                "key {} in {}: <{}> is {}, not a regular file (this store writes only regular files there)", show_key(key),
                 self.describe(),
                 path.display(),
                 type_name(t)
@@ -220,12 +221,12 @@ impl FileStore {
 
     /// Writes `value` to a new temporary file in the folder; the caller
     /// renames it into place.
-    fn write_temp(&self, key: &str, value: &[u8]) -> Result<PathBuf> {
+    fn write_temp(&self, key: &[u8], value: &[u8]) -> Result<PathBuf> {
         let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
         // SAFETY: gettid has no preconditions.
         let tid = unsafe { libc::syscall(libc::SYS_gettid) };
         let tmp = self.dir.join(format!("{TMP_PREFIX}{}.{tid}.{seq}", std::process::id()));
-        let context = || format!("unable to write key {key:?} in {}", self.describe());
+        let context = || format!("unable to write key {} in {}", show_key(key), self.describe());
         let mut file =
             OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| io_error(e, context()))?;
         if let Err(e) = file.write_all(value) {
@@ -236,10 +237,10 @@ impl FileStore {
     }
 
     /// Renames a finished temporary file over `key`'s file.
-    fn publish(&self, tmp: &Path, key: &str) -> Result<()> {
+    fn publish(&self, tmp: &Path, key: &[u8]) -> Result<()> {
         std::fs::rename(tmp, self.key_path(key)).map_err(|e| {
             let _ = std::fs::remove_file(tmp);
-            io_error(e, format_args!("unable to write key {key:?} in {}", self.describe()))
+            io_error(e, format_args!("unable to write key {} in {}", show_key(key), self.describe()))
         })
     }
 
@@ -277,7 +278,7 @@ impl Drop for FlockGuard<'_> {
 }
 
 impl Store for FileStore {
-    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+    fn set(&self, key: &[u8], value: &[u8]) -> Result<()> {
         let tmp = self.write_temp(key, value)?;
         self.locked(|| self.publish(&tmp, key)).map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
@@ -285,7 +286,7 @@ impl Store for FileStore {
         })
     }
 
-    fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>> {
+    fn get(&self, key: &[u8], timeout: Timeout) -> Result<Vec<u8>> {
         let end = deadline(timeout);
         let mut sleeper: Option<Sleeper> = None;
         loop {
@@ -315,32 +316,28 @@ impl Store for FileStore {
         }
     }
 
-    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+    fn add(&self, key: &[u8], delta: i64) -> Result<i64> {
         self.locked(|| {
             let old = match self.read_now(key)? {
                 None => 0,
                 Some(bytes) => parse_counter(&bytes).ok_or_else(|| {
                     Error::new(
                         ErrorKind::InvalidArgument,
-                        format!("key {key:?} in {} does not hold an integer, cannot add to it", self.describe()),
+                        format!("key {} in {} does not hold an integer, cannot add to it", show_key(key), self.describe()),
                     )
                 })?,
             };
-            let new = old.checked_add(delta).ok_or_else(|| {
-                Error::new(
-                    ErrorKind::InvalidArgument,
-                    format!("adding {delta} to key {key:?} (= {old}) overflows in {}", self.describe()),
-                )
-            })?;
+            // Wraps past either end, as PyTorch's TCPStore servers do.
+            let new = old.wrapping_add(delta);
             let tmp = self.write_temp(key, new.to_string().as_bytes())?;
             self.publish(&tmp, key)?;
             Ok(new)
         })
     }
 
-    fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()> {
+    fn wait(&self, keys: &[&[u8]], timeout: Timeout) -> Result<()> {
         let end = deadline(timeout);
-        let mut missing: Vec<&str> = keys.iter().copied().filter(|k| !self.key_path(k).exists()).collect();
+        let mut missing: Vec<&[u8]> = keys.iter().copied().filter(|k| !self.key_path(k).exists()).collect();
         if missing.is_empty() {
             return Ok(());
         }
@@ -359,11 +356,11 @@ impl Store for FileStore {
         }
     }
 
-    fn check(&self, keys: &[&str]) -> Result<bool> {
+    fn check(&self, keys: &[&[u8]]) -> Result<bool> {
         Ok(keys.iter().all(|k| self.key_path(k).exists()))
     }
 
-    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+    fn compare_set(&self, key: &[u8], expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
         self.locked(|| {
             match self.read_now(key)? {
                 None if expected.is_empty() => {}
@@ -377,11 +374,11 @@ impl Store for FileStore {
         })
     }
 
-    fn delete_key(&self, key: &str) -> Result<bool> {
+    fn delete_key(&self, key: &[u8]) -> Result<bool> {
         self.locked(|| match std::fs::remove_file(self.key_path(key)) {
             Ok(()) => Ok(true),
             Err(e) if e.kind() == IoKind::NotFound => Ok(false),
-            Err(e) => Err(io_error(e, format_args!("unable to delete key {key:?} in {}", self.describe()))),
+            Err(e) => Err(io_error(e, format_args!("unable to delete key {} in {}", show_key(key), self.describe()))),
         })
     }
 
@@ -448,19 +445,19 @@ mod tests {
     #[test]
     fn set_get_add_wait() {
         let (s, dir) = temp_store("basic");
-        s.set("a/b", b"hello").unwrap();
-        assert_eq!(s.get("a/b", Some(Duration::from_millis(10))).unwrap(), b"hello");
-        s.set("a/b", b"").unwrap();
-        assert_eq!(s.get("a/b", None).unwrap(), b"");
-        assert_eq!(s.add("n", 5).unwrap(), 5);
-        assert_eq!(s.add("n", -7).unwrap(), -2);
-        assert_eq!(s.get("n", None).unwrap(), b"-2");
-        s.wait(&["a/b", "n"], Some(Duration::from_millis(10))).unwrap();
-        let e = s.wait(&["a/b", "x", "y/z"], Some(Duration::from_millis(20))).unwrap_err();
+        s.set(b"a/b", b"hello").unwrap();
+        assert_eq!(s.get(b"a/b", Some(Duration::from_millis(10))).unwrap(), b"hello");
+        s.set(b"a/b", b"").unwrap();
+        assert_eq!(s.get(b"a/b", None).unwrap(), b"");
+        assert_eq!(s.add(b"n", 5).unwrap(), 5);
+        assert_eq!(s.add(b"n", -7).unwrap(), -2);
+        assert_eq!(s.get(b"n", None).unwrap(), b"-2");
+        s.wait(&[b"a/b".as_slice(), b"n"], Some(Duration::from_millis(10))).unwrap();
+        let e = s.wait(&[b"a/b".as_slice(), b"x", b"y/z"], Some(Duration::from_millis(20))).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Timeout);
         assert!(e.message().contains("\"x\", \"y/z\""), "{}", e.message());
         assert!(!e.message().contains("a/b"), "{}", e.message());
-        let e = s.get("late", Some(Duration::from_millis(5))).unwrap_err();
+        let e = s.get(b"late", Some(Duration::from_millis(5))).unwrap_err();
         assert!(
             e.message().contains("\"late\"") && e.message().contains(&dir.display().to_string()),
             "{}",
@@ -477,12 +474,12 @@ mod tests {
     #[test]
     fn add_refuses_non_integers_and_overflow() {
         let (s, dir) = temp_store("addbad");
-        s.set("t", b"text").unwrap();
-        assert_eq!(s.add("t", 1).unwrap_err().kind(), ErrorKind::InvalidArgument);
-        s.add("m", i64::MAX).unwrap();
-        let e = s.add("m", 1).unwrap_err();
+        s.set(b"t", b"text").unwrap();
+        assert_eq!(s.add(b"t", 1).unwrap_err().kind(), ErrorKind::InvalidArgument);
+        s.add(b"m", i64::MAX).unwrap();
+        let e = s.add(b"m", 1).unwrap_err();
         assert!(e.message().contains("overflows"), "{}", e.message());
-        assert_eq!(s.get("m", None).unwrap(), i64::MAX.to_string().as_bytes());
+        assert_eq!(s.get(b"m", None).unwrap(), i64::MAX.to_string().as_bytes());
         std::fs::remove_dir_all(dir).unwrap();
     }
 
@@ -514,9 +511,9 @@ mod tests {
         let s2 = s.clone();
         let t = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(30));
-            s2.set("k", b"v").unwrap();
+            s2.set(b"k", b"v").unwrap();
         });
-        assert_eq!(s.get("k", Some(Duration::from_secs(10))).unwrap(), b"v");
+        assert_eq!(s.get(b"k", Some(Duration::from_secs(10))).unwrap(), b"v");
         t.join().unwrap();
         std::fs::remove_dir_all(dir).unwrap();
     }

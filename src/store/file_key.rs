@@ -1,5 +1,5 @@
 //! File names for the keys of a [`super::file::FileStore`]: any key (with
-//! `/`, `..`, spaces, any UTF-8) becomes one safe name inside the folder,
+//! `/`, `..`, spaces, any bytes, UTF-8 or not) becomes one safe name inside the folder,
 //! so no key can reach outside it or collide with the store's own files.
 
 /// Longest name we produce; file systems allow 255 bytes.
@@ -13,9 +13,9 @@ const LONG_PREFIX: usize = 64;
 /// (so it is never `.`, `..` or one of the store's dot files). An encoding
 /// longer than 200 bytes becomes `h.` + its first 64 bytes + `.` + a
 /// 128-bit hash of the whole key, unique for all practical purposes.
-pub fn file_name(key: &str) -> String {
+pub fn file_name(key: &[u8]) -> String {
     let mut enc = String::with_capacity(key.len() + 2);
-    for b in key.bytes() {
+    for &b in key {
         if b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-') {
             enc.push(b as char);
         } else {
@@ -41,8 +41,8 @@ pub fn is_key_file(name: &std::ffi::OsStr) -> bool {
 
 /// FNV-1a over the key's bytes from `basis`: stable across builds and
 /// machines (unlike std's hasher), so every process finds the same file.
-fn fnv1a(key: &str, basis: u64) -> u64 {
-    key.bytes().fold(basis, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+fn fnv1a(key: &[u8], basis: u64) -> u64 {
+    key.iter().fold(basis, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 #[cfg(test)]
@@ -55,22 +55,23 @@ mod tests {
 
     #[test]
     fn plain_and_escaped() {
-        assert_eq!(file_name("rank_0"), "k.rank_0");
-        assert_eq!(file_name("symm/3/1"), "k.symm%2F3%2F1");
-        assert_eq!(file_name(""), "k.");
-        assert_eq!(file_name(".."), "k...");
-        assert_eq!(file_name("../../etc/passwd"), "k...%2F..%2Fetc%2Fpasswd");
-        assert_eq!(file_name("a b%"), "k.a%20b%25");
-        assert_eq!(file_name("é"), "k.%C3%A9");
+        assert_eq!(file_name(b"rank_0"), "k.rank_0");
+        assert_eq!(file_name(b"symm/3/1"), "k.symm%2F3%2F1");
+        assert_eq!(file_name(b""), "k.");
+        assert_eq!(file_name(b".."), "k...");
+        assert_eq!(file_name(b"../../etc/passwd"), "k...%2F..%2Fetc%2Fpasswd");
+        assert_eq!(file_name(b"a b%"), "k.a%20b%25");
+        assert_eq!(file_name("é".as_bytes()), "k.%C3%A9");
+        assert_eq!(file_name(b"\xff\x00"), "k.%FF%00");
     }
 
     #[test]
     fn distinct_keys_distinct_names() {
-        let keys = ["a/b", "a%2Fb", "a_b", "a.b", "A/b", "a//b", ""];
+        let keys: [&[u8]; 9] = [b"a/b", b"a%2Fb", b"a_b", b"a.b", b"A/b", b"a//b", b"", b"\xff", b"%FF"];
         let names: std::collections::HashSet<_> = keys.iter().map(|k| file_name(k)).collect();
         assert_eq!(names.len(), keys.len());
         for k in keys {
-            assert!(safe(&file_name(k)), "{k}");
+            assert!(safe(&file_name(k)), "{k:?}");
         }
     }
 
@@ -78,13 +79,13 @@ mod tests {
     fn long_keys_hash_and_stay_short() {
         let a = "x/".repeat(300);
         let b = format!("{}y", &a[..a.len() - 1]);
-        let (na, nb) = (file_name(&a), file_name(&b));
+        let (na, nb) = (file_name(a.as_bytes()), file_name(b.as_bytes()));
         assert!(na.starts_with("h.x%2Fx"), "{na}");
         assert_ne!(na, nb);
         assert!(safe(&na) && na.len() < MAX_NAME, "{na}");
-        assert_eq!(na, file_name(&a));
+        assert_eq!(na, file_name(a.as_bytes()));
         let exact = "z".repeat(MAX_NAME - 2);
-        assert_eq!(file_name(&exact), format!("k.{exact}"));
-        assert!(file_name(&format!("{exact}z")).starts_with("h."));
+        assert_eq!(file_name(exact.as_bytes()), format!("k.{exact}"));
+        assert!(file_name(format!("{exact}z").as_bytes()).starts_with("h."));
     }
 }

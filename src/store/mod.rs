@@ -23,26 +23,30 @@ pub type Timeout = Option<Duration>;
 
 /// A key-value store shared by the ranks of a job.
 ///
-/// Keys are UTF-8 strings, values are bytes. Every method may be called from
-/// several threads at once.
+/// Keys and values are bytes: a key may hold any byte (through the C API,
+/// any but NUL), as PyTorch's stores allow. Every method may be called
+/// from several threads at once; the calls one thread makes take effect in
+/// the order it made them (it reads its own writes).
 pub trait Store: Send + Sync {
     /// Sets `key` to `value`, replacing an earlier value; wakes its waiters.
-    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+    fn set(&self, key: &[u8], value: &[u8]) -> Result<()>;
 
     /// The value of `key`, waiting until it is set. Expiry is
     /// `ErrorKind::Timeout` with a message naming the key.
-    fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>>;
+    fn get(&self, key: &[u8], timeout: Timeout) -> Result<Vec<u8>>;
 
     /// Adds `delta` to the integer stored under `key` (a missing key counts
     /// as 0; stored as decimal text, as c10d does) and returns the new value.
-    fn add(&self, key: &str, delta: i64) -> Result<i64>;
+    /// The sum wraps in two's complement past either end of `i64`
+    /// (`i64::MAX + 1` is `i64::MIN`), as PyTorch's TCPStore servers do.
+    fn add(&self, key: &[u8], delta: i64) -> Result<i64>;
 
     /// Waits until every key in `keys` is set. Expiry is
     /// `ErrorKind::Timeout` with a message naming the keys still missing.
-    fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()>;
+    fn wait(&self, keys: &[&[u8]], timeout: Timeout) -> Result<()>;
 
     /// Whether every key in `keys` is set now (no waiting).
-    fn check(&self, _keys: &[&str]) -> Result<bool> {
+    fn check(&self, _keys: &[&[u8]]) -> Result<bool> {
         Err(unsupported(self, "check"))
     }
 
@@ -50,12 +54,12 @@ pub trait Store: Send + Sync {
     /// `key` holds `expected` (or is missing and `expected` is empty), sets
     /// it to `desired` and returns `desired`; otherwise changes nothing and
     /// returns the current value (`expected` itself when the key is missing).
-    fn compare_set(&self, _key: &str, _expected: &[u8], _desired: &[u8]) -> Result<Vec<u8>> {
+    fn compare_set(&self, _key: &[u8], _expected: &[u8], _desired: &[u8]) -> Result<Vec<u8>> {
         Err(unsupported(self, "compare_set"))
     }
 
     /// Deletes `key`; true when it existed.
-    fn delete_key(&self, _key: &str) -> Result<bool> {
+    fn delete_key(&self, _key: &[u8]) -> Result<bool> {
         Err(unsupported(self, "delete_key"))
     }
 
@@ -80,6 +84,12 @@ pub trait Store: Send + Sync {
 /// could not tell "not set" from "slow").
 fn unsupported(store: &(impl Store + ?Sized), op: &str) -> crate::error::Error {
     crate::error::Error::new(crate::error::ErrorKind::Unsupported, format!("{} does not support {op}", store.describe()))
+}
+
+/// A key for messages: in quotes, bytes that are not printable ASCII
+/// escaped (`"rank/\xff"`), so any key can be named.
+pub fn show_key(key: &[u8]) -> String {
+    format!("\"{}\"", key.escape_ascii())
 }
 
 /// A shared reference to a store.

@@ -52,7 +52,7 @@ pub fn all_gather_with_side(
     let seq = group.next_seq();
     let deadline = timeout.map(|t| Instant::now() + t);
     let side_key = |r: usize| format!("{prefix}/{seq}/{r}/side");
-    group.store.set(&side_key(group.rank), side)?;
+    group.store.set(side_key(group.rank).as_bytes(), side)?;
     let values = gather(group, prefix, seq, value, timeout, deadline)?;
     let mut sides = vec_for(group.world_size, "rendezvous entries")?;
     for r in 0..group.world_size {
@@ -61,7 +61,7 @@ pub fn all_gather_with_side(
             continue;
         }
         let key = side_key(r);
-        let got = group.store.get(&key, left(deadline)).map_err(|e| {
+        let got = group.store.get(key.as_bytes(), left(deadline)).map_err(|e| {
             if e.kind() != ErrorKind::Timeout {
                 return e.context(format!("exchange {seq} of group {}", group.name));
             }
@@ -88,12 +88,12 @@ fn left(deadline: Option<Instant>) -> Timeout {
 /// when it ends.
 fn gather(group: &GroupInfo, prefix: &str, seq: u64, value: &[u8], timeout: Timeout, deadline: Option<Instant>) -> Result<Vec<Vec<u8>>> {
     let key = |r: usize| format!("{prefix}/{seq}/{r}");
-    group.store.set(&key(group.rank), value)?;
+    group.store.set(key(group.rank).as_bytes(), value)?;
     let mut peers = vec_for(group.world_size, "rendezvous peers")?;
     peers.extend((0..group.world_size).filter(|&r| r != group.rank));
     let mut keys = vec_for(peers.len(), "rendezvous keys")?;
     keys.extend(peers.iter().map(|&r| key(r)));
-    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let key_refs: Vec<&[u8]> = keys.iter().map(String::as_bytes).collect();
     let wait_for = deadline.map(|d| d.saturating_duration_since(Instant::now()));
     if let Err(e) = group.store.wait(&key_refs, wait_for) {
         if e.kind() != ErrorKind::Timeout {
@@ -107,7 +107,7 @@ fn gather(group: &GroupInfo, prefix: &str, seq: u64, value: &[u8], timeout: Time
             out.push(value.to_vec());
             continue;
         }
-        out.push(group.store.get(&key(r), left(deadline))?);
+        out.push(group.store.get(key(r).as_bytes(), left(deadline))?);
     }
     Ok(out)
 }
@@ -124,7 +124,7 @@ fn missing_ranks_error(group: &GroupInfo, peers: &[usize], keys: &[String], seq:
     let mut named = Vec::with_capacity(NAMED_MISSING);
     let mut more = 0usize;
     for (r, k) in peers.iter().zip(keys) {
-        if group.store.wait(&[k.as_str()], Some(Duration::ZERO)).is_ok() {
+        if group.store.wait(&[k.as_bytes()], Some(Duration::ZERO)).is_ok() {
             continue;
         }
         if named.len() < NAMED_MISSING {

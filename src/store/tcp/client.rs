@@ -1,16 +1,24 @@
 //! A client of a c10d `TCPStore` server (PyTorch's, or ours), with
 //! PyTorch's key prefix, so it sees the same keys as PyTorch ranks of the
-//! same job. One request at a time per connection, a pool of connections
-//! so threads never wait on each other.
+//! same job.
+//!
+//! Every request that the server answers at once goes over one connection,
+//! one request at a time under a lock, so a handle's requests reach the
+//! server in the order they were made: a thread reads its own writes, and
+//! a `set` (which has no reply) is never overtaken by a later request.
+//! Only `WAIT`, which may block for long, takes a connection of its own,
+//! so a thread waiting for a key never holds up the thread that sets it.
 
 use super::protocol::{self, Request, KEY_PREFIX, VALIDATION_MAGIC};
 use crate::error::{Error, ErrorKind, Result};
+use crate::fork_safe::fork_generation;
 use crate::store::deadline::{deadline, remaining, timeout_error, Backoff};
-use crate::store::Timeout;
+use crate::store::{show_key, Timeout};
 use std::io::{ErrorKind as IoKind, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
 /// A `get` first reads with `COMPARE_SET(key, SENTINEL, SENTINEL)`: both
@@ -35,29 +43,95 @@ struct Conn {
 /// bytes that really come.
 const READ_STEP: usize = 1 << 20;
 
-/// Most idle connections kept for reuse.
+/// Most idle `WAIT` connections kept for reuse.
 const MAX_IDLE: usize = 8;
 
-/// A client of the TCPStore server at `host:port`.
-///
-/// Each call takes an idle connection (or opens one), so a thread blocked
-/// in `get`/`wait` never holds up another thread's `set`. A connection
-/// that failed mid-exchange (its byte stream may be out of step) is closed,
-/// never reused.
+/// The connections of one process. A child made by fork() must not use
+/// its parent's: their sockets are shared with the parent, so replies
+/// would go to whichever process reads first, and their locks may be held
+/// by parent threads that do not exist in the child. So a child opens its
+/// own set (a new, validated connection, as any new client) and never
+/// touches the inherited one.
+struct Links {
+    /// The fork generation (see `fork_safe`) of the process these belong to.
+    generation: u64,
+    /// The connection of every request but `WAIT`; `None` until opened,
+    /// or after an exchange on it failed (its byte stream may be out of
+    /// step, so it is closed, never reused).
+    main: Mutex<Option<Conn>>,
+    /// Idle connections for `WAIT`.
+    waiting: Mutex<Vec<Conn>>,
+    /// The previous process's set, kept until the client is dropped: a
+    /// thread may still be comparing its generation.
+    older: *mut Links,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
+}
+
+impl Links {
+    fn new(generation: u64, older: *mut Links) -> Links {
+        Links { generation, main: Mutex::new(None), waiting: Mutex::new(Vec::new()), older }
+    }
+
+    /// Closes this process's copies of the sockets, where no thread of
+    /// the parent held them at the fork (those are left open: their lock
+    /// will never be released).
+    fn close_inherited(&self) {
+        if let Some(mut m) = try_lock(&self.main) {
+            m.take();
+        }
+        if let Some(mut w) = try_lock(&self.waiting) {
+            w.clear();
+        }
+    }
+}
+
+/// A client of the TCPStore server at `host:port`. Every method may be
+/// called from several threads at once, and in a forked child.
 pub struct TcpClient {
     host: String,
     port: u16,
     addr: String,
-    idle: Mutex<Vec<Conn>>,
+    /// This process's connections (never NULL; see `Links`).
+    links: AtomicPtr<Links>,
     /// How long any single reply may take (the store's timeout).
     reply_timeout: Timeout,
 }
 
+impl Drop for TcpClient {
+    fn drop(&mut self) {
+        let mut p = *self.links.get_mut();
+        while !p.is_null() {
+            // SAFETY: every `Links` was made by Box::into_raw, is reachable
+            // once through this chain, and nobody else uses the client now.
+            let links = unsafe { Box::from_raw(p) };
+            p = links.older;
+            links.close_inherited();
+            // A parent thread's lock may still be held in the child: leak
+            // the (small) set rather than drop a locked mutex.
+            let unlocked = try_lock(&links.main).is_some() && try_lock(&links.waiting).is_some();
+            if unlocked {
+                drop(links);
+            } else {
+                std::mem::forget(links);
+            }
+        }
+    }
+}
+
 fn io_kind(e: &std::io::Error) -> ErrorKind {
     match e.kind() {
-        IoKind::UnexpectedEof | IoKind::ConnectionReset | IoKind::ConnectionAborted | IoKind::BrokenPipe => {
-            ErrorKind::PeerGone
-        }
+        IoKind::UnexpectedEof | IoKind::ConnectionReset | IoKind::ConnectionAborted | IoKind::BrokenPipe => ErrorKind::PeerGone,
         IoKind::WouldBlock | IoKind::TimedOut => ErrorKind::Timeout,
         _ => e.raw_os_error().map_or(ErrorKind::Io, crate::error::kind_of_errno),
     }
@@ -69,15 +143,14 @@ impl TcpClient {
     /// as PyTorch's client does (`VALIDATE` magic, then a `PING`).
     pub fn connect(host: &str, port: u16, timeout: Timeout) -> Result<TcpClient> {
         let addr = format!("{host}:{port}");
-        let client = TcpClient { host: host.to_string(), port, addr, idle: Mutex::new(Vec::new()), reply_timeout: timeout };
+        let links = Box::into_raw(Box::new(Links::new(fork_generation(), std::ptr::null_mut())));
+        let client = TcpClient { host: host.to_string(), port, addr, links: AtomicPtr::new(links), reply_timeout: timeout };
         let end = deadline(timeout);
         let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(500));
         let conn = loop {
             match client.open_conn() {
                 Ok(c) => break c,
-                Err(e) if e.kind() == ErrorKind::PeerGone && remaining(end).map_or(true, |d| !d.is_zero()) => {
-                    backoff.sleep(end)
-                }
+                Err(e) if e.kind() == ErrorKind::PeerGone && remaining(end).map_or(true, |d| !d.is_zero()) => backoff.sleep(end),
                 Err(e) if e.kind() == ErrorKind::PeerGone => {
                     let waited = timeout.map_or(0, |t| t.as_millis());
                     return Err(Error::new(
@@ -88,8 +161,31 @@ impl TcpClient {
                 Err(e) => return Err(e),
             }
         };
-        client.idle.lock().unwrap_or_else(|p| p.into_inner()).push(conn);
+        *lock(&client.links().main) = Some(conn);
         Ok(client)
+    }
+
+    /// This process's connections: after a fork, the child's first call
+    /// makes its own set (no system call to find out: see `fork_safe`).
+    fn links(&self) -> &Links {
+        let generation = fork_generation();
+        loop {
+            let current = self.links.load(Ordering::Acquire);
+            // SAFETY: never NULL, and every `Links` lives as long as the client.
+            let links = unsafe { &*current };
+            if links.generation == generation {
+                return links;
+            }
+            let fresh = Box::into_raw(Box::new(Links::new(generation, current)));
+            match self.links.compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => links.close_inherited(),
+                Err(_) => {
+                    // Another thread of the child made them first: use those.
+                    // SAFETY: ours, never published.
+                    drop(unsafe { Box::from_raw(fresh) });
+                }
+            }
+        }
     }
 
     /// One new, validated connection (no retry).
@@ -134,38 +230,51 @@ impl TcpClient {
         Error::new(ErrorKind::Protocol, format!("TCPStore at {}: {what}", self.addr))
     }
 
-    /// Sends `bytes` on an idle (or new) connection, then reads the reply
-    /// with `read` (each read may take up to `timeout`). The connection goes
-    /// back to the pool only if the whole exchange worked and left no
+    /// Sends `bytes` on the main connection (opened first if there is
+    /// none), then reads the reply with `read`, all under the main lock.
+    /// The connection stays only if the whole exchange worked and left no
     /// unread bytes.
-    fn exchange<T>(&self, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
-        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let conn = match idle {
+    fn exchange<T>(&self, bytes: &[u8], read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
+        let mut main = lock(&self.links().main);
+        let mut conn = match main.take() {
             Some(c) => c,
             None => self.open_conn()?,
         };
-        self.finish(conn, bytes, timeout, read)
-    }
-
-    /// Sends a request that has no reply (`SET`). An idle connection the
-    /// server closed meanwhile would swallow it silently, so it is checked
-    /// first and replaced by a new one (which reports a server that is gone).
-    fn send_only(&self, bytes: &[u8]) -> Result<()> {
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        if idle.as_ref().is_some_and(|c| !c.still_open()) {
-            idle = None;
+        let result = self.run(&mut conn, bytes, self.reply_timeout, read);
+        if result.is_ok() && conn.rpos == conn.rlen {
+            *main = Some(conn);
         }
-        let conn = match idle {
+        result
+    }
+
+    /// Sends a request that has no reply (`SET`) on the main connection.
+    /// A connection the server closed meanwhile would swallow it silently,
+    /// so it is checked first and replaced by a new one (which reports a
+    /// server that is gone).
+    fn send_only(&self, bytes: &[u8]) -> Result<()> {
+        let mut main = lock(&self.links().main);
+        let mut conn = match main.take().filter(Conn::still_open) {
             Some(c) => c,
             None => self.open_conn()?,
         };
-        self.finish(conn, bytes, self.reply_timeout, |_| Ok(()))
+        self.run(&mut conn, bytes, self.reply_timeout, |_| Ok(()))?;
+        *main = Some(conn);
+        Ok(())
     }
 
-    fn finish<T>(&self, mut conn: Conn, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
+    /// A `WAIT` exchange on an idle (or new) connection of its own, each
+    /// read taking up to `timeout`; the connection goes back to the idle
+    /// ones only if the exchange worked and left no unread bytes.
+    fn exchange_waiting<T>(&self, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
+        let links = self.links();
+        let idle = lock(&links.waiting).pop();
+        let mut conn = match idle {
+            Some(c) => c,
+            None => self.open_conn()?,
+        };
         let result = self.run(&mut conn, bytes, timeout, read);
         if result.is_ok() && conn.rpos == conn.rlen {
-            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            let mut idle = lock(&links.waiting);
             if idle.len() < MAX_IDLE {
                 idle.push(conn);
             }
@@ -189,48 +298,50 @@ impl TcpClient {
         Error::new(kind, what)
     }
 
-    fn key(key: &str) -> Vec<u8> {
-        format!("{KEY_PREFIX}{key}").into_bytes()
+    /// A key as on the wire: PyTorch's prefix, then the key's bytes.
+    fn key(key: &[u8]) -> Vec<u8> {
+        [KEY_PREFIX.as_bytes(), key].concat()
     }
 
-    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+    pub fn set(&self, key: &[u8], value: &[u8]) -> Result<()> {
         let bytes = Request::Set { key: Self::key(key), value: value.to_vec() }.to_bytes();
         self.send_only(&bytes)
     }
 
-    pub fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>> {
+    pub fn get(&self, key: &[u8], timeout: Timeout) -> Result<Vec<u8>> {
         let k = Self::key(key);
         let probe = Request::CompareSet { key: k.clone(), expected: GET_SENTINEL.to_vec(), desired: GET_SENTINEL.to_vec() };
-        let now = self.exchange(&probe.to_bytes(), self.reply_timeout, |r| r.read_bytes())?;
+        let now = self.exchange(&probe.to_bytes(), |r| r.read_bytes())?;
         if now != GET_SENTINEL {
             return Ok(now);
         }
         self.wait_raw(std::slice::from_ref(&k), &[key], timeout)?;
-        self.exchange(&Request::Get(k).to_bytes(), self.reply_timeout, |r| r.read_bytes())
+        self.exchange(&Request::Get(k).to_bytes(), |r| r.read_bytes())
     }
 
-    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+    pub fn add(&self, key: &[u8], delta: i64) -> Result<i64> {
         self.add_raw(Self::key(key), delta).map_err(|e| self.add_refused(e, key))
     }
 
     /// A server (ours, and PyTorch's both) answers ADD on a key that holds
     /// no integer by closing the connection. If a new connection works, that
     /// is what happened: say so instead of "the server went away".
-    fn add_refused(&self, e: Error, key: &str) -> Error {
+    fn add_refused(&self, e: Error, key: &[u8]) -> Error {
         if e.kind() != ErrorKind::PeerGone {
             return e;
         }
+        let mut main = lock(&self.links().main);
         match self.open_conn() {
             Ok(conn) => {
-                let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-                if idle.len() < MAX_IDLE {
-                    idle.push(conn);
+                if main.is_none() {
+                    *main = Some(conn);
                 }
                 Error::new(
                     ErrorKind::InvalidArgument,
                     format!(
-                        "TCPStore at {} closed the connection on ADD to key {key:?}: the key does not hold an integer",
-                        self.addr
+                        "TCPStore at {} closed the connection on ADD to key {}: the key does not hold an integer",
+                        self.addr,
+                        show_key(key)
                     ),
                 )
             }
@@ -240,31 +351,29 @@ impl TcpClient {
 
     /// `ADD` on a key without the prefix (the `init/` join counter).
     pub fn add_raw(&self, key: Vec<u8>, delta: i64) -> Result<i64> {
-        self.exchange(&Request::Add { key, delta }.to_bytes(), self.reply_timeout, |r| r.read_i64())
-    }
-
-    /// `GET` of a key without the prefix, which must exist.
-    pub fn get_raw_now(&self, key: Vec<u8>) -> Result<Vec<u8>> {
-        self.exchange(&Request::Get(key).to_bytes(), self.reply_timeout, |r| r.read_bytes())
+        self.exchange(&Request::Add { key, delta }.to_bytes(), |r| r.read_i64())
     }
 
     /// Whether every key is set now.
-    pub fn check(&self, keys: &[&str]) -> Result<bool> {
-        let bytes = Request::Check(keys.iter().map(|k| Self::key(k)).collect()).to_bytes();
-        self.exchange(&bytes, self.reply_timeout, |r| match r.read_u8()? {
+    pub fn check(&self, keys: &[&[u8]]) -> Result<bool> {
+        self.check_raw(keys.iter().map(|k| Self::key(k)).collect())
+    }
+
+    fn check_raw(&self, raw: Vec<Vec<u8>>) -> Result<bool> {
+        self.exchange(&Request::Check(raw).to_bytes(), |r| match r.read_u8()? {
             protocol::CHECK_READY => Ok(true),
             protocol::CHECK_NOT_READY => Ok(false),
             other => Err(self.protocol(format!("CHECK answered {other}, expected 0 or 1"))),
         })
     }
 
-    pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+    pub fn compare_set(&self, key: &[u8], expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
         let req = Request::CompareSet { key: Self::key(key), expected: expected.to_vec(), desired: desired.to_vec() };
-        self.exchange(&req.to_bytes(), self.reply_timeout, |r| r.read_bytes())
+        self.exchange(&req.to_bytes(), |r| r.read_bytes())
     }
 
-    pub fn delete_key(&self, key: &str) -> Result<bool> {
-        self.exchange(&Request::DeleteKey(Self::key(key)).to_bytes(), self.reply_timeout, |r| match r.read_i64()? {
+    pub fn delete_key(&self, key: &[u8]) -> Result<bool> {
+        self.exchange(&Request::DeleteKey(Self::key(key)).to_bytes(), |r| match r.read_i64()? {
             0 => Ok(false),
             1 => Ok(true),
             other => Err(self.protocol(format!("DELETE_KEY answered {other}, expected 0 or 1"))),
@@ -272,19 +381,26 @@ impl TcpClient {
     }
 
     pub fn num_keys(&self) -> Result<i64> {
-        self.exchange(&Request::GetNumKeys.to_bytes(), self.reply_timeout, |r| r.read_i64())
+        self.exchange(&Request::GetNumKeys.to_bytes(), |r| r.read_i64())
     }
 
-    pub fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()> {
+    /// Waits until every key is set. A `CHECK` on the main connection
+    /// comes first, so keys this handle set just before are seen at once
+    /// (the `WAIT` goes over another connection, which its `SET`s may not
+    /// have reached yet).
+    pub fn wait(&self, keys: &[&[u8]], timeout: Timeout) -> Result<()> {
         let raw: Vec<Vec<u8>> = keys.iter().map(|k| Self::key(k)).collect();
+        if self.check_raw(raw.clone())? {
+            return Ok(());
+        }
         self.wait_raw(&raw, keys, timeout)
     }
 
     /// `WAIT`; on expiry `CANCEL_WAIT` as PyTorch's client does, then a
     /// `CHECK` per key to name the ones still missing.
-    fn wait_raw(&self, raw: &[Vec<u8>], names: &[&str], timeout: Timeout) -> Result<()> {
+    fn wait_raw(&self, raw: &[Vec<u8>], names: &[&[u8]], timeout: Timeout) -> Result<()> {
         let bytes = Request::Wait(raw.to_vec()).to_bytes();
-        let answer = self.exchange(&bytes, timeout, |r| match r.read_u8() {
+        let answer = self.exchange_waiting(&bytes, timeout, |r| match r.read_u8() {
             Ok(protocol::WAIT_STOP_WAITING) => Ok(Some(())),
             Ok(other) => Err(self.protocol(format!("WAIT answered {other}, expected 0"))),
             Err(e) if e.kind() == ErrorKind::Timeout && timeout.is_some() => {
@@ -308,7 +424,7 @@ impl TcpClient {
             None => {
                 let mut missing = Vec::new();
                 for name in names {
-                    if !self.check(&[name])? {
+                    if !self.check(&[*name])? {
                         missing.push(*name);
                     }
                 }
@@ -329,9 +445,7 @@ impl Conn {
         let mut b = [0u8; 1];
         // SAFETY: a non-blocking peek of at most 1 byte into a local buffer
         // on a socket we own.
-        let n = unsafe {
-            libc::recv(self.stream.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
-        };
+        let n = unsafe { libc::recv(self.stream.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
         n < 0 && matches!(crate::error::errno(), libc::EAGAIN | libc::EINTR)
     }
 }

@@ -18,6 +18,19 @@ pub struct TcpStore {
     // Dropped after the client, so our own connection closes first.
     server: Option<TcpServer>,
     port: u16,
+    /// The fork generation that started the server (see `Drop`).
+    generation: u64,
+}
+
+impl Drop for TcpStore {
+    /// A forked child that drops a master's store must leave the server
+    /// alone: its threads live in the parent only, and shutting down the
+    /// sockets it shares with the parent would cut the parent's clients.
+    fn drop(&mut self) {
+        if self.generation != crate::fork_safe::fork_generation() {
+            std::mem::forget(self.server.take());
+        }
+    }
 }
 
 impl TcpStore {
@@ -30,6 +43,7 @@ impl TcpStore {
     /// reply.
     pub fn open(host: &str, port: u16, is_master: bool, world_size: u32, timeout: Timeout) -> Result<TcpStore> {
         let end = deadline(timeout);
+        let generation = crate::fork_safe::fork_generation();
         let server = if is_master { Some(TcpServer::start(host, port)?) } else { None };
         let port = server.as_ref().map_or(port, TcpServer::port);
         let connect_host = match (is_master, host) {
@@ -44,7 +58,7 @@ impl TcpStore {
                 Self::wait_for_workers(&client, world_size, timeout, end)?;
             }
         }
-        Ok(TcpStore { client, server, port })
+        Ok(TcpStore { client, server, port, generation })
     }
 
     fn wait_for_workers(client: &TcpClient, world_size: u32, timeout: Timeout, end: Option<std::time::Instant>) -> Result<()> {
@@ -77,35 +91,34 @@ impl TcpStore {
     pub fn is_master(&self) -> bool {
         self.server.is_some()
     }
-
 }
 
 impl Store for TcpStore {
-    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+    fn set(&self, key: &[u8], value: &[u8]) -> Result<()> {
         self.client.set(key, value)
     }
 
-    fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>> {
+    fn get(&self, key: &[u8], timeout: Timeout) -> Result<Vec<u8>> {
         self.client.get(key, timeout)
     }
 
-    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+    fn add(&self, key: &[u8], delta: i64) -> Result<i64> {
         self.client.add(key, delta)
     }
 
-    fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()> {
+    fn wait(&self, keys: &[&[u8]], timeout: Timeout) -> Result<()> {
         self.client.wait(keys, timeout)
     }
 
-    fn check(&self, keys: &[&str]) -> Result<bool> {
+    fn check(&self, keys: &[&[u8]]) -> Result<bool> {
         self.client.check(keys)
     }
 
-    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+    fn compare_set(&self, key: &[u8], expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
         self.client.compare_set(key, expected, desired)
     }
 
-    fn delete_key(&self, key: &str) -> Result<bool> {
+    fn delete_key(&self, key: &[u8]) -> Result<bool> {
         self.client.delete_key(key)
     }
 

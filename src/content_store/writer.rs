@@ -52,6 +52,10 @@ impl Writer {
     /// Opens (creating if needed) the store at `path` in `format`. A store
     /// already there must have the same format.
     pub fn open(path: &Path, format: Format) -> Result<Writer> {
+        // create_dir_all would say only "File exists".
+        if std::fs::metadata(path).is_ok_and(|m| !m.is_dir()) {
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("{} exists and is not a folder (a content store is a folder)", path.display())));
+        }
         std::fs::create_dir_all(path).map_err(|e| Error::new(ErrorKind::Io, format!("unable to create store folder {}: {e}", path.display())))?;
         let root_fd = fsio::open_root(path)?;
         let hash = match layout::detect(&root_fd, path)? {
@@ -93,6 +97,11 @@ impl Writer {
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// The hash that names this store's storages.
+    pub fn hash_mode(&self) -> HashMode {
+        self.hash
     }
 
     /// Whether each file is fsynced (with its folder) before and after
@@ -173,13 +182,7 @@ impl Writer {
 /// A shared flock on the store's lock file (created if absent).
 fn shared_lock(root: &Path) -> Result<File> {
     let path = root.join(layout::LOCK);
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|e| Error::new(ErrorKind::Io, format!("unable to open lock file {}: {e}", path.display())))?;
+    let f = fsio::open_lock_file(&path)?;
     flock(&f, libc::LOCK_SH, &path)?;
     Ok(f)
 }

@@ -44,7 +44,11 @@ fn wait_or_kill(pid: libc::pid_t, limit: Duration) -> Result<i32, String> {
         // SAFETY: waitpid on our own child.
         let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
         if r == pid {
-            return if libc::WIFEXITED(status) { Ok(libc::WEXITSTATUS(status)) } else { Err(format!("child {pid} died: status {status:#x}")) };
+            return if libc::WIFEXITED(status) {
+                Ok(libc::WEXITSTATUS(status))
+            } else {
+                Err(format!("child {pid} died: status {status:#x}"))
+            };
         }
         if start.elapsed() > limit {
             // SAFETY: signals and reaps our own child.
@@ -73,11 +77,13 @@ fn children_forked_while_threads_write_a_store_all_finish() {
                 // A few contents, written over and over: after the first
                 // round only hashing and entries (the disk stays small).
                 // Big buffers hash on the pool; small ones keep the locks busy.
-                let contents: Vec<Vec<u8>> = (0..4u8).map(|k| common::pattern(if k % 2 == 0 { 5 << 20 } else { 100 }, t * 16 + k)).collect();
+                let contents: Vec<Vec<u8>> =
+                    (0..4u8).map(|k| common::pattern(if k % 2 == 0 { 5 << 20 } else { 100 }, t * 16 + k)).collect();
                 let mut n = 0usize;
                 while !stop.load(Ordering::Relaxed) {
                     let data = &contents[n % contents.len()];
-                    w.write_tensor(&format!("t{t}/{}", n % 16), data, Dtype::UInt8, 0, &[data.len() as i64], &[1]).unwrap();
+                    w.write_tensor(&format!("t{t}/{}", n % 16), data, Dtype::UInt8, 0, &[data.len() as i64], &[1])
+                        .unwrap();
                     n += 1;
                 }
             })

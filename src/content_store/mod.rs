@@ -5,6 +5,7 @@
 pub mod bounds;
 pub mod check;
 pub mod dtype;
+mod fork_aware;
 mod fsio;
 pub mod hash;
 pub mod layout;

@@ -5,6 +5,7 @@
 //! never copied, and a storage read twice while in use is one mapping.
 
 use super::bounds::check_fits;
+use super::fork_aware::CacheLock;
 use super::fsio;
 use super::hash::{hash_hex, is_digest, HashMode};
 use super::layout::{self, Format};
@@ -18,7 +19,7 @@ use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 
 /// Largest tensor entry read in the PyTorch format (a torch.save zip of a
 /// small tuple; real ones are under 2 KiB).
@@ -89,7 +90,7 @@ pub struct Reader {
     format: Format,
     hash: HashMode,
     verify: AtomicBool,
-    cache: Mutex<HashMap<String, Weak<StorageBytes>>>,
+    cache: CacheLock<HashMap<String, Weak<StorageBytes>>>,
 }
 
 impl Reader {
@@ -98,7 +99,7 @@ impl Reader {
         let root_fd = fsio::open_root(path)?;
         let (format, hash) = layout::detect(&root_fd, path)?
             .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no content store at {} (no storages/ or tensors/ folder)", path.display())))?;
-        Ok(Reader { root: path.to_path_buf(), root_fd, format, hash, verify: AtomicBool::new(false), cache: Mutex::new(HashMap::new()) })
+        Ok(Reader { root: path.to_path_buf(), root_fd, format, hash, verify: AtomicBool::new(false), cache: CacheLock::new(HashMap::new()) })
     }
 
     pub fn format(&self) -> Format {
@@ -174,20 +175,23 @@ impl Reader {
         if !self.is_storage_name(hash) {
             return Err(Error::new(ErrorKind::InvalidArgument, format!("{hash:?} is not a storage hash of this {} store", self.format.name())));
         }
-        let cached = self.cache.lock().unwrap().get(hash).and_then(Weak::upgrade);
+        let cached = self.cache.lock().and_then(|cache| cache.get(hash).and_then(Weak::upgrade));
         let storage = match cached {
             Some(s) => s,
             None => {
                 let fresh = Arc::new(self.map_storage(hash)?);
-                let mut cache = self.cache.lock().unwrap();
-                // Another thread may have mapped it meanwhile: keep one.
-                match cache.get(hash).and_then(Weak::upgrade) {
-                    Some(s) => s,
-                    None => {
-                        cache.retain(|_, w| w.strong_count() > 0);
-                        cache.insert(hash.to_string(), Arc::downgrade(&fresh));
-                        fresh
-                    }
+                match self.cache.lock() {
+                    // Another thread may have mapped it meanwhile: keep one.
+                    Some(mut cache) => match cache.get(hash).and_then(Weak::upgrade) {
+                        Some(s) => s,
+                        None => {
+                            cache.retain(|_, w| w.strong_count() > 0);
+                            cache.insert(hash.to_string(), Arc::downgrade(&fresh));
+                            fresh
+                        }
+                    },
+                    // A forked child whose cache a parent thread held.
+                    None => fresh,
                 }
             }
         };

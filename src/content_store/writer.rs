@@ -5,6 +5,7 @@
 
 use super::bounds::check_fits;
 use super::dtype::Dtype;
+use super::fork_aware::CacheLock;
 use super::fsio;
 use super::hash::{hash_hex, HashMode};
 use super::layout::{self, Format};
@@ -17,7 +18,6 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 
 /// What a writer did so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -40,7 +40,8 @@ pub struct Writer {
     /// Held (shared flock) while the writer lives, so `gc` never removes a
     /// storage whose tensor entry is still to come.
     _lock: File,
-    seen: Mutex<HashSet<String>>,
+    /// Hashes this writer stored or found; only saves a stat.
+    seen: CacheLock<HashSet<String>>,
     durable: AtomicBool,
     written: AtomicU64,
     deduplicated: AtomicU64,
@@ -82,7 +83,7 @@ impl Writer {
             format,
             hash,
             _lock: lock,
-            seen: Mutex::new(HashSet::new()),
+            seen: CacheLock::new(HashSet::new()),
             durable: AtomicBool::new(true),
             written: AtomicU64::new(0),
             deduplicated: AtomicU64::new(0),
@@ -130,7 +131,7 @@ impl Writer {
     }
 
     fn store_hashed(&self, hash: &str, data: &[u8]) -> Result<()> {
-        if self.seen.lock().unwrap().contains(hash) {
+        if self.seen.lock().is_some_and(|seen| seen.contains(hash)) {
             self.deduplicated.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
@@ -153,7 +154,9 @@ impl Writer {
             self.written.fetch_add(1, Ordering::Relaxed);
             self.bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
         }
-        self.seen.lock().unwrap().insert(hash.to_string());
+        if let Some(mut seen) = self.seen.lock() {
+            seen.insert(hash.to_string());
+        }
         Ok(())
     }
 

@@ -5,10 +5,10 @@
 
 #![allow(dead_code)]
 
+use std::process::Output;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::process::Output;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -59,7 +59,11 @@ pub fn python() -> String {
 
 /// Whether that Python can import torch; prints the skip line when not.
 pub fn torch_available(test: &str) -> bool {
-    let ok = Command::new(python()).args(["-c", "import torch"]).output().map(|o| o.status.success()).unwrap_or(false);
+    let ok = Command::new(python())
+        .args(["-c", "import torch"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
     if !ok {
         println!("{test}: skipped: torch not installed (set SS_TEST_PYTHON to a Python with torch)");
     }
@@ -210,3 +214,4 @@ pub fn child_main(run: impl FnOnce(&str, Parent)) {
     run(&role, Parent { stream, reader, arg });
     std::process::exit(0);
 }
+

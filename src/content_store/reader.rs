@@ -283,7 +283,7 @@ impl Reader {
 
     /// Regular files under `storages/` (hash, file size), sorted, and the
     /// other objects there.
-    fn scan_storages(&self) -> Result<(Vec<(String, u64)>, Vec<OddObject>)> {
+    fn scan_storages(&self) -> Result<StorageScan> {
         let dir = self.root.join(layout::STORAGES);
         let (mut files, mut odd) = (Vec::new(), Vec::new());
         match std::fs::symlink_metadata(&dir) {
@@ -315,6 +315,9 @@ impl Reader {
         Ok((files, odd))
     }
 }
+
+/// Regular files under `storages/` (hash, file size) and the odd objects.
+type StorageScan = (Vec<(String, u64)>, Vec<OddObject>);
 
 /// Hashes a storage's bytes and compares with its name.
 pub fn check_hash(storage: &StorageBytes, mode: HashMode) -> Result<()> {

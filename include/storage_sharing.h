@@ -841,6 +841,8 @@ ss_status ss_content_writer_open(const char *path, int format, ss_content_writer
  * Stores `nbytes` bytes at `data` as a storage (once per distinct
  * content) and writes its hash, NUL-terminated, into `buf` of `buf_len`
  * bytes (`SS_HASH_HEX_MAX` suffice; `buf` may be NULL when `buf_len` is 0).
+ * A `buf_len` from 1 up to the hash's length is `SS_ERR_BUFFER_TOO_SMALL`
+ * before anything is written: the store is left as it was.
  *
  * # Safety
  * `w` is NULL or a live `ss_content_writer` (other threads may use it
@@ -992,9 +994,13 @@ ss_status ss_content_list_storages(const ss_content_reader *r, ss_content_list *
 
 /**
  * Checks the whole store: every storage hashed against its name, every
- * tensor entry parsed and bounds-checked. `*out_checked` (may be NULL)
- * gets the number of objects checked, `*out_problems` one line
- * `"<object>: <why>"` per corrupt object (empty when all is well). SS_OK
+ * tensor entry parsed and bounds-checked, and every object under
+ * `tensors/` or `storages/` that is not a regular file (a link, a FIFO)
+ * reported. `*out_checked` (may be NULL) gets the number of objects
+ * checked, `*out_problems` one line `"<object>: <why>"` per corrupt or
+ * unreadable object (empty when all is well). A PyTorch-format storage
+ * named by PyTorch's default hash (not the SHA-1 of its bytes, which
+ * match their zip CRC-32) cannot be checked and is not listed. SS_OK
  * means the check ran, whatever it found.
  *
  * # Safety
@@ -1062,6 +1068,27 @@ const int64_t *ss_content_tensor_stride(const ss_content_tensor *t);
  * meanwhile).
  */
 int64_t ss_content_tensor_offset(const ss_content_tensor *t);
+
+/**
+ * Whether the tensor has PyTorch's lazy conjugate bit set (its values
+ * are the complex conjugates of the stored ones, as
+ * `ContentStoreReader` hands it out); false for NULL and in the native
+ * format.
+ *
+ * # Safety
+ * `t` is NULL or a live tensor from `ss_content_read_tensor`.
+ */
+bool ss_content_tensor_conj(const ss_content_tensor *t);
+
+/**
+ * Whether the tensor has PyTorch's lazy negative bit set (its values are
+ * the negations of the stored ones); false for NULL and in the native
+ * format.
+ *
+ * # Safety
+ * `t` is NULL or a live tensor from `ss_content_read_tensor`.
+ */
+bool ss_content_tensor_neg(const ss_content_tensor *t);
 
 /**
  * The storage's first byte, read-only (element `i` of the view is at

@@ -467,3 +467,68 @@ fn writers_killed_with_sigkill_leave_no_corrupt_object() {
     }
     assert!(temp.is_empty(), "gc left temporary files: {temp:?}");
 }
+
+/// Replaces a store object with something `verify` and `gc` cannot read
+/// as a regular record, then puts it back.
+#[derive(Clone, Copy, Debug)]
+enum Odd {
+    LinkToEntry,
+    Fifo,
+    LinkedFolder,
+}
+
+fn odd_entries_block_gc_and_fail_verify(format: Format) {
+    let root = temp_store(&format!("odd-{}", format.name()));
+    let _c = Cleanup(root.clone());
+    let outside = root.with_extension("outside");
+    let _o = Cleanup(outside.clone());
+    let w = Writer::open(&root, format).unwrap();
+    w.write_tensor("keep", &common::pattern(64, 1), Dtype::Float32, 0, &[16], &[1]).unwrap();
+    let moved = w.write_tensor("moved", &common::pattern(64, 2), Dtype::Float32, 0, &[16], &[1]).unwrap();
+    let deep = w.write_tensor("deep/x", &common::pattern(64, 3), Dtype::Float32, 0, &[16], &[1]).unwrap();
+    drop(w);
+    for odd in [Odd::LinkToEntry, Odd::Fifo, Odd::LinkedFolder] {
+        std::fs::create_dir_all(&outside).unwrap();
+        let (object, hash) = match odd {
+            Odd::LinkToEntry | Odd::Fifo => ("tensors/moved", &moved),
+            Odd::LinkedFolder => ("tensors/deep", &deep),
+        };
+        let real = root.join(object);
+        let away = outside.join("away");
+        std::fs::rename(&real, &away).unwrap();
+        match odd {
+            Odd::LinkToEntry | Odd::LinkedFolder => symlink(&away, &real).unwrap(),
+            Odd::Fifo => nix::unistd::mkfifo(&real, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap(),
+        }
+
+        let report = content_store::verify(&Reader::open(&root).unwrap(), &mut |_, _| {}).unwrap();
+        let objects: Vec<&str> = report.problems.iter().map(|p| p.object.as_str()).collect();
+        assert!(objects.contains(&object), "{format:?} {odd:?}: verify must report {object}: {:?}", report.problems);
+        for dry_run in [true, false] {
+            let e = content_store::gc(&root, dry_run).err().unwrap_or_else(|| panic!("{format:?} {odd:?}: gc ran on a partial view"));
+            assert!(e.message().contains("gc refused") && e.message().contains(object), "{format:?} {odd:?}: {}", e.message());
+        }
+        assert!(root.join("storages").join(hash).exists(), "{format:?} {odd:?}: gc removed a referenced storage");
+
+        // Put back: every entry reads again.
+        std::fs::remove_file(&real).unwrap();
+        std::fs::rename(&away, &real).unwrap();
+        let r = Reader::open(&root).unwrap();
+        for name in ["keep", "moved", "deep/x"] {
+            r.read_tensor(name).unwrap_or_else(|e| panic!("{format:?} {odd:?}: {name}: {}", e.message()));
+        }
+        assert!(content_store::verify(&r, &mut |_, _| {}).unwrap().problems.is_empty());
+        let _ = std::fs::remove_dir_all(&outside);
+    }
+    assert_eq!(content_store::gc(&root, false).unwrap().kept_storages, 3);
+}
+
+#[test]
+fn links_fifos_and_linked_folders_block_gc_and_fail_verify_native() {
+    odd_entries_block_gc_and_fail_verify(Format::Native);
+}
+
+#[test]
+fn links_fifos_and_linked_folders_block_gc_and_fail_verify_torch() {
+    odd_entries_block_gc_and_fail_verify(Format::Torch);
+}

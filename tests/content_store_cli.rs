@@ -63,3 +63,43 @@ fn store_commands() {
     assert_eq!(ssctl(&["store", "verify"]).0, 2);
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn gc_takes_its_flag_before_or_after_the_path() {
+    let root = std::env::temp_dir().join(format!("ss-cs-cli-gc-order-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let w = Writer::open(&root, Format::Native).unwrap();
+    let orphan = w.write_storage(&common::pattern(300, 4)).unwrap();
+    drop(w);
+    let p = root.to_str().unwrap();
+    for args in [["store", "gc", "--dry-run", p], ["store", "gc", p, "--dry-run"]] {
+        let (code, out, err) = ssctl(&args);
+        assert_eq!(code, 0, "{args:?}: {out}{err}");
+        assert!(out.contains(&format!("would remove storages/{orphan}")), "{args:?}: {out}");
+        assert!(root.join("storages").join(&orphan).exists(), "{args:?}: a dry run removed the storage");
+    }
+    let (code, _, err) = ssctl(&["store", "gc", "--dry-run", "--frobnicate", p]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--frobnicate"), "{err}");
+    assert_eq!(ssctl(&["store", "gc", p, p]).0, 2);
+    assert_eq!(ssctl(&["store", "gc", "--dry-run"]).0, 2);
+    let (code, out, _) = ssctl(&["store", "gc", p]);
+    assert_eq!(code, 0);
+    assert!(out.contains("removed 1 unreferenced storage(s)"), "{out}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn ls_shows_storage_bytes_not_file_size_in_torch_format() {
+    let root = std::env::temp_dir().join(format!("ss-cs-cli-ls-torch-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let w = Writer::open(&root, Format::Torch).unwrap();
+    w.write_tensor("twelve", &common::pattern(48, 1), Dtype::Float32, 0, &[12], &[1]).unwrap();
+    drop(w);
+    let (code, out, err) = ssctl(&["store", "ls", root.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let row = out.lines().find(|l| l.starts_with("twelve")).unwrap_or_else(|| panic!("{out}"));
+    assert!(row.trim_end().ends_with("48 B"), "a 48-byte storage: {row}");
+    assert!(out.contains("1 tensor(s), 1 storage(s), 48 B"), "{out}");
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -211,7 +211,7 @@ fn we_read_what_torch_writes() {
     let r2 = Reader::open(&root2).unwrap();
     assert_eq!(r2.read_tensor("slice").unwrap().storage.bytes(), &base[..]);
     let report = content_store::verify(&r2, &mut |_, _| {}).unwrap();
-    assert!(report.problems.iter().all(|p| p.why.contains("stable_hash=True")), "{:?}", report.problems);
+    assert!(report.problems.is_empty() && report.unverifiable.len() == 3, "{:?} {:?}", report.problems, report.unverifiable);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -248,5 +248,86 @@ fn pickles_asking_for_other_globals_are_refused() {
     let report = content_store::verify(&r, &mut |_, _| {}).unwrap();
     let objects: Vec<&str> = report.problems.iter().map(|p| p.object.as_str()).collect();
     assert_eq!(objects, ["tensors/evil", "tensors/evil2"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn ssctl(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ssctl")).args(args).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code().unwrap_or(-1), text)
+}
+
+#[test]
+fn default_hash_store_is_unverifiable_not_corrupt() {
+    if !common::torch_available("default_hash_store_is_unverifiable_not_corrupt") {
+        return;
+    }
+    let dir = temp_dir("default-hash");
+    let root = dir.join("store");
+    write_with_torch(&root, false);
+    let p = root.to_str().unwrap();
+    let r = Reader::open(&root).unwrap();
+    let storages = r.list_storages().unwrap();
+    // Both hashes give 40 hex digits: the name alone cannot tell them apart.
+    assert!(storages.iter().all(|(h, _)| h.len() == 40), "{storages:?}");
+    let report = content_store::verify(&r, &mut |_, _| {}).unwrap();
+    assert!(report.problems.is_empty(), "valid PyTorch store called corrupt: {:?}", report.problems);
+    assert_eq!(report.unverifiable.len(), storages.len(), "{:?}", report.unverifiable);
+    assert!(report.unverifiable.iter().all(|p| p.why.contains("unverifiable: name not from the stable hash")), "{:?}", report.unverifiable);
+    let (code, out) = ssctl(&["store", "verify", p]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("unverifiable: name not from the stable hash") && !out.contains("corrupt object(s)"), "{out}");
+
+    // Damaged data in such a store is still found (its zip CRC-32).
+    let (hash, _) = &storages[0];
+    let path = root.join("storages").join(hash);
+    let mut file = std::fs::read(&path).unwrap();
+    let at = content_store::torch_format::storage_data_range(&file).unwrap().start;
+    file[at] ^= 0x10;
+    std::fs::write(&path, &file).unwrap();
+    let report = content_store::verify(&Reader::open(&root).unwrap(), &mut |_, _| {}).unwrap();
+    let objects: Vec<&str> = report.problems.iter().map(|p| p.object.as_str()).collect();
+    assert_eq!(objects, [format!("storages/{hash}")], "{:?}", report.problems);
+    let (code, out) = ssctl(&["store", "verify", p]);
+    assert_eq!(code, 1, "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+const TORCH_CONJ_PY: &str = "\
+import sys, torch
+from torch.utils._content_store import ContentStoreWriter
+w = ContentStoreWriter(sys.argv[1], stable_hash=True)
+x = torch.tensor([1+2j, 3-4j, -5+6j], dtype=torch.complex64)
+w.write_tensor('conj', x.conj())
+w.write_tensor('neg', x.conj()._neg_view())
+w.write_tensor('plain', x)
+";
+
+#[test]
+fn conj_and_neg_views_are_read_as_pytorch_reads_them() {
+    if !common::torch_available("conj_and_neg_views_are_read_as_pytorch_reads_them") {
+        return;
+    }
+    let dir = temp_dir("conj");
+    let root = dir.join("store");
+    python(TORCH_CONJ_PY, &[root.to_str().unwrap()]);
+    let r = Reader::open(&root).unwrap();
+    let want: Vec<u8> = [1f32, 2., 3., -4., -5., 6.].iter().flat_map(|f| f.to_le_bytes()).collect();
+    for (name, conj, neg) in [("conj", true, false), ("neg", true, true), ("plain", false, false)] {
+        let t = r.read_tensor(name).unwrap_or_else(|e| panic!("{name}: {}", e.message()));
+        assert_eq!((t.bits.conj, t.bits.neg), (conj, neg), "{name}");
+        assert_eq!((t.meta.dtype, &t.meta.shape[..]), (Dtype::ComplexFloat, &[3][..]), "{name}");
+        // The storage holds the bytes before the lazy conjugation/negation.
+        assert_eq!(t.storage.bytes(), &want[..], "{name}");
+    }
+    let report = content_store::verify(&r, &mut |_, _| {}).unwrap();
+    assert!(report.problems.is_empty() && report.unverifiable.is_empty(), "{:?}", report.problems);
+    let gc = content_store::gc(&root, true).unwrap();
+    assert_eq!((gc.storages.len(), gc.kept_storages), (0, 1));
+    let (code, out) = ssctl(&["store", "verify", root.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = ssctl(&["store", "show", root.to_str().unwrap(), "neg"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("conj") && out.contains("neg"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }

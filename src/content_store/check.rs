@@ -4,7 +4,8 @@
 
 use super::layout::{self, Format};
 use super::names::TEMP_PREFIX;
-use super::reader::{check_hash, Reader};
+use super::reader::{check_hash, OddObject, Reader};
+use super::torch_format::{self, DataCrc};
 use super::writer::flock;
 use super::fsio;
 use crate::error::{Error, ErrorKind, Result};
@@ -25,37 +26,90 @@ pub struct VerifyReport {
     pub storages: u64,
     pub tensors: u64,
     pub bytes: u64,
+    /// Corrupt or unreadable objects.
     pub problems: Vec<Problem>,
+    /// PyTorch-format storages whose names are not the SHA-1 of their
+    /// bytes but whose bytes match their zip CRC-32: written with
+    /// PyTorch's default hash, which cannot be recomputed (it depends on
+    /// the process's random generator). Not corruption.
+    pub unverifiable: Vec<Problem>,
 }
 
-/// Checks every storage and tensor entry of the store; `progress` gets
-/// (bytes hashed so far, total bytes) after each storage.
+/// What [`verify`] says of a PyTorch-format storage named by another hash.
+pub const UNVERIFIABLE: &str = "unverifiable: name not from the stable hash";
+
+/// Checks every storage and tensor entry of the store, and reports every
+/// object under `tensors/` or `storages/` that cannot be read as a
+/// regular record (a link, a FIFO, ...); `progress` gets (bytes hashed so
+/// far, total bytes) after each storage.
 pub fn verify(reader: &Reader, progress: &mut dyn FnMut(u64, u64)) -> Result<VerifyReport> {
     let storages = reader.list_storages()?;
     let total: u64 = storages.iter().map(|s| s.1).sum();
     let mut report = VerifyReport::default();
     let mut done = 0u64;
-    let hint = if reader.format() == Format::Torch { " (a PyTorch store written without stable_hash=True has unverifiable names)" } else { "" };
     for (hash, size) in &storages {
-        let result = reader.read_storage(hash).and_then(|s| {
-            report.bytes += s.bytes().len() as u64;
-            check_hash(&s, reader.hash_mode())
-        });
-        if let Err(e) = result {
-            let why = if e.message().contains("hash is") { format!("{}{hint}", e.message()) } else { e.message().to_string() };
-            report.problems.push(Problem { object: format!("{}/{hash}", layout::STORAGES), why });
+        let object = format!("{}/{hash}", layout::STORAGES);
+        match check_storage(reader, hash) {
+            Ok(StorageCheck::Verified(n)) => report.bytes += n,
+            Ok(StorageCheck::Unverifiable(n, why)) => {
+                report.bytes += n;
+                report.unverifiable.push(Problem { object, why });
+            }
+            Err(e) => report.problems.push(Problem { object, why: e.message().to_string() }),
         }
         report.storages += 1;
         done += size;
         progress(done, total);
     }
-    for name in reader.list_tensors()? {
-        if let Err(e) = reader.read_tensor(&name) {
+    for odd in reader.odd_storages()? {
+        report.problems.push(Problem { why: format!("{} is {}, not a regular storage file", odd.object, odd.kind), object: odd.object });
+    }
+    let listing = reader.list_entries()?;
+    for name in &listing.names {
+        if let Err(e) = reader.read_tensor(name) {
             report.problems.push(Problem { object: format!("{}/{name}", layout::TENSORS), why: e.message().to_string() });
         }
         report.tensors += 1;
     }
+    for odd in listing.odd {
+        report.problems.push(Problem { why: odd_entry_text(&odd), object: odd.object });
+        report.tensors += 1;
+    }
+    report.problems.sort_by(|a, b| a.object.cmp(&b.object));
     Ok(report)
+}
+
+fn odd_entry_text(odd: &OddObject) -> String {
+    format!("{} is {}, not a regular tensor entry (it cannot be read, and the storage it stands for cannot be known)", odd.object, odd.kind)
+}
+
+enum StorageCheck {
+    /// The name is the hash of the bytes (this many).
+    Verified(u64),
+    /// Intact as far as can be told, but the name cannot be checked.
+    Unverifiable(u64, String),
+}
+
+fn check_storage(reader: &Reader, hash: &str) -> Result<StorageCheck> {
+    let s = reader.read_storage(hash)?;
+    let n = s.bytes().len() as u64;
+    let mismatch = match check_hash(&s, reader.hash_mode()) {
+        Ok(()) => return Ok(StorageCheck::Verified(n)),
+        Err(e) => e,
+    };
+    if reader.format() != Format::Torch {
+        return Err(mismatch);
+    }
+    // PyTorch's default hash also gives 40 hex digits: only the zip
+    // record's CRC-32 tells a default-hash name from damaged bytes.
+    match torch_format::storage_data_crc(s.file())? {
+        DataCrc::Matches => Ok(StorageCheck::Unverifiable(n, format!("{UNVERIFIABLE} (PyTorch's default hash; the bytes match their CRC-32)"))),
+        DataCrc::Absent => Ok(StorageCheck::Unverifiable(n, format!("{UNVERIFIABLE} (and the file holds no CRC-32 to check the bytes against)"))),
+        DataCrc::Differs => Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("storage {hash}: its bytes match neither their name ({}) nor the CRC-32 of their zip record: damaged", mismatch.message()),
+        )),
+    }
 }
 
 /// What [`gc`] removed (or would remove, on a dry run).
@@ -70,23 +124,26 @@ pub struct GcReport {
 
 /// Removes storages that no tensor entry names, and temporary files left
 /// by killed writers. Refuses while a writer has the store open (it may
-/// be about to write the entry for a storage), and when any entry cannot
-/// be read (its storage might be needed).
+/// be about to write the entry for a storage), and, naming the entry,
+/// when any entry cannot be read or any object under `tensors/` is not a
+/// regular entry (a link, a FIFO, a linked folder): never on a partial
+/// view of the references.
 pub fn gc(root: &Path, dry_run: bool) -> Result<GcReport> {
     let reader = Reader::open(root)?;
     let lock_path = root.join(layout::LOCK);
-    let lock = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&lock_path)
-        .map_err(|e| Error::new(ErrorKind::Io, format!("unable to open lock file {}: {e}", lock_path.display())))?;
+    let lock = fsio::open_lock_file(&lock_path)?;
     flock(&lock, libc::LOCK_EX | libc::LOCK_NB, &lock_path)?;
+    let listing = reader.list_entries().map_err(|e| e.context("gc refused: the tensor entries cannot all be listed"))?;
+    if let Some(odd) = listing.odd.first() {
+        return Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("gc refused: {}; remove it or put the entry back, then run gc again", odd_entry_text(odd)),
+        ));
+    }
     let mut used = HashSet::new();
-    for name in reader.list_tensors()? {
+    for name in listing.names {
         let meta = reader.read_meta(&name).map_err(|e| {
-            Error::new(e.kind(), format!("gc refused: tensor {name:?} cannot be read ({}); its storage might be needed", e.message()))
+            Error::new(e.kind(), format!("gc refused: tensor {name:?} ({}/{name}) cannot be read ({}); its storage might be needed", layout::TENSORS, e.message()))
         })?;
         used.insert(meta.storage_hash);
     }

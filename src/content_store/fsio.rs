@@ -120,8 +120,54 @@ pub fn open_regular(root: &OwnedFd, root_path: &Path, parts: &[&str], what: &str
     let fd = dir.ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("{what}: empty path")))?;
     let file = File::from(fd);
     let meta = file.metadata().map_err(|e| io_error(e, format!("unable to stat {what} {}", shown.display())))?;
+    if meta.is_dir() {
+        return Err(Error::new(ErrorKind::NotFound, format!("{} is a folder, not a {what}", shown.display())));
+    }
     if !meta.is_file() {
-        return Err(Error::new(ErrorKind::Corrupt, format!("{what} {} is not a regular file", shown.display())));
+        let kind = file_kind(meta.file_type());
+        return Err(Error::new(ErrorKind::Corrupt, format!("{what} {} is {kind}, not a regular file", shown.display())));
+    }
+    Ok(file)
+}
+
+/// What a file type is, for messages ("a FIFO", "a symbolic link", ...).
+pub fn file_kind(ty: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if ty.is_file() {
+        "a regular file"
+    } else if ty.is_dir() {
+        "a folder"
+    } else if ty.is_symlink() {
+        "a symbolic link"
+    } else if ty.is_fifo() {
+        "a FIFO"
+    } else if ty.is_socket() {
+        "a socket"
+    } else if ty.is_block_device() || ty.is_char_device() {
+        "a device"
+    } else {
+        "an unknown kind of file"
+    }
+}
+
+/// Opens (creating it if missing) the store's lock file for flock: no
+/// link followed, no blocking on a FIFO, and only a regular file.
+pub fn open_lock_file(path: &Path) -> Result<File> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => Error::new(ErrorKind::Permission, format!("lock file {} is a symbolic link; refused", path.display())),
+            _ => io_error(e, format!("unable to open lock file {}", path.display())),
+        })?;
+    let meta = file.metadata().map_err(|e| io_error(e, format!("unable to stat lock file {}", path.display())))?;
+    if !meta.is_file() {
+        return Err(Error::new(ErrorKind::Corrupt, format!("lock file {} is {}, not a regular file", path.display(), file_kind(meta.file_type()))));
     }
     Ok(file)
 }
@@ -142,7 +188,8 @@ fn open_raw(dir: Option<&OwnedFd>, path: &Path, extra: OFlag, nofollow: bool, wh
         Err(nix::errno::Errno::ENOTDIR) if nofollow && is_link(dir, path) => {
             Err(Error::new(ErrorKind::Permission, format!("{what} {shown} is a symbolic link; refused (the store may be hostile)")))
         }
-        Err(nix::errno::Errno::ENOTDIR) => Err(Error::new(ErrorKind::Corrupt, format!("{what} {shown}: a part of the path is not a folder"))),
+        // A file where a folder should be: `a/b` asked for while `a` is a file.
+        Err(nix::errno::Errno::ENOTDIR) => Err(Error::new(ErrorKind::NotFound, format!("{shown} is not a folder (looking for a {what})"))),
         Err(e) => Err(Error::from_errno(e as i32, format!("unable to open {what} {shown}"))),
     }
 }

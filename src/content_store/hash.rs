@@ -11,8 +11,11 @@
 //!     chunk `i` is `bytes[i MiB .. min((i+1) MiB, n)]`.
 //!
 //!   The chunk hashes are independent, so big buffers are hashed on all
-//!   cores; the digest does not depend on how many there are.
+//!   cores; the digest does not depend on how many there are. In a child
+//!   made by fork() they are hashed on the calling thread (the pool's
+//!   threads stayed in the parent).
 
+use super::fork_aware::hash_pool;
 use crate::error::{Error, ErrorKind, Result};
 use rayon::prelude::*;
 use sha1::{Digest, Sha1};
@@ -81,10 +84,10 @@ fn fast_digest(data: &[u8]) -> u128 {
     if data.len() <= FAST_CHUNK {
         return xxh3_128(data);
     }
-    let leaves: Vec<u128> = if data.len() >= PARALLEL_FROM {
-        data.par_chunks(FAST_CHUNK).map(xxh3_128).collect()
-    } else {
-        data.chunks(FAST_CHUNK).map(xxh3_128).collect()
+    let pool = if data.len() >= PARALLEL_FROM { hash_pool() } else { None };
+    let leaves: Vec<u128> = match pool {
+        Some(pool) => pool.install(|| data.par_chunks(FAST_CHUNK).map(xxh3_128).collect()),
+        None => data.chunks(FAST_CHUNK).map(xxh3_128).collect(),
     };
     let mut joined = Vec::with_capacity(leaves.len() * 16);
     for d in leaves {

@@ -13,3 +13,13 @@ pub struct TensorMeta {
     pub shape: Vec<i64>,
     pub stride: Vec<i64>,
 }
+
+/// PyTorch's lazy view bits of a tensor entry (the `metadata` dict that
+/// `torch._utils.get_tensor_metadata` gives): with `conj` the values are
+/// the complex conjugates of the stored ones, with `neg` their negations.
+/// The storage itself holds the bytes before either applies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ViewBits {
+    pub conj: bool,
+    pub neg: bool,
+}

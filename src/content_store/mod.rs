@@ -5,6 +5,7 @@
 pub mod bounds;
 pub mod check;
 pub mod dtype;
+mod fork_aware;
 mod fsio;
 pub mod hash;
 pub mod layout;
@@ -20,6 +21,6 @@ pub use check::{gc, verify, GcReport, Problem, VerifyReport};
 pub use dtype::Dtype;
 pub use hash::{hash_hex, HashMode};
 pub use layout::Format;
-pub use meta::TensorMeta;
-pub use reader::{Reader, StorageBytes, Tensor};
+pub use meta::{TensorMeta, ViewBits};
+pub use reader::{EntryListing, OddObject, Reader, StorageBytes, Tensor};
 pub use writer::{WriteStats, Writer};

@@ -5,10 +5,11 @@
 //! never copied, and a storage read twice while in use is one mapping.
 
 use super::bounds::check_fits;
+use super::fork_aware::CacheLock;
 use super::fsio;
 use super::hash::{hash_hex, is_digest, HashMode};
 use super::layout::{self, Format};
-use super::meta::TensorMeta;
+use super::meta::{TensorMeta, ViewBits};
 use super::names::{tensor_name_parts, TEMP_PREFIX};
 use super::{record, torch_glue};
 use crate::error::{Error, ErrorKind, Result};
@@ -18,7 +19,7 @@ use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 
 /// Largest tensor entry read in the PyTorch format (a torch.save zip of a
 /// small tuple; real ones are under 2 KiB).
@@ -45,13 +46,41 @@ impl StorageBytes {
             None => &[],
         }
     }
+
+    /// The whole file the bytes sit in (in the PyTorch format, the
+    /// torch.save zip around them).
+    pub fn file(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or(&[])
+    }
 }
 
 /// A tensor entry with its storage.
 #[derive(Clone)]
 pub struct Tensor {
     pub meta: TensorMeta,
+    /// PyTorch's lazy conjugate/negative bits: the storage holds the
+    /// bytes before they apply, as `ContentStoreReader` hands them out.
+    pub bits: ViewBits,
     pub storage: Arc<StorageBytes>,
+}
+
+/// Something under `tensors/` or `storages/` that is neither a regular
+/// file nor a folder (a link, a FIFO, ...): nothing can be read from it,
+/// yet it may stand for an entry that refers to a storage.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OddObject {
+    /// Its path from the store's root, e.g. `tensors/a/b`.
+    pub object: String,
+    /// What it is: "a symbolic link", "a FIFO", ...
+    pub kind: &'static str,
+}
+
+/// Every object under `tensors/`: the entries that are regular files, by
+/// name, and the odd ones.
+#[derive(Clone, Debug, Default)]
+pub struct EntryListing {
+    pub names: Vec<String>,
+    pub odd: Vec<OddObject>,
 }
 
 /// A reader of one store. Safe to share between threads.
@@ -61,7 +90,7 @@ pub struct Reader {
     format: Format,
     hash: HashMode,
     verify: AtomicBool,
-    cache: Mutex<HashMap<String, Weak<StorageBytes>>>,
+    cache: CacheLock<HashMap<String, Weak<StorageBytes>>>,
 }
 
 impl Reader {
@@ -70,7 +99,7 @@ impl Reader {
         let root_fd = fsio::open_root(path)?;
         let (format, hash) = layout::detect(&root_fd, path)?
             .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no content store at {} (no storages/ or tensors/ folder)", path.display())))?;
-        Ok(Reader { root: path.to_path_buf(), root_fd, format, hash, verify: AtomicBool::new(false), cache: Mutex::new(HashMap::new()) })
+        Ok(Reader { root: path.to_path_buf(), root_fd, format, hash, verify: AtomicBool::new(false), cache: CacheLock::new(HashMap::new()) })
     }
 
     pub fn format(&self) -> Format {
@@ -93,33 +122,43 @@ impl Reader {
 
     /// The tensor entry `name` and its storage.
     pub fn read_tensor(&self, name: &str) -> Result<Tensor> {
-        let meta = self.read_meta(name)?;
+        let (meta, bits) = self.read_entry(name)?;
         let storage = self.read_storage(&meta.storage_hash).map_err(|e| e.context(format!("tensor {name:?}")))?;
         check_fits(&meta, storage.bytes().len() as u64, ErrorKind::Corrupt).map_err(|e| e.context(format!("tensor {name:?}")))?;
-        Ok(Tensor { meta, storage })
+        Ok(Tensor { meta, bits, storage })
     }
 
     /// The entry `name` without its storage.
     pub fn read_meta(&self, name: &str) -> Result<TensorMeta> {
         let mut parts = vec![layout::TENSORS];
         parts.extend(tensor_name_parts(name)?);
+        Ok(self.read_entry(name)?.0)
+    }
+
+    /// The entry `name` without its storage, with PyTorch's lazy
+    /// conjugate/negative bits (always clear in the native format).
+    pub fn read_entry(&self, name: &str) -> Result<(TensorMeta, ViewBits)> {
+        let mut parts = vec![layout::TENSORS];
+        parts.extend(tensor_name_parts(name)?);
         let file = fsio::open_regular(&self.root_fd, &self.root, &parts, "tensor entry").map_err(|e| {
             if e.kind() == ErrorKind::NotFound {
-                Error::new(ErrorKind::NotFound, format!("no tensor {name:?} in {}", self.root.display()))
+                // A folder of tensors, or a tensor where a folder would be,
+                // is no tensor of that name either.
+                Error::new(ErrorKind::NotFound, format!("no tensor {name:?} in {}: {}", self.root.display(), e.message()))
             } else {
                 e
             }
         })?;
         let what = format!("tensor entry {name:?}");
-        let meta = match self.format {
-            Format::Native => record::decode(&fsio::read_small(file, record::MAX_RECORD_LEN, &what)?),
+        let (meta, bits) = match self.format {
+            Format::Native => record::decode(&fsio::read_small(file, record::MAX_RECORD_LEN, &what)?).map(|m| (m, ViewBits::default())),
             Format::Torch => torch_glue::parse_tensor_file(&fsio::read_small(file, TORCH_ENTRY_MAX, &what)?),
         }
         .map_err(|e| e.context(&what))?;
         if !self.is_storage_name(&meta.storage_hash) {
             return Err(Error::new(ErrorKind::Corrupt, format!("{what} names storage {:?}, which is not a {} hash", meta.storage_hash, self.hash.name())));
         }
-        Ok(meta)
+        Ok((meta, bits))
     }
 
     fn is_storage_name(&self, hash: &str) -> bool {
@@ -136,20 +175,23 @@ impl Reader {
         if !self.is_storage_name(hash) {
             return Err(Error::new(ErrorKind::InvalidArgument, format!("{hash:?} is not a storage hash of this {} store", self.format.name())));
         }
-        let cached = self.cache.lock().unwrap().get(hash).and_then(Weak::upgrade);
+        let cached = self.cache.lock().and_then(|cache| cache.get(hash).and_then(Weak::upgrade));
         let storage = match cached {
             Some(s) => s,
             None => {
                 let fresh = Arc::new(self.map_storage(hash)?);
-                let mut cache = self.cache.lock().unwrap();
-                // Another thread may have mapped it meanwhile: keep one.
-                match cache.get(hash).and_then(Weak::upgrade) {
-                    Some(s) => s,
-                    None => {
-                        cache.retain(|_, w| w.strong_count() > 0);
-                        cache.insert(hash.to_string(), Arc::downgrade(&fresh));
-                        fresh
-                    }
+                match self.cache.lock() {
+                    // Another thread may have mapped it meanwhile: keep one.
+                    Some(mut cache) => match cache.get(hash).and_then(Weak::upgrade) {
+                        Some(s) => s,
+                        None => {
+                            cache.retain(|_, w| w.strong_count() > 0);
+                            cache.insert(hash.to_string(), Arc::downgrade(&fresh));
+                            fresh
+                        }
+                    },
+                    // A forked child whose cache a parent thread held.
+                    None => fresh,
                 }
             }
         };
@@ -193,36 +235,89 @@ impl Reader {
         Ok(StorageBytes { hash: hash.to_string(), map, range, verified: AtomicBool::new(false) })
     }
 
-    /// Names of every tensor entry, sorted (links and temporary files are
-    /// skipped).
+    /// Names of every tensor entry that is a regular file, sorted (links,
+    /// FIFOs and temporary files are left out: see [`Reader::list_entries`]).
     pub fn list_tensors(&self) -> Result<Vec<String>> {
-        let mut out = Vec::new();
-        walk(&self.root.join(layout::TENSORS), "", 0, &mut out)?;
-        out.sort();
-        Ok(out)
+        Ok(self.list_entries()?.names)
     }
 
-    /// Every storage: hash and file size, sorted by hash.
+    /// Every object under `tensors/`, without following links: regular
+    /// entries by name, sorted, and whatever else is there (links to
+    /// files or folders, FIFOs, ...), which no entry can be read from.
+    pub fn list_entries(&self) -> Result<EntryListing> {
+        let mut listing = EntryListing::default();
+        let top = self.root.join(layout::TENSORS);
+        match std::fs::symlink_metadata(&top) {
+            Ok(m) if m.is_dir() => walk(&top, "", 0, &mut listing)?,
+            Ok(m) => listing.odd.push(OddObject { object: layout::TENSORS.to_string(), kind: fsio::file_kind(m.file_type()) }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::new(ErrorKind::Io, format!("unable to stat {}: {e}", top.display()))),
+        }
+        listing.names.sort();
+        listing.odd.sort_by(|a, b| a.object.cmp(&b.object));
+        Ok(listing)
+    }
+
+    /// Every storage: hash and size of its bytes (in the PyTorch format
+    /// the file is a torch.save zip around them), sorted by hash.
     pub fn list_storages(&self) -> Result<Vec<(String, u64)>> {
+        let files = self.scan_storages()?.0;
+        if self.format == Format::Native {
+            return Ok(files);
+        }
+        files
+            .into_iter()
+            .map(|(hash, file_len)| {
+                // A file that does not parse shows its file size; verify names it.
+                let size = self.read_storage(&hash).map_or(file_len, |s| s.bytes().len() as u64);
+                Ok((hash, size))
+            })
+            .collect()
+    }
+
+    /// Objects under `storages/` that are not regular files (a link, a
+    /// FIFO, a folder): no storage can be read from them.
+    pub fn odd_storages(&self) -> Result<Vec<OddObject>> {
+        Ok(self.scan_storages()?.1)
+    }
+
+    /// Regular files under `storages/` (hash, file size), sorted, and the
+    /// other objects there.
+    fn scan_storages(&self) -> Result<StorageScan> {
         let dir = self.root.join(layout::STORAGES);
-        let mut out = Vec::new();
-        let entries = match std::fs::read_dir(&dir) {
-            Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
-            Err(e) => return Err(Error::new(ErrorKind::Io, format!("unable to list {}: {e}", dir.display()))),
-        };
+        let (mut files, mut odd) = (Vec::new(), Vec::new());
+        match std::fs::symlink_metadata(&dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(m) => {
+                odd.push(OddObject { object: layout::STORAGES.to_string(), kind: fsio::file_kind(m.file_type()) });
+                return Ok((files, odd));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((files, odd)),
+            Err(e) => return Err(Error::new(ErrorKind::Io, format!("unable to stat {}: {e}", dir.display()))),
+        }
+        let entries = std::fs::read_dir(&dir).map_err(|e| Error::new(ErrorKind::Io, format!("unable to list {}: {e}", dir.display())))?;
         for entry in entries {
             let entry = entry.map_err(|e| Error::new(ErrorKind::Io, format!("unable to list {}: {e}", dir.display())))?;
             let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(TEMP_PREFIX) {
+                continue;
+            }
+            // DirEntry::metadata does not follow links.
             let meta = entry.metadata().map_err(|e| Error::new(ErrorKind::Io, format!("unable to stat storage {name}: {e}")))?;
-            if meta.is_file() && !name.starts_with(TEMP_PREFIX) {
-                out.push((name, meta.len()));
+            if meta.is_file() {
+                files.push((name, meta.len()));
+            } else {
+                odd.push(OddObject { object: format!("{}/{name}", layout::STORAGES), kind: fsio::file_kind(meta.file_type()) });
             }
         }
-        out.sort();
-        Ok(out)
+        files.sort();
+        odd.sort_by(|a, b| a.object.cmp(&b.object));
+        Ok((files, odd))
     }
 }
+
+/// Regular files under `storages/` (hash, file size) and the odd objects.
+type StorageScan = (Vec<(String, u64)>, Vec<OddObject>);
 
 /// Hashes a storage's bytes and compares with its name.
 pub fn check_hash(storage: &StorageBytes, mode: HashMode) -> Result<()> {
@@ -236,7 +331,7 @@ pub fn check_hash(storage: &StorageBytes, mode: HashMode) -> Result<()> {
     Ok(())
 }
 
-fn walk(dir: &Path, prefix: &str, depth: usize, out: &mut Vec<String>) -> Result<()> {
+fn walk(dir: &Path, prefix: &str, depth: usize, out: &mut EntryListing) -> Result<()> {
     if depth > MAX_DEPTH {
         return Err(Error::new(ErrorKind::Corrupt, format!("{} nests folders deeper than {MAX_DEPTH}", dir.display())));
     }
@@ -257,7 +352,9 @@ fn walk(dir: &Path, prefix: &str, depth: usize, out: &mut Vec<String>) -> Result
         if ty.is_dir() {
             walk(&entry.path(), &full, depth + 1, out)?;
         } else if ty.is_file() {
-            out.push(full);
+            out.names.push(full);
+        } else {
+            out.odd.push(OddObject { object: format!("{}/{full}", layout::TENSORS), kind: fsio::file_kind(ty) });
         }
     }
     Ok(())

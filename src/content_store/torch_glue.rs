@@ -1,7 +1,7 @@
 //! The PyTorch format's file bodies, from [`super::torch_format`], in the
 //! shapes the writer and reader use.
 
-use super::meta::TensorMeta;
+use super::meta::{TensorMeta, ViewBits};
 use super::torch_format;
 use crate::error::Result;
 use std::io::Write;
@@ -25,7 +25,8 @@ pub fn storage_data_range(file: &[u8]) -> Result<Range<usize>> {
     torch_format::storage_data_range(file)
 }
 
-/// A tensor entry through the restricted unpickler.
-pub fn parse_tensor_file(file: &[u8]) -> Result<TensorMeta> {
-    torch_format::parse_tensor_file(file)
+/// A tensor entry, with its conjugate/negative bits, through the
+/// restricted unpickler.
+pub fn parse_tensor_file(file: &[u8]) -> Result<(TensorMeta, ViewBits)> {
+    torch_format::parse_tensor_entry(file)
 }

@@ -5,6 +5,7 @@
 
 use super::bounds::check_fits;
 use super::dtype::Dtype;
+use super::fork_aware::CacheLock;
 use super::fsio;
 use super::hash::{hash_hex, HashMode};
 use super::layout::{self, Format};
@@ -17,7 +18,6 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 
 /// What a writer did so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -40,7 +40,8 @@ pub struct Writer {
     /// Held (shared flock) while the writer lives, so `gc` never removes a
     /// storage whose tensor entry is still to come.
     _lock: File,
-    seen: Mutex<HashSet<String>>,
+    /// Hashes this writer stored or found; only saves a stat.
+    seen: CacheLock<HashSet<String>>,
     durable: AtomicBool,
     written: AtomicU64,
     deduplicated: AtomicU64,
@@ -52,6 +53,10 @@ impl Writer {
     /// Opens (creating if needed) the store at `path` in `format`. A store
     /// already there must have the same format.
     pub fn open(path: &Path, format: Format) -> Result<Writer> {
+        // create_dir_all would say only "File exists".
+        if std::fs::metadata(path).is_ok_and(|m| !m.is_dir()) {
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("{} exists and is not a folder (a content store is a folder)", path.display())));
+        }
         std::fs::create_dir_all(path).map_err(|e| Error::new(ErrorKind::Io, format!("unable to create store folder {}: {e}", path.display())))?;
         let root_fd = fsio::open_root(path)?;
         let hash = match layout::detect(&root_fd, path)? {
@@ -78,7 +83,7 @@ impl Writer {
             format,
             hash,
             _lock: lock,
-            seen: Mutex::new(HashSet::new()),
+            seen: CacheLock::new(HashSet::new()),
             durable: AtomicBool::new(true),
             written: AtomicU64::new(0),
             deduplicated: AtomicU64::new(0),
@@ -93,6 +98,11 @@ impl Writer {
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// The hash that names this store's storages.
+    pub fn hash_mode(&self) -> HashMode {
+        self.hash
     }
 
     /// Whether each file is fsynced (with its folder) before and after
@@ -121,7 +131,7 @@ impl Writer {
     }
 
     fn store_hashed(&self, hash: &str, data: &[u8]) -> Result<()> {
-        if self.seen.lock().unwrap().contains(hash) {
+        if self.seen.lock().is_some_and(|seen| seen.contains(hash)) {
             self.deduplicated.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
@@ -144,7 +154,9 @@ impl Writer {
             self.written.fetch_add(1, Ordering::Relaxed);
             self.bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
         }
-        self.seen.lock().unwrap().insert(hash.to_string());
+        if let Some(mut seen) = self.seen.lock() {
+            seen.insert(hash.to_string());
+        }
         Ok(())
     }
 
@@ -173,13 +185,7 @@ impl Writer {
 /// A shared flock on the store's lock file (created if absent).
 fn shared_lock(root: &Path) -> Result<File> {
     let path = root.join(layout::LOCK);
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|e| Error::new(ErrorKind::Io, format!("unable to open lock file {}: {e}", path.display())))?;
+    let f = fsio::open_lock_file(&path)?;
     flock(&f, libc::LOCK_SH, &path)?;
     Ok(f)
 }

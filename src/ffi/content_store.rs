@@ -2,7 +2,7 @@
 //! `ss_content_reader`, and what a reader hands out (`ss_content_tensor`,
 //! `ss_content_storage`, `ss_content_list`).
 
-use super::args::{copy_c_string, free_handle, handle, out_arg, str_arg, write_out};
+use super::args::{c_string_fits, copy_c_string, free_handle, handle, out_arg, str_arg, write_out};
 use super::status::ss_status;
 use crate::content_store::{self, Dtype, Format, HashMode, Reader, StorageBytes, Tensor, Writer};
 use crate::error::{Error, ErrorKind, Result};
@@ -157,6 +157,8 @@ pub unsafe extern "C" fn ss_content_writer_open(path: *const c_char, format: c_i
 /// Stores `nbytes` bytes at `data` as a storage (once per distinct
 /// content) and writes its hash, NUL-terminated, into `buf` of `buf_len`
 /// bytes (`SS_HASH_HEX_MAX` suffice; `buf` may be NULL when `buf_len` is 0).
+/// A `buf_len` from 1 up to the hash's length is `SS_ERR_BUFFER_TOO_SMALL`
+/// before anything is written: the store is left as it was.
 ///
 /// # Safety
 /// `w` is NULL or a live `ss_content_writer` (other threads may use it
@@ -176,6 +178,10 @@ pub unsafe extern "C" fn ss_content_write_storage(
         let w = unsafe { handle(w, "writer") }?;
         if buf.is_null() && buf_len != 0 {
             return Err(super::args::null("buf"));
+        }
+        if buf_len != 0 {
+            // Checked before writing, so a refused call changes nothing.
+            c_string_fits(&"0".repeat(w.writer.hash_mode().hex_len()), buf_len, "buf")?;
         }
         // SAFETY: NULL or nbytes readable bytes.
         let bytes = unsafe { bytes_arg(data, nbytes, "data") }?;
@@ -415,9 +421,13 @@ pub unsafe extern "C" fn ss_content_list_storages(r: *const SsContentReader, out
 }
 
 /// Checks the whole store: every storage hashed against its name, every
-/// tensor entry parsed and bounds-checked. `*out_checked` (may be NULL)
-/// gets the number of objects checked, `*out_problems` one line
-/// `"<object>: <why>"` per corrupt object (empty when all is well). SS_OK
+/// tensor entry parsed and bounds-checked, and every object under
+/// `tensors/` or `storages/` that is not a regular file (a link, a FIFO)
+/// reported. `*out_checked` (may be NULL) gets the number of objects
+/// checked, `*out_problems` one line `"<object>: <why>"` per corrupt or
+/// unreadable object (empty when all is well). A PyTorch-format storage
+/// named by PyTorch's default hash (not the SHA-1 of its bytes, which
+/// match their zip CRC-32) cannot be checked and is not listed. SS_OK
 /// means the check ran, whatever it found.
 ///
 /// # Safety
@@ -514,6 +524,29 @@ pub unsafe extern "C" fn ss_content_tensor_stride(t: *const SsContentTensor) -> 
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_offset(t: *const SsContentTensor) -> i64 {
     ffi_value!("ss_content_tensor_offset", 0, { with_tensor(t, 0, |t| t.tensor.meta.offset) })
+}
+
+/// Whether the tensor has PyTorch's lazy conjugate bit set (its values
+/// are the complex conjugates of the stored ones, as
+/// `ContentStoreReader` hands it out); false for NULL and in the native
+/// format.
+///
+/// # Safety
+/// `t` is NULL or a live tensor from `ss_content_read_tensor`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_content_tensor_conj(t: *const SsContentTensor) -> bool {
+    ffi_value!("ss_content_tensor_conj", false, { with_tensor(t, false, |t| t.tensor.bits.conj) })
+}
+
+/// Whether the tensor has PyTorch's lazy negative bit set (its values are
+/// the negations of the stored ones); false for NULL and in the native
+/// format.
+///
+/// # Safety
+/// `t` is NULL or a live tensor from `ss_content_read_tensor`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_content_tensor_neg(t: *const SsContentTensor) -> bool {
+    ffi_value!("ss_content_tensor_neg", false, { with_tensor(t, false, |t| t.tensor.bits.neg) })
 }
 
 /// The storage's first byte, read-only (element `i` of the view is at

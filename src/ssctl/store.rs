@@ -11,7 +11,9 @@ commands:
   show PATH [NAME...]   the store's summary, or the named tensors in full
   verify PATH           hash every storage against its name, check every tensor;
                         exit 1 and list the corrupt objects if there are any
-  gc PATH [--dry-run]   remove storages no tensor refers to and leftovers of killed writers";
+                        (names from PyTorch's default hash are listed as unverifiable)
+  gc [--dry-run] PATH   remove storages no tensor refers to and leftovers of killed writers
+                        (--dry-run may come before or after PATH)";
 
 /// Storages at least this big in total get a progress bar on verify.
 const PROGRESS_FROM: u64 = 256 << 20;
@@ -25,20 +27,25 @@ pub fn run(args: &[String]) -> i32 {
         println!("{USAGE}");
         return 0;
     }
+    if cmd == "gc" {
+        return match gc_args(rest) {
+            Ok((path, dry_run)) => report(cmd, gc(Path::new(path), dry_run)),
+            Err(msg) => usage(&msg),
+        };
+    }
     let Some((path, rest)) = rest.split_first() else { return usage(&format!("{cmd}: PATH missing")) };
     let path = Path::new(path);
     let result = match cmd {
         "ls" if rest.is_empty() => ls(path),
         "show" => show(path, rest),
         "verify" if rest.is_empty() => return verify(path),
-        "gc" => match rest {
-            [] => gc(path, false),
-            [d] if d == "--dry-run" => gc(path, true),
-            _ => return usage("gc takes PATH and optionally --dry-run"),
-        },
         "ls" | "verify" => return usage(&format!("{cmd} takes only PATH")),
         other => return usage(&format!("unknown command {other:?}")),
     };
+    report(cmd, result)
+}
+
+fn report(cmd: &str, result: crate::Result<()>) -> i32 {
     match result {
         Ok(()) => 0,
         Err(e) => {
@@ -46,6 +53,21 @@ pub fn run(args: &[String]) -> i32 {
             1
         }
     }
+}
+
+/// `gc`'s PATH and whether `--dry-run` was given, in any order.
+fn gc_args(args: &[String]) -> Result<(&str, bool), String> {
+    let mut path = None;
+    let mut dry_run = false;
+    for a in args {
+        match a.as_str() {
+            "--dry-run" | "-n" => dry_run = true,
+            flag if flag.starts_with('-') => return Err(format!("gc: unknown option {flag:?}")),
+            p if path.is_none() => path = Some(p),
+            extra => return Err(format!("gc takes one PATH, got a second: {extra:?}")),
+        }
+    }
+    path.map(|p| (p, dry_run)).ok_or_else(|| "gc: PATH missing".to_string())
 }
 
 fn usage(msg: &str) -> i32 {
@@ -61,8 +83,8 @@ fn ls(path: &Path) -> crate::Result<()> {
     let r = Reader::open(path)?;
     let sizes: std::collections::HashMap<String, u64> = r.list_storages()?.into_iter().collect();
     println!("{:<40} {:<10} {:<20} {:<34} {:>10}", "TENSOR", "DTYPE", "SHAPE", "STORAGE", "SIZE");
-    let names = r.list_tensors()?;
-    for name in &names {
+    let listing = r.list_entries()?;
+    for name in &listing.names {
         match r.read_meta(name) {
             Ok(m) => {
                 let size = sizes.get(&m.storage_hash).map_or("missing".to_string(), |s| HumanBytes(*s).to_string());
@@ -71,8 +93,11 @@ fn ls(path: &Path) -> crate::Result<()> {
             Err(e) => println!("{name:<40} unreadable: {e}"),
         }
     }
+    for odd in &listing.odd {
+        println!("{:<40} unreadable: {} (not a regular entry)", odd.object, odd.kind);
+    }
     let total: u64 = sizes.values().sum();
-    println!("{} tensor(s), {} storage(s), {} ({} format)", names.len(), sizes.len(), HumanBytes(total), r.format().name());
+    println!("{} tensor(s), {} storage(s), {} ({} format)", listing.names.len(), sizes.len(), HumanBytes(total), r.format().name());
     Ok(())
 }
 
@@ -100,6 +125,10 @@ fn show(path: &Path, names: &[String]) -> crate::Result<()> {
         println!("shape:     {}", shape_text(&t.meta.shape));
         println!("stride:    {}", shape_text(&t.meta.stride));
         println!("offset:    {}", t.meta.offset);
+        if t.bits.conj || t.bits.neg {
+            let set: Vec<&str> = [("conj", t.bits.conj), ("neg", t.bits.neg)].iter().filter(|b| b.1).map(|b| b.0).collect();
+            println!("lazy bits: {} (the storage holds the values before they apply)", set.join(", "));
+        }
         println!("storage:   {} ({}, {} bytes)", t.meta.storage_hash, HumanBytes(bytes.len() as u64), bytes.len());
         println!("first bytes: {}", head.join(" "));
     }
@@ -138,6 +167,12 @@ fn verify(path: &Path) -> i32 {
         HumanBytes(report.bytes),
         report.tensors
     );
+    if !report.unverifiable.is_empty() {
+        println!("{} storage(s) with names that cannot be checked (not corrupt):", report.unverifiable.len());
+        for p in &report.unverifiable {
+            println!("  {}: {}", p.object, p.why);
+        }
+    }
     if report.problems.is_empty() {
         println!("ok: no corrupt object");
         return 0;

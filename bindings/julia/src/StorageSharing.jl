@@ -41,7 +41,7 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        hash_bytes, ContentWriter, ContentReader, ContentTensor, ContentStorage, content_writer, write_storage,
        write_tensor, writer_counts, set_durable!, content_reader, reader_format, set_verify!, read_tensor, read_storage,
        list_tensors, list_storages, verify, tensor_dtype, tensor_offset, tensor_ndim, tensor_shape, tensor_stride,
-       tensor_storage_hash, tensor_bytes, storage_bytes
+       tensor_storage_hash, tensor_conj, tensor_neg, tensor_bytes, storage_bytes
 
 """The library to load: `STORAGE_SHARING_LIB`, else the standard search path."""
 libstorage_sharing() = get(ENV, "STORAGE_SHARING_LIB", "libstorage_sharing")

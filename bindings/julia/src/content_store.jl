@@ -241,6 +241,13 @@ end
 tensor_storage_hash(t::ContentTensor) = unsafe_string(ccall((:ss_content_tensor_storage_hash, libstorage_sharing()), Cstring,
                                                             (Ptr{Cvoid},), live_handle(t, "ss_content_tensor_storage_hash")))
 
+"""PyTorch's lazy conjugate bit: the values are the conjugates of the stored bytes."""
+tensor_conj(t::ContentTensor) =
+    ccall((:ss_content_tensor_conj, libstorage_sharing()), Bool, (Ptr{Cvoid},), live_handle(t, "ss_content_tensor_conj"))
+"""PyTorch's lazy negative bit: the values are the negations of the stored bytes."""
+tensor_neg(t::ContentTensor) =
+    ccall((:ss_content_tensor_neg, libstorage_sharing()), Bool, (Ptr{Cvoid},), live_handle(t, "ss_content_tensor_neg"))
+
 """
     tensor_bytes(t) -> Vector{UInt8}
 

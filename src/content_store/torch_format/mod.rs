@@ -18,7 +18,7 @@ use std::ops::Range;
 use self::pickle::Pickler;
 use self::unpickle::{Allow, Global, Value};
 use self::zip::{ZipEntry, ZipWriter};
-use super::meta::TensorMeta;
+use super::meta::{TensorMeta, ViewBits};
 use crate::error::{Error, ErrorKind, Result};
 
 /// The folder every record of our files sits in; torch.save uses this name
@@ -55,8 +55,14 @@ pub fn storage_file(data: &[u8]) -> Vec<u8> {
 /// stride, {}))`, the tensor entry ContentStoreWriter writes for a tensor
 /// with neither the conjugate nor the negative bit set.
 pub fn tensor_file(meta: &TensorMeta) -> Vec<u8> {
+    tensor_file_with_bits(meta, ViewBits::default())
+}
+
+/// [`tensor_file`] for a tensor with the conjugate and/or negative bit
+/// set: the metadata dict holds them as PyTorch writes it (`neg` first).
+pub fn tensor_file_with_bits(meta: &TensorMeta, bits: ViewBits) -> Vec<u8> {
     debug_assert_eq!(meta.shape.len(), meta.stride.len(), "shape and stride of one tensor");
-    let pkl = tensor_pickle(meta);
+    let pkl = tensor_pickle(meta, bits);
     let id = serialization_id(&[&pkl]);
     let mut out = Vec::with_capacity(1024);
     write_archive(&mut out, &pkl, None, &id).expect("writing to a Vec cannot fail");
@@ -109,7 +115,8 @@ fn storage_pickle(nbytes: u64) -> Vec<u8> {
     p.finish()
 }
 
-fn tensor_pickle(meta: &TensorMeta) -> Vec<u8> {
+fn tensor_pickle(meta: &TensorMeta, bits: ViewBits) -> Vec<u8> {
+    let set: Vec<(&str, bool)> = [("neg", bits.neg), ("conj", bits.conj)].into_iter().filter(|b| b.1).collect();
     let mut p = Pickler::new();
     p.tuple(6, |p| {
         p.global("torch", meta.dtype.torch_name());
@@ -117,7 +124,7 @@ fn tensor_pickle(meta: &TensorMeta) -> Vec<u8> {
         p.int(meta.offset);
         p.reduce(|p| p.global("torch", "Size"), 1, |p| p.int_tuple(&meta.shape));
         p.int_tuple(&meta.stride);
-        p.str_bool_dict(&[]);
+        p.str_bool_dict(&set);
     });
     p.finish()
 }
@@ -206,15 +213,55 @@ pub fn storage_data_range(file: &[u8]) -> Result<Range<usize>> {
     Ok(rec.data.clone())
 }
 
-/// Reads a tensor entry written by ContentStoreWriter (or by
-/// [`tensor_file`]) through the restricted unpickler.
+/// How a storage file's data stands against the CRC-32 its zip record
+/// holds: the one check of its bytes when its name is not their SHA-1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataCrc {
+    Matches,
+    /// The writer stored no CRC (0): nothing to check against.
+    Absent,
+    Differs,
+}
+
+/// Checks the `data/0` record of a `torch.save(storage)` file against its
+/// CRC-32 (after the checks of [`storage_data_range`]).
+pub fn storage_data_crc(file: &[u8]) -> Result<DataCrc> {
+    storage_data_range(file)?;
+    let archive = Archive::parse(file)?;
+    let rec = archive.record("data/0").ok_or_else(|| corrupt(format!("storage file has no {}data/0 record", archive.prefix)))?;
+    Ok(match (rec.crc, rec.crc_ok(file)) {
+        (0, _) => DataCrc::Absent,
+        (_, true) => DataCrc::Matches,
+        (_, false) => DataCrc::Differs,
+    })
+}
+
+/// Reads a plain tensor entry written by ContentStoreWriter (or by
+/// [`tensor_file`]) through the restricted unpickler. An entry with the
+/// conjugate or negative bit set is refused (`Unsupported`), so a caller
+/// that knows nothing of the bits never misreads the values: read those
+/// with [`parse_tensor_entry`].
 pub fn parse_tensor_file(file: &[u8]) -> Result<TensorMeta> {
+    let (meta, bits) = parse_tensor_entry(file)?;
+    if bits != ViewBits::default() {
+        let which = if bits.conj { "conj" } else { "neg" };
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            format!("tensor entry: tensor has the {which} bit set (a lazy view); read it with parse_tensor_entry, which gives the bits"),
+        ));
+    }
+    Ok(meta)
+}
+
+/// Reads any tensor entry ContentStoreWriter writes, with its conjugate
+/// and negative bits, as `ContentStoreReader.read_tensor` does.
+pub fn parse_tensor_entry(file: &[u8]) -> Result<(TensorMeta, ViewBits)> {
     let archive = Archive::parse(file)?;
     let value = archive.pickle(Allow::TensorEntry)?;
     tensor_meta(&value).map_err(|e| e.context("tensor entry"))
 }
 
-fn tensor_meta(value: &Value) -> Result<TensorMeta> {
+fn tensor_meta(value: &Value) -> Result<(TensorMeta, ViewBits)> {
     let items = value
         .as_tuple()
         .filter(|t| t.len() == 6)
@@ -246,8 +293,8 @@ fn tensor_meta(value: &Value) -> Result<TensorMeta> {
     if let Some(s) = stride.iter().find(|s| **s < 0) {
         return Err(corrupt(format!("stride has a negative step {s}")));
     }
-    check_metadata(&items[5])?;
-    Ok(TensorMeta { dtype, storage_hash, offset, shape, stride })
+    let bits = view_bits(&items[5])?;
+    Ok((TensorMeta { dtype, storage_hash, offset, shape, stride }, bits))
 }
 
 fn ints(v: &Value, what: &str) -> Result<Vec<i64>> {
@@ -265,27 +312,23 @@ fn is_hash(s: &str) -> bool {
     (1..=MAX_HASH_LEN).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
-/// The metadata dict holds the tensor's conjugate and negative bits when
-/// set; a view with either set is not a plain strided view of the
-/// storage's bytes, so it is refused rather than read wrongly.
-fn check_metadata(v: &Value) -> Result<()> {
+/// The metadata dict: the tensor's conjugate and negative bits, each
+/// present only when set (a `False` value is accepted too); any other key
+/// or value is refused.
+fn view_bits(v: &Value) -> Result<ViewBits> {
     let pairs = match v {
         Value::Dict(d) => &d.pairs,
         other => return Err(corrupt(format!("metadata is {}, not a dict", other.describe()))),
     };
+    let mut bits = ViewBits::default();
     for (k, v) in pairs {
         match (k, v) {
-            (Value::Str(k), Value::Bool(false)) if matches!(&**k, "conj" | "neg") => {}
-            (Value::Str(k), Value::Bool(true)) if matches!(&**k, "conj" | "neg") => {
-                return Err(Error::new(
-                    ErrorKind::Unsupported,
-                    format!("tensor has the {k} bit set (a lazy {} view); only plain views are supported", if &**k == "conj" { "conjugate" } else { "negated" }),
-                ))
-            }
+            (Value::Str(k), Value::Bool(on)) if &**k == "conj" => bits.conj = *on,
+            (Value::Str(k), Value::Bool(on)) if &**k == "neg" => bits.neg = *on,
             (k, v) => return Err(corrupt(format!("metadata has {} = {}, not a conj or neg bit", k.describe(), v.describe()))),
         }
     }
-    Ok(())
+    Ok(bits)
 }
 
 #[cfg(test)]

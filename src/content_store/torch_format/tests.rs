@@ -78,13 +78,26 @@ fn reads_a_storage_file_torch_wrote() {
 fn tensor_pickle_is_byte_identical_to_torch() {
     // The entry of arange(24.).reshape(2,3,4).transpose(0,2)[1:] in a store.
     let torch_pkl = data_pkl(&fixture("tensor_f32_transposed_offset1"));
-    assert_eq!(tensor_pickle(&meta(Dtype::Float32, 1, &[3, 3, 2], &[1, 4, 12])), torch_pkl);
+    assert_eq!(tensor_pickle(&meta(Dtype::Float32, 1, &[3, 3, 2], &[1, 4, 12]), ViewBits::default()), torch_pkl);
 }
 
 #[test]
 fn reads_a_tensor_entry_torch_wrote() {
     let m = parse_tensor_file(&fixture("tensor_f32_transposed_offset1")).unwrap();
     assert_eq!(m, meta(Dtype::Float32, 1, &[3, 3, 2], &[1, 4, 12]));
+}
+
+#[test]
+fn conjugate_views_are_read_with_their_bits() {
+    let file = fixture("tensor_c64_conj");
+    let (m, bits) = parse_tensor_entry(&file).unwrap();
+    assert_eq!(bits, ViewBits { conj: true, neg: false });
+    assert_eq!(m.dtype, Dtype::ComplexFloat);
+    // Written back, the pickle is the one PyTorch wrote.
+    assert_eq!(tensor_pickle(&m, bits), data_pkl(&file));
+    for bits in [ViewBits { conj: true, neg: true }, ViewBits { conj: false, neg: true }, ViewBits::default()] {
+        assert_eq!(parse_tensor_entry(&tensor_file_with_bits(&m, bits)).unwrap(), (m.clone(), bits));
+    }
 }
 
 #[test]

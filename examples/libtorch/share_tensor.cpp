@@ -24,6 +24,7 @@ int main(int argc, char **argv) {
         storage_sharing::SharedFilename s = sst::share_filename(t.storage());
         sst::shared_incref(t.storage());  // the reference in flight
         std::printf("shared %s (%zu bytes) through %s\n", s.name.c_str(), s.nbytes, s.manager.c_str());
+        std::fflush(stdout);
 
         // The Python side: open it, drop the in-flight reference, rebuild
         // the tensor, double it in place.
@@ -38,10 +39,13 @@ int main(int argc, char **argv) {
                           std::to_string(s.nbytes);
         if (std::system(cmd.c_str()) != 0) return 1;
 
-        std::printf("C++ sees [%s]\n", t.flatten().to(at::kInt).toString().c_str());
-        for (int i = 0; i < 6; i++)
-            if (t.flatten()[i].item<float>() != 2.0f * i) return 1;
-        std::printf("ok\n");
+        std::printf("C++ sees");
+        for (int i = 0; i < 6; i++) {
+            float v = t.flatten()[i].item<float>();
+            std::printf(" %g", v);
+            if (v != 2.0f * i) return 1;
+        }
+        std::printf("\nok\n");
     } catch (const storage_sharing::Error &e) {
         std::fprintf(stderr, "%s\n", e.what());
         return 1;

@@ -10,11 +10,16 @@
  *   ATen by fd:    at::empty -> MapAllocator(flags 86) + memcpy -> MapAllocator(WITH_FD, dup, flags 58)
  *   ours by name:  empty_shared(FileSystem) -> share_filename (no copy; manager) -> open_shared_filename
  *   ATen by name:  at::empty -> RefcountedMapAllocator(flags 6) + memcpy -> RefcountedMapAllocator(flags 10)
- * ATen's by-name path registers with no manager (a libtorch program has
- * none), so ours pays two manager round trips per round that it does not. */
+ *   libshm by name: at::empty -> THManagedMapAllocator(flags 6) + memcpy -> THManagedMapAllocator(flags 10)
+ * ATen's by-name path registers with no manager, so ours pays two manager
+ * round trips per round that it does not (and it leaves segments behind
+ * on kill -9); libshm's THManagedMapAllocator (torch/lib/libshm.so, what
+ * PyTorch itself uses) pays them too, and is the like-for-like column.
+ *   libtorch_bench [TORCH_SHM_MANAGER]   (the libshm row needs it) */
 #include <ATen/ATen.h>
 #include <ATen/MapAllocator.h>
 #include <ATen/Parallel.h>
+#include <libshm.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -81,6 +86,21 @@ void aten_name(std::size_t n) {
     consume(static_cast<const std::uint8_t *>(opened.data()), n);
 }
 
+void libshm_name(std::size_t n) {
+    at::Tensor t = at::empty({static_cast<int64_t>(n)}, at::kByte);
+    produce(t);
+    std::string name = at::NewProcessWideShmHandle();
+    at::DataPtr shared =
+        THManagedMapAllocator::makeDataPtr("", name.c_str(), at::ALLOCATOR_MAPPED_SHAREDMEM | at::ALLOCATOR_MAPPED_EXCLUSIVE, n);
+    std::memcpy(shared.get(), t.data_ptr(), n);
+    THManagedMapAllocator *ctx = THManagedMapAllocator::fromDataPtr(shared);
+    ctx->incref();
+    at::DataPtr opened = THManagedMapAllocator::makeDataPtr(ctx->manager_handle(), name.c_str(),
+                                                            at::ALLOCATOR_MAPPED_SHAREDMEM | at::ALLOCATOR_MAPPED_NOCREATE, n);
+    THManagedMapAllocator::fromDataPtr(opened)->decref();
+    consume(static_cast<const std::uint8_t *>(opened.get()), n);
+}
+
 /* Median microseconds of one round. */
 double median_us(const std::function<void(std::size_t)> &round, std::size_t n, int rounds) {
     round(n); /* warm-up */
@@ -96,20 +116,26 @@ double median_us(const std::function<void(std::size_t)> &round, std::size_t n, i
 
 }  // namespace
 
-int main() {
+int main(int argc, char **argv) {
     at::set_num_threads(1);
+    bool with_libshm = argc > 1;
+    if (with_libshm) libshm_init(argv[1]);
     struct Size {
         const char *label;
         std::size_t bytes;
         int rounds;
     };
     const Size sizes[] = {{"4 KiB", 4096, 2001}, {"1 MiB", 1 << 20, 301}, {"256 MiB", 256u << 20, 7}};
-    std::printf("%-8s %-8s %14s %14s %8s\n", "size", "strategy", "ours (us)", "ATen (us)", "ATen/ours");
+    std::printf("%-8s %-14s %14s %14s %10s\n", "size", "strategy", "ours (us)", "theirs (us)", "theirs/ours");
     for (const Size &s : sizes) {
         double of = median_us(ours_fd, s.bytes, s.rounds), af = median_us(aten_fd, s.bytes, s.rounds);
-        std::printf("%-8s %-8s %14.1f %14.1f %8.2f\n", s.label, "fd", of, af, af / of);
+        std::printf("%-8s %-14s %14.1f %14.1f %10.2f\n", s.label, "fd/ATen", of, af, af / of);
         double on = median_us(ours_name, s.bytes, s.rounds), an = median_us(aten_name, s.bytes, s.rounds);
-        std::printf("%-8s %-8s %14.1f %14.1f %8.2f\n", s.label, "name", on, an, an / on);
+        std::printf("%-8s %-14s %14.1f %14.1f %10.2f\n", s.label, "name/ATen", on, an, an / on);
+        if (with_libshm) {
+            double ln = median_us(libshm_name, s.bytes, s.rounds);
+            std::printf("%-8s %-14s %14.1f %14.1f %10.2f\n", s.label, "name/libshm", on, ln, ln / on);
+        }
     }
     return 0;
 }

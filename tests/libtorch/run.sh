@@ -63,6 +63,13 @@ cmake -S "$root/tests/libtorch" -B "$work/build" -DCMAKE_PREFIX_PATH="$prefix;$t
     || { cat "$work/configure.log"; fail "configure"; }
 cmake --build "$work/build" -j2 >"$work/build.log" 2>&1 || { tail -n 60 "$work/build.log"; fail "build"; }
 
+# docs/libtorch.md shows the example: the page's block is the file.
+awk '/^<!-- checked: share_tensor.cpp -->$/ { take = 1; next }
+     take && /^```/ { if (inblock) exit; inblock = 1; next }
+     inblock { print }' "$root/docs/libtorch.md" >"$work/docs_example.cpp"
+cmp -s "$work/docs_example.cpp" "$root/examples/libtorch/share_tensor.cpp" \
+    || fail "docs/libtorch.md's example differs from examples/libtorch/share_tensor.cpp"
+
 if [ -x "$work/build/libtorch_example" ]; then
     echo "-- examples/libtorch/share_tensor"
     out="$("$work/build/libtorch_example" "$python")" || { echo "$out"; fail "the example"; }
@@ -77,5 +84,5 @@ echo "-- interop tests"
 
 if [ "$bench" = 1 ]; then
     cmake --build "$work/build" --target libtorch_bench >/dev/null
-    "$work/build/libtorch_bench"
+    "$work/build/libtorch_bench" "$torch_dir/bin/torch_shm_manager"
 fi

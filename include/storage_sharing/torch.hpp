@@ -1,0 +1,433 @@
+/* storage-sharing for libtorch programs: c10::Storage and at::Tensor over
+ * the C API, in place of the sharing layer PyTorch keeps in its Python
+ * bindings. Header-only, C++17; include it only in code that links
+ * libtorch (nothing else in the library needs it).
+ *
+ *   - SharedAllocator: a c10::Allocator whose storages are born in shared
+ *     memory with ATen's MapAllocator flags (86 by fd, 6 by name), so
+ *     at::empty(...) under ScopedCpuAllocator, or empty_shared(...), is
+ *     shareable without a copy.
+ *   - share_filename / share_fd: the values _share_filename_cpu_() and
+ *     _share_fd_cpu_() return; open_shared_filename / open_shared_fd: what
+ *     _new_shared_filename_cpu / _new_shared_fd_cpu make of them. Opened
+ *     storages release their reference from the DataPtr's deleter, so
+ *     c10's strong and weak references decide when, as in PyTorch.
+ *   - ArenaAllocator: tensors over blocks of a shareable arena, shared in
+ *     O(1) as a plain ArenaTensorHandle.
+ *   - share_cuda / open_cuda: the 8-value _share_cuda_() tuple.
+ *
+ * Errors throw storage_sharing::Error (status and the library's message).
+ * Thread safety is c10's: sharing a storage may swap its DataPtr (as
+ * PyTorch does), so no other thread may use that storage meanwhile. */
+#ifndef STORAGE_SHARING_TORCH_HPP
+#define STORAGE_SHARING_TORCH_HPP
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/Storage.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "../storage_sharing.hpp"
+
+namespace storage_sharing {
+namespace libtorch {
+
+/* How a storage is put in shared memory. */
+enum class Strategy {
+    /* A nameless segment kept by its descriptor (ATen flags 86, the
+     * "file_descriptor" strategy); shared with share_fd. */
+    FileDescriptor,
+    /* A named refcounted segment registered with the manager daemon
+     * (ATen flags 6, "file_system"); shared with share_filename. */
+    FileSystem,
+};
+
+namespace detail {
+
+/* The deleter of every DataPtr whose context is one of our ss_storage
+ * references: dropping the last c10 reference drops ours. */
+inline void free_storage_ctx(void *ctx) noexcept { ss_storage_free(static_cast<ss_storage *>(ctx)); }
+
+inline c10::DataPtr storage_data_ptr(Storage &&storage) {
+    void *data = storage.data();
+    return c10::DataPtr(data, storage.release(), &free_storage_ctx, c10::Device(c10::DeviceType::CPU));
+}
+
+/* Our reference behind a c10 storage, or nullptr when its bytes are not ours. */
+inline ss_storage *storage_ctx(const c10::Storage &storage) noexcept {
+    const c10::DataPtr &dp = storage.data_ptr();
+    if (dp.get_deleter() != &free_storage_ctx) return nullptr;
+    return static_cast<ss_storage *>(dp.get_context());
+}
+
+inline bool is_fd_backed(const ss_storage *s) noexcept {
+    int fd = -1;
+    return s && ss_storage_get_shared_fd(s, &fd) == SS_OK;
+}
+inline bool is_managed(const ss_storage *s) noexcept {
+    std::int32_t n = 0;
+    return s && ss_storage_shared_refcount(s, &n) == SS_OK;
+}
+
+inline void require_cpu(const c10::Storage &storage, const char *function) {
+    if (!storage) throw Error(SS_ERR_NULL_POINTER, function, "the storage is undefined");
+    if (storage.device_type() != c10::DeviceType::CPU) {
+        throw Error(SS_ERR_INVALID_ARGUMENT, function,
+                    std::string("only available on CPU storages (this one is on ") + storage.device().str() + ")");
+    }
+}
+
+}  // namespace detail
+
+/* A c10::Allocator that places every allocation in shared memory: by fd
+ * (ss_storage_new_using_fd, ATen's flags 86) or by name through the
+ * manager (ss_storage_new_using_filename, flags 6). A 0-byte allocation
+ * is an empty DataPtr. Use the two process-wide instances of get(). */
+class SharedAllocator final : public c10::Allocator {
+public:
+    explicit SharedAllocator(Strategy strategy) noexcept : strategy_(strategy) {}
+
+    static SharedAllocator &get(Strategy strategy) {
+        static SharedAllocator by_fd(Strategy::FileDescriptor);
+        static SharedAllocator by_name(Strategy::FileSystem);
+        return strategy == Strategy::FileDescriptor ? by_fd : by_name;
+    }
+
+    Strategy strategy() const noexcept { return strategy_; }
+
+    c10::DataPtr allocate(std::size_t nbytes) override {
+        if (nbytes == 0) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CPU));
+        return detail::storage_data_ptr(strategy_ == Strategy::FileDescriptor ? Storage::new_using_fd(nbytes)
+                                                                             : Storage::new_using_filename(nbytes));
+    }
+    void copy_data(void *dest, const void *src, std::size_t count) const override { std::memcpy(dest, src, count); }
+
+private:
+    Strategy strategy_;
+};
+
+/* While alive, makes `allocator` libtorch's CPU allocator, so plain
+ * at::empty(...) on the CPU is born in shared memory; restores the
+ * previous one when destroyed. Process-wide (every thread): meant for
+ * a scope in which this thread alone allocates. */
+class ScopedCpuAllocator {
+public:
+    explicit ScopedCpuAllocator(Strategy strategy) : previous_(c10::GetCPUAllocator()) {
+        c10::SetCPUAllocator(&SharedAllocator::get(strategy), /*priority=*/UINT8_MAX);
+    }
+    ScopedCpuAllocator(const ScopedCpuAllocator &) = delete;
+    ScopedCpuAllocator &operator=(const ScopedCpuAllocator &) = delete;
+    ~ScopedCpuAllocator() { c10::SetCPUAllocator(previous_, /*priority=*/UINT8_MAX); }
+
+private:
+    c10::Allocator *previous_;
+};
+
+/* A contiguous CPU tensor whose storage is born in shared memory. */
+inline at::Tensor empty_shared(c10::IntArrayRef sizes, c10::ScalarType dtype,
+                               Strategy strategy = Strategy::FileSystem) {
+    return at::detail::empty_generic(sizes, &SharedAllocator::get(strategy), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                     dtype, std::nullopt);
+}
+
+/* Whether the storage's bytes are in shared memory of ours. */
+inline bool is_shared(const c10::Storage &storage) noexcept {
+    const ss_storage *s = detail::storage_ctx(storage);
+    return s && ss_storage_is_shared(s);
+}
+
+/* The reference of ours behind `storage` (borrowed), or nullptr. */
+inline const ss_storage *storage_handle(const c10::Storage &storage) noexcept { return detail::storage_ctx(storage); }
+
+/* Moves the bytes into a new shared storage of `strategy` and swaps it
+ * into `storage` in place (data pointer and allocator), as PyTorch's
+ * sharing calls do; other views of this StorageImpl follow. */
+inline ss_storage *move_to_shared(const c10::Storage &storage, Strategy strategy) {
+    Storage fresh = strategy == Strategy::FileDescriptor ? Storage::new_using_fd(storage.nbytes())
+                                                         : Storage::new_using_filename(storage.nbytes());
+    if (storage.nbytes() > 0) std::memcpy(fresh.data(), storage.data(), storage.nbytes());
+    ss_storage *raw = fresh.get();
+    c10::StorageImpl *impl = storage.unsafeGetStorageImpl();
+    impl->set_data_ptr_noswap(detail::storage_data_ptr(std::move(fresh)));
+    impl->set_allocator(&SharedAllocator::get(strategy));
+    return raw;
+}
+
+/* ---- by name (the "file_system" strategy, through the manager) ---- */
+
+/* _share_filename_cpu_(): (manager socket path, segment name, bytes). A
+ * storage not already in a managed segment is first moved into one (a
+ * copy). Before sending, call shared_incref (the reference in flight,
+ * as torch.multiprocessing's reduction does); the receiver cancels it
+ * with shared_decref once it has opened the storage. */
+inline SharedFilename share_filename(const c10::Storage &storage) {
+    detail::require_cpu(storage, "share_filename");
+    ss_storage *s = detail::storage_ctx(storage);
+    if (!detail::is_managed(s)) s = move_to_shared(storage, Strategy::FileSystem);
+    char manager[108], name[64];
+    std::size_t nbytes = 0;
+    check(ss_storage_share_filename(s, manager, sizeof manager, name, sizeof name, &nbytes), "ss_storage_share_filename");
+    return SharedFilename{manager, name, nbytes};
+}
+
+/* _new_shared_filename_cpu(manager, name, nbytes): registers with that
+ * manager (PyTorch's torch_shm_manager or ours; "" = this process's) and
+ * maps the segment (flags 10, header count + 1). The storage is not
+ * resizable; its last c10 reference releases ours (count − 1, and the
+ * name goes with the last holder in any process). */
+inline c10::Storage open_shared_filename(const std::string &manager, const std::string &name, std::size_t nbytes) {
+    Storage s = Storage::open_shared_filename(manager, name, nbytes);
+    std::size_t size = s.nbytes();
+    return c10::Storage(c10::Storage::use_byte_size_t(), size, detail::storage_data_ptr(std::move(s)),
+                        &SharedAllocator::get(Strategy::FileSystem), /*resizable=*/false);
+}
+inline c10::Storage open_shared_filename(const SharedFilename &shared) {
+    return open_shared_filename(shared.manager, shared.name, shared.nbytes);
+}
+
+/* _shared_incref() / _shared_decref() / the header count, for storages
+ * shared by name (Error SS_ERR_UNSUPPORTED otherwise). */
+inline void shared_incref(const c10::Storage &storage) {
+    check(ss_storage_shared_incref(detail::storage_ctx(storage)), "ss_storage_shared_incref");
+}
+inline void shared_decref(const c10::Storage &storage) {
+    check(ss_storage_shared_decref(detail::storage_ctx(storage)), "ss_storage_shared_decref");
+}
+inline std::int32_t shared_refcount(const c10::Storage &storage) {
+    std::int32_t n = 0;
+    check(ss_storage_shared_refcount(detail::storage_ctx(storage), &n), "ss_storage_shared_refcount");
+    return n;
+}
+
+/* ---- by descriptor (the "file_descriptor" strategy) ---- */
+
+/* _share_fd_cpu_(): (fd, bytes). A storage not already fd-backed is
+ * first moved into a nameless segment (a copy). The fd stays owned by
+ * the storage: send it (send_fds) or dup it, never close it. */
+inline SharedFd share_fd(const c10::Storage &storage) {
+    detail::require_cpu(storage, "share_fd");
+    ss_storage *s = detail::storage_ctx(storage);
+    if (!detail::is_fd_backed(s)) s = move_to_shared(storage, Strategy::FileDescriptor);
+    SharedFd out{-1, 0};
+    check(ss_storage_share_fd(s, &out.fd, &out.nbytes), "ss_storage_share_fd");
+    return out;
+}
+
+/* _new_shared_fd_cpu(fd, nbytes): maps a duplicate of `fd` (flags 58);
+ * the caller still closes `fd`. Not resizable. */
+inline c10::Storage open_shared_fd(int fd, std::size_t nbytes) {
+    Storage s = Storage::open_shared_fd(fd, nbytes);
+    std::size_t size = s.nbytes();
+    return c10::Storage(c10::Storage::use_byte_size_t(), size, detail::storage_data_ptr(std::move(s)),
+                        &SharedAllocator::get(Strategy::FileDescriptor), /*resizable=*/false);
+}
+
+/* ---- tensors ---- */
+
+/* A CPU tensor over `storage` with the given view (what
+ * torch.multiprocessing's rebuild_tensor does with set_()). */
+inline at::Tensor tensor_from_storage(c10::Storage storage, c10::ScalarType dtype, c10::IntArrayRef sizes,
+                                      c10::IntArrayRef strides, std::int64_t storage_offset) {
+    if (sizes.size() != strides.size()) {
+        throw Error(SS_ERR_INVALID_ARGUMENT, "tensor_from_storage",
+                    "sizes has " + std::to_string(sizes.size()) + " entries, strides " + std::to_string(strides.size()));
+    }
+    c10::DispatchKeySet keys(storage.device_type() == c10::DeviceType::CUDA ? c10::DispatchKey::CUDA
+                                                                            : c10::DispatchKey::CPU);
+    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys, c10::scalarTypeToTypeMeta(dtype));
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, storage_offset);
+    return t;
+}
+
+/* ---- tensors over arena blocks ---- */
+
+/* Most dimensions an ArenaTensorHandle carries. */
+constexpr int kMaxArenaTensorDims = 16;
+
+/* A tensor over an arena block, as plain bytes for any channel: the
+ * block's handle (one hold, opens once) and the view. `dtype` is the
+ * c10::ScalarType value (the same numbers as SS_DTYPE_*). */
+struct ArenaTensorHandle {
+    ss_arena_handle block;
+    std::int32_t dtype;
+    std::int32_t ndim;
+    std::int64_t storage_offset; /* in elements */
+    std::int64_t sizes[kMaxArenaTensorDims];
+    std::int64_t strides[kMaxArenaTensorDims];
+};
+
+namespace detail {
+struct ArenaBlock {
+    std::shared_ptr<ss_arena> arena;
+    void *ptr;
+};
+inline void free_arena_block(void *ctx) noexcept {
+    auto *block = static_cast<ArenaBlock *>(ctx);
+    (void)ss_arena_free(block->arena.get(), block->ptr);
+    delete block;
+}
+inline void free_arena_view(void *ctx) noexcept { ss_arena_view_free(static_cast<ss_arena_view *>(ctx)); }
+}  // namespace detail
+
+/* A c10::Allocator over a shareable arena: every storage is a block born
+ * in shared memory and shared in O(1) (a hold, no copy) with share().
+ * Storages keep the arena alive. Allocation is thread-safe. */
+class ArenaAllocator final : public c10::Allocator {
+public:
+    explicit ArenaAllocator(const ss_arena_options &options = arena_options_default())
+        : arena_(open_arena(options), &ss_arena_close) {}
+
+    const ss_arena *arena() const noexcept { return arena_.get(); }
+
+    c10::DataPtr allocate(std::size_t nbytes) override {
+        if (nbytes == 0) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CPU));
+        void *p = nullptr;
+        check(ss_arena_alloc(arena_.get(), nbytes, 64, &p), "ss_arena_alloc");
+        return c10::DataPtr(p, new detail::ArenaBlock{arena_, p}, &detail::free_arena_block,
+                            c10::Device(c10::DeviceType::CPU));
+    }
+    void copy_data(void *dest, const void *src, std::size_t count) const override { std::memcpy(dest, src, count); }
+
+    /* A contiguous tensor in a new block. */
+    at::Tensor empty(c10::IntArrayRef sizes, c10::ScalarType dtype) {
+        return at::detail::empty_generic(sizes, this, c10::DispatchKeySet(c10::DispatchKey::CPU), dtype, std::nullopt);
+    }
+
+    /* Shares a tensor whose storage is a block of this arena. By fd, the
+     * peer needs the segment's descriptor (segment_fd) once per segment. */
+    ArenaTensorHandle share(const at::Tensor &t) const {
+        const c10::DataPtr &dp = t.storage().data_ptr();
+        auto *block = dp.get_deleter() == &detail::free_arena_block ? static_cast<detail::ArenaBlock *>(dp.get_context())
+                                                                    : nullptr;
+        if (!block || block->arena != arena_) {
+            throw Error(SS_ERR_INVALID_ARGUMENT, "ArenaAllocator::share", "the tensor's storage is not a block of this arena");
+        }
+        if (t.dim() > kMaxArenaTensorDims) {
+            throw Error(SS_ERR_INVALID_ARGUMENT, "ArenaAllocator::share",
+                        "the tensor has " + std::to_string(t.dim()) + " dimensions, at most " +
+                            std::to_string(kMaxArenaTensorDims) + " fit a handle");
+        }
+        ArenaTensorHandle h{};
+        check(ss_arena_share(arena_.get(), block->ptr, &h.block), "ss_arena_share");
+        h.dtype = static_cast<std::int32_t>(t.scalar_type());
+        h.ndim = static_cast<std::int32_t>(t.dim());
+        h.storage_offset = t.storage_offset();
+        for (int i = 0; i < h.ndim; i++) {
+            h.sizes[i] = t.size(i);
+            h.strides[i] = t.stride(i);
+        }
+        return h;
+    }
+    /* Cancels a share whose handle will never be opened. */
+    void unshare(const ArenaTensorHandle &h) const { check(ss_arena_unshare(arena_.get(), &h.block), "ss_arena_unshare"); }
+    /* The descriptor of a by-fd segment (owned by the arena). */
+    int segment_fd(const ArenaTensorHandle &h) const {
+        int fd = -1;
+        check(ss_arena_segment_fd(arena_.get(), h.block.segment_id, &fd), "ss_arena_segment_fd");
+        return fd;
+    }
+    /* Reclaims dead consumers' holds and reuses blocks nobody holds. */
+    Arena::Collected collect() const {
+        Arena::Collected c{0, 0};
+        check(ss_arena_collect(arena_.get(), &c.reclaimed_holds, &c.recycled_blocks), "ss_arena_collect");
+        return c;
+    }
+
+private:
+    static ss_arena *open_arena(const ss_arena_options &options) {
+        ss_arena *raw = nullptr;
+        check(ss_arena_open(&options, &raw), "ss_arena_open");
+        return raw;
+    }
+    std::shared_ptr<ss_arena> arena_;
+};
+
+/* Consumer: the tensor an ArenaTensorHandle names (by fd, import the
+ * segment first with ArenaView::import_segment_fd). Its storage holds
+ * the block until the last c10 reference goes. */
+inline at::Tensor open_arena_tensor(const ArenaTensorHandle &h) {
+    if (h.ndim < 0 || h.ndim > kMaxArenaTensorDims) {
+        throw Error(SS_ERR_INVALID_ARGUMENT, "open_arena_tensor", "ndim " + std::to_string(h.ndim) + " is out of range");
+    }
+    ss_arena_view *view = nullptr;
+    check(ss_arena_open_remote(&h.block, &view), "ss_arena_open_remote");
+    /* Owned by the DataPtr from here on (its deleter frees the view). */
+    c10::DataPtr data(ss_arena_view_data(view), view, &detail::free_arena_view, c10::Device(c10::DeviceType::CPU));
+    std::size_t size = ss_arena_view_size(view);
+    c10::Storage storage(c10::Storage::use_byte_size_t(), size, std::move(data), nullptr, /*resizable=*/false);
+    return tensor_from_storage(std::move(storage), static_cast<c10::ScalarType>(h.dtype),
+                               c10::IntArrayRef(h.sizes, static_cast<std::size_t>(h.ndim)),
+                               c10::IntArrayRef(h.strides, static_cast<std::size_t>(h.ndim)), h.storage_offset);
+}
+
+/* ---- CUDA ---- */
+
+namespace detail {
+/* The producer's original DataPtr waits here until both it and every
+ * consumer are done; then the caching allocator gets the memory back. */
+inline void give_back_cuda(void *ctx, void * /*device_ptr*/) { delete static_cast<c10::DataPtr *>(ctx); }
+inline void free_cuda_sent_ctx(void *ctx) noexcept { (void)ss_cuda_sent_free(static_cast<ss_cuda_sent *>(ctx), nullptr); }
+inline void free_cuda_received_ctx(void *ctx) noexcept {
+    (void)ss_cuda_received_free(static_cast<ss_cuda_received *>(ctx));
+}
+}  // namespace detail
+
+/* _share_cuda_(): the 8-value tuple (device, memory handle, size, offset,
+ * ref-counter file, slot, event handle, event_sync_required) with our
+ * ref-counter files. The storage's DataPtr is wrapped, as PyTorch does:
+ * its memory goes back once this storage and the consumer are both done.
+ * `stream` is the cudaStream_t whose queued work the consumer must see
+ * (nullptr: the default stream). Without CUDA: Error
+ * SS_ERR_CUDA_UNAVAILABLE with the library's reason. */
+inline ss_cuda_ipc_handle share_cuda(const c10::Storage &storage, void *stream = nullptr) {
+    if (!storage) throw Error(SS_ERR_NULL_POINTER, "share_cuda", "the storage is undefined");
+    if (storage.device_type() != c10::DeviceType::CUDA) {
+        throw Error(SS_ERR_INVALID_ARGUMENT, "share_cuda",
+                    std::string("only available on CUDA storages (this one is on ") + storage.device().str() + ")");
+    }
+    c10::StorageImpl *impl = storage.unsafeGetStorageImpl();
+    if (impl->received_cuda()) {
+        throw Error(SS_ERR_UNSUPPORTED, "share_cuda",
+                    "this storage was received from another process: clone it before sending it on");
+    }
+    ss_cuda_ipc_handle handle{};
+    ss_cuda_sent *sent = nullptr;
+    auto original = std::make_unique<c10::DataPtr>(c10::DataPtr(nullptr, storage.device()));
+    void *data = storage.mutable_data();
+    check(ss_cuda_share(data, storage.nbytes(), storage.device().index(), stream, &detail::give_back_cuda,
+                        original.get(), &handle, &sent),
+          "ss_cuda_share");
+    if (sent) {
+        *original = impl->set_data_ptr(c10::DataPtr(data, sent, &detail::free_cuda_sent_ctx, storage.device()));
+        (void)original.release(); /* the library owns it now (give_back_cuda) */
+    }
+    return handle;
+}
+
+/* _new_shared_cuda(8 values): maps the producer's memory (once per
+ * allocation here) and makes `stream` wait for its event. The storage is
+ * not resizable and marked received; its last reference releases the
+ * producer's slot. */
+inline c10::Storage open_cuda(const ss_cuda_ipc_handle &handle, void *stream = nullptr) {
+    ss_cuda_received *received = nullptr;
+    check(ss_cuda_open(&handle, stream, &received), "ss_cuda_open");
+    c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(handle.device));
+    /* Owned by the DataPtr from here on (its deleter is the consumer's release). */
+    c10::DataPtr data(ss_cuda_received_data(received), received, &detail::free_cuda_received_ctx, device);
+    std::size_t size = ss_cuda_received_size(received);
+    c10::Storage storage(c10::Storage::use_byte_size_t(), size, std::move(data), nullptr, /*resizable=*/false);
+    storage.unsafeGetStorageImpl()->set_received_cuda(true);
+    return storage;
+}
+
+}  // namespace libtorch
+}  // namespace storage_sharing
+
+#endif /* STORAGE_SHARING_TORCH_HPP */

@@ -1,0 +1,578 @@
+/* Tests of include/storage_sharing/torch.hpp against the real libtorch and
+ * stock Python PyTorch processes (tests/libtorch/peer.py):
+ *
+ *   libtorch_interop PYTHON PEER_PY
+ *
+ * Each test prints "ok - NAME" or "FAIL - NAME: why"; the last line is
+ * "libtorch: N passed, M failed". The program also runs copies of itself
+ * (a victim to kill -9, a holder, an arena consumer) through /proc/self/exe. */
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <storage_sharing/torch.hpp>
+
+extern char **environ;
+
+namespace ss = storage_sharing;
+namespace sst = storage_sharing::libtorch;
+
+namespace {
+
+std::string g_python, g_peer;
+
+[[noreturn]] void fail(const std::string &why) { throw std::runtime_error(why); }
+void expect(bool ok, const std::string &why) {
+    if (!ok) fail(why);
+}
+
+/* ---- the shared recipe (the same as peer.py's) ---- */
+
+const std::map<std::string, c10::ScalarType> kDtypes = {
+    {"float32", at::kFloat}, {"float64", at::kDouble}, {"int16", at::kShort},
+    {"int32", at::kInt},     {"int64", at::kLong},     {"bfloat16", at::kBFloat16},
+};
+std::string dtype_name(c10::ScalarType t) {
+    for (const auto &[name, type] : kDtypes)
+        if (type == t) return name;
+    fail(std::string("no name for dtype ") + c10::toString(t));
+}
+at::Tensor recipe_full(c10::ScalarType dtype) { return at::arange(60, at::kLong).to(dtype).reshape({6, 10}); }
+at::Tensor recipe_view(const at::Tensor &full) { return full.slice(0, 1, 5).slice(1, 2, 8, 2); }
+
+/* ---- key=value lines ---- */
+
+using Words = std::map<std::string, std::string>;
+Words parse_words(const std::string &line) {
+    Words w;
+    std::istringstream in(line);
+    std::string word;
+    while (in >> word) {
+        auto eq = word.find('=');
+        if (eq != std::string::npos) w[word.substr(0, eq)] = word.substr(eq + 1);
+    }
+    return w;
+}
+std::vector<int64_t> parse_ints(const std::string &text) {
+    std::vector<int64_t> out;
+    std::istringstream in(text);
+    std::string item;
+    while (std::getline(in, item, ',')) out.push_back(std::stoll(item));
+    return out;
+}
+std::string join(c10::IntArrayRef xs) {
+    std::ostringstream out;
+    for (size_t i = 0; i < xs.size(); i++) out << (i ? "," : "") << xs[i];
+    return out.str();
+}
+std::string view_words(const at::Tensor &v) {
+    return "dtype=" + dtype_name(v.scalar_type()) + " offset=" + std::to_string(v.storage_offset()) +
+           " sizes=" + join(v.sizes()) + " strides=" + join(v.strides());
+}
+std::string filename_words(const ss::SharedFilename &s) {
+    return "manager=" + s.manager + " name=" + s.name + " nbytes=" + std::to_string(s.nbytes);
+}
+/* The view the words describe, over `storage`, checked against the recipe. */
+at::Tensor rebuild_and_check(c10::Storage storage, const Words &w) {
+    c10::ScalarType dtype = kDtypes.at(w.at("dtype"));
+    auto sizes = parse_ints(w.at("sizes")), strides = parse_ints(w.at("strides"));
+    at::Tensor t = sst::tensor_from_storage(std::move(storage), dtype, sizes, strides, std::stoll(w.at("offset")));
+    at::Tensor expected = recipe_view(recipe_full(dtype));
+    expect(t.scalar_type() == dtype, "dtype");
+    expect(t.sizes() == expected.sizes(), "sizes " + join(t.sizes()));
+    expect(t.strides() == expected.strides(), "strides " + join(t.strides()));
+    expect(t.storage_offset() == expected.storage_offset(), "storage offset");
+    expect(at::equal(t, expected), "values differ");
+    return t;
+}
+
+/* ---- child processes ---- */
+
+struct Child {
+    pid_t pid = -1;
+    FILE *in = nullptr;  /* its stdin */
+    FILE *out = nullptr; /* its stdout */
+
+    void say(const std::string &line) {
+        std::fputs((line + "\n").c_str(), in);
+        std::fflush(in);
+    }
+    std::string hear() {
+        char *buf = nullptr;
+        size_t cap = 0;
+        ssize_t n = getline(&buf, &cap, out);
+        std::string line = n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
+        std::free(buf);
+        if (line.empty()) fail("child " + std::to_string(pid) + " closed its stdout");
+        return line;
+    }
+    int wait() {
+        if (in) std::fclose(in), in = nullptr;
+        int status = 0;
+        if (pid > 0) waitpid(pid, &status, 0);
+        pid = -1;
+        if (out) std::fclose(out), out = nullptr;
+        return status;
+    }
+    void kill9() {
+        if (pid > 0) ::kill(pid, SIGKILL);
+        wait();
+    }
+    ~Child() {
+        if (pid > 0) kill9();
+    }
+};
+
+/* Runs argv with pipes on stdin/stdout; `keep_fd` (>= 0) is inherited. */
+void spawn(Child &c, const std::vector<std::string> &args, int keep_fd = -1) {
+    int to[2], from[2];
+    if (pipe2(to, O_CLOEXEC) != 0 || pipe2(from, O_CLOEXEC) != 0) fail("pipe2");
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, to[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, from[1], 1);
+    if (keep_fd >= 0) fcntl(keep_fd, F_SETFD, 0);
+    std::vector<char *> argv;
+    for (const auto &a : args) argv.push_back(const_cast<char *>(a.c_str()));
+    argv.push_back(nullptr);
+    int rc = posix_spawn(&c.pid, argv[0], &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (keep_fd >= 0) fcntl(keep_fd, F_SETFD, FD_CLOEXEC);
+    close(to[0]);
+    close(from[1]);
+    if (rc != 0) fail("posix_spawn " + args[0] + ": " + std::strerror(rc));
+    c.in = fdopen(to[1], "w");
+    c.out = fdopen(from[0], "r");
+}
+void spawn_peer(Child &c, const std::vector<std::string> &args, int keep_fd = -1) {
+    std::vector<std::string> all{g_python, g_peer};
+    all.insert(all.end(), args.begin(), args.end());
+    spawn(c, all, keep_fd);
+}
+void spawn_self(Child &c, const std::vector<std::string> &args, int keep_fd = -1) {
+    std::vector<std::string> all{"/proc/self/exe"};
+    all.insert(all.end(), args.begin(), args.end());
+    all[0] = std::string(realpath("/proc/self/exe", nullptr));
+    spawn(c, all, keep_fd);
+}
+
+bool shm_exists(const std::string &name) { return access(("/dev/shm" + name).c_str(), F_OK) == 0; }
+
+/* The pid of the process listening on a manager's socket (SO_PEERCRED);
+ * the connection is closed at once (the daemon drops it). */
+pid_t manager_pid(const std::string &socket_path) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, socket_path.c_str(), sizeof addr.sun_path - 1);
+    if (connect(fd, reinterpret_cast<sockaddr *>(&addr), sizeof addr) != 0) {
+        close(fd);
+        fail("connect " + socket_path + ": " + std::strerror(errno));
+    }
+    ucred cred{};
+    socklen_t len = sizeof cred;
+    getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len);
+    close(fd);
+    return cred.pid;
+}
+bool process_gone(pid_t pid) {
+    if (::kill(pid, 0) != 0) return true;
+    FILE *f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+    if (!f) return true;
+    char state = '?';
+    int scanned = std::fscanf(f, "%*d (%*[^)]) %c", &state);
+    std::fclose(f);
+    return scanned == 1 && (state == 'Z' || state == 'X');
+}
+/* Waits (hang guard 30 s, the managers linger 2 s) for a daemon to exit. */
+void expect_daemon_exits(pid_t pid, const std::string &what) {
+    for (int i = 0; i < 300 && !process_gone(pid); i++) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    expect(process_gone(pid), what + " (pid " + std::to_string(pid) + ") still runs");
+}
+
+template <class F>
+ss::Error expect_error(F &&f, const std::string &what) {
+    try {
+        f();
+    } catch (const ss::Error &e) {
+        return e;
+    }
+    fail(what + " did not throw");
+}
+
+/* ======================= the tests ======================= */
+
+void test_allocator_born_shared() {
+    for (sst::Strategy strategy : {sst::Strategy::FileSystem, sst::Strategy::FileDescriptor}) {
+        at::Tensor t = sst::empty_shared({6, 10}, at::kFloat, strategy);
+        expect(sst::is_shared(t.storage()), "empty_shared is not shared");
+        void *before = t.data_ptr();
+        if (strategy == sst::Strategy::FileSystem) {
+            ss::SharedFilename s = sst::share_filename(t.storage());
+            expect(s.nbytes == 240 && s.name.rfind("/torch_", 0) == 0, "share_filename values " + s.name);
+            expect(shm_exists(s.name), "segment missing");
+        } else {
+            ss::SharedFd s = sst::share_fd(t.storage());
+            expect(s.fd >= 0 && s.nbytes == 240, "share_fd values");
+        }
+        expect(t.data_ptr() == before, "sharing a storage born shared copied it");
+    }
+    /* at::empty itself, under the scoped CPU allocator. */
+    at::Tensor t;
+    {
+        sst::ScopedCpuAllocator scope(sst::Strategy::FileDescriptor);
+        t = at::empty({128}, at::kDouble);
+    }
+    expect(sst::is_shared(t.storage()), "at::empty under ScopedCpuAllocator is not shared");
+    at::Tensor heap = at::empty({128}, at::kDouble);
+    expect(!sst::is_shared(heap.storage()), "the CPU allocator was not restored");
+    expect(t.storage().allocator() == &sst::SharedAllocator::get(sst::Strategy::FileDescriptor), "allocator");
+    void *before = t.data_ptr();
+    sst::share_fd(t.storage());
+    expect(t.data_ptr() == before, "at::empty storage was copied when shared");
+}
+
+void test_heap_storage_moves_in_place() {
+    at::Tensor full = recipe_full(at::kDouble);
+    at::Tensor view = recipe_view(full);
+    void *before = full.data_ptr();
+    ss::SharedFd s = sst::share_fd(view.storage());
+    expect(s.nbytes == 480, "nbytes " + std::to_string(s.nbytes));
+    expect(full.data_ptr() != before && sst::is_shared(full.storage()), "not moved into shared memory");
+    expect(view.data_ptr() == static_cast<double *>(full.data_ptr()) + 12, "the view did not follow its storage");
+    expect(at::equal(full, recipe_full(at::kDouble)), "values changed in the move");
+    /* Shared by fd, then by name: PyTorch moves it again (another kind of segment). */
+    ss::SharedFilename f = sst::share_filename(full.storage());
+    expect(f.nbytes == 480 && at::equal(full, recipe_full(at::kDouble)), "second move");
+    expect(sst::share_filename(full.storage()).name == f.name, "sharing twice made a second segment");
+}
+
+void test_cpp_to_python_filename() {
+    at::Tensor full = recipe_full(at::kDouble);
+    at::Tensor view = recipe_view(full);
+    ss::SharedFilename s = sst::share_filename(view.storage());
+    sst::shared_incref(view.storage()); /* in flight */
+    Child py;
+    spawn_peer(py, {"from-cpp-filename"});
+    py.say(filename_words(s) + " " + view_words(view));
+    Words reply = parse_words(py.hear());
+    expect(reply["status"] == "ok", "python: " + reply["status"]);
+    expect(reply["nbytes"] == "480" && reply["is_shared"] == "1", "python's storage");
+    expect(full[1][2].item<double>() == 1000, "python's write is not seen");
+    expect(sst::shared_refcount(full.storage()) == 2, "count while python holds it");
+    py.say("bye");
+    expect(py.wait() == 0, "python failed");
+    expect(sst::shared_refcount(full.storage()) == 1, "python's release did not reach the count");
+    std::string name = s.name;
+    full.reset();
+    view.reset();
+    expect(!shm_exists(name), "segment left after the last holder");
+}
+
+void test_python_to_cpp_filename() {
+    Child py;
+    spawn_peer(py, {"to-cpp-filename", "int32"});
+    Words w = parse_words(py.hear());
+    std::string name = w.at("name");
+    c10::Storage a = sst::open_shared_filename(w.at("manager"), name, std::stoull(w.at("nbytes")));
+    sst::shared_decref(a); /* cancels the reference in flight */
+    expect(a.nbytes() == 240 && !a.resizable(), "opened storage size/resizable");
+    at::Tensor t = rebuild_and_check(a, w);
+    t[0][0] = 1000;
+    py.say("written");
+    Words reply = parse_words(py.hear());
+    expect(reply["status"] == "ok", "python: " + reply["status"]);
+    /* Weak references and the DataPtr deleter: a second open adds one to
+     * the count; when the first one's last strong reference goes, its weak
+     * reference expires and the count drops back. */
+    c10::Storage b = sst::open_shared_filename(w.at("manager"), name, std::stoull(w.at("nbytes")));
+    expect(sst::shared_refcount(b) == 3, "count with python and two opens: " + std::to_string(sst::shared_refcount(b)));
+    c10::weak_intrusive_ptr<c10::StorageImpl> weak = a.getWeakStorageImpl();
+    expect(!weak.expired(), "weak expired early");
+    t.reset();
+    a = c10::Storage();
+    expect(weak.expired(), "weak reference did not expire");
+    expect(sst::shared_refcount(b) == 2, "count after the first storage went");
+    b = c10::Storage();
+    py.say("bye");
+    expect(py.wait() == 0, "python failed");
+    expect(!shm_exists(name), "segment left after every holder released it");
+}
+
+/* A connected pair of Unix stream sockets: [0] ours, [1] the child's. */
+std::pair<ss::unique_fd, ss::unique_fd> socket_pair() {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) fail("socketpair");
+    return {ss::unique_fd(sv[0]), ss::unique_fd(sv[1])};
+}
+
+void test_cpp_to_python_fd() {
+    at::Tensor full = recipe_full(at::kFloat);
+    at::Tensor view = recipe_view(full);
+    ss::SharedFd s = sst::share_fd(view.storage());
+    auto [ours, theirs] = socket_pair();
+    Child py;
+    spawn_peer(py, {"from-cpp-fd", std::to_string(theirs.get())}, theirs.get());
+    theirs.reset();
+    ss::send_fds(ours.get(), "nbytes=" + std::to_string(s.nbytes) + " " + view_words(view), {s.fd});
+    Words reply = parse_words(py.hear());
+    expect(reply["status"] == "ok" && reply["nbytes"] == "240", "python: " + reply["status"]);
+    expect(full[1][2].item<float>() == 1000, "python's write is not seen");
+    py.say("bye");
+    expect(py.wait() == 0, "python failed");
+}
+
+void test_python_to_cpp_fd() {
+    auto [ours, theirs] = socket_pair();
+    Child py;
+    spawn_peer(py, {"to-cpp-fd", std::to_string(theirs.get()), "int64"}, theirs.get());
+    theirs.reset();
+    ss::FdMessage msg = ss::recv_fds(ours.get(), 4096, 1);
+    expect(msg.fds.size() == 1, "no descriptor came");
+    Words w = parse_words(msg.payload);
+    c10::Storage storage = sst::open_shared_fd(msg.fds[0].get(), std::stoull(w.at("nbytes")));
+    msg.fds.clear(); /* the storage mapped a duplicate */
+    at::Tensor t = rebuild_and_check(storage, w);
+    t[0][0] = 1000;
+    py.say("written");
+    Words reply = parse_words(py.hear());
+    expect(reply["status"] == "ok", "python: " + reply["status"]);
+    py.say("bye");
+    expect(py.wait() == 0, "python failed");
+    expect(at::equal(t, recipe_view(recipe_full(at::kLong)).index_put_({0, 0}, 1000)), "values after python left");
+}
+
+void test_python_queue_consumer() {
+    at::Tensor full = sst::empty_shared({6, 10}, at::kBFloat16);
+    full.copy_(recipe_full(at::kBFloat16));
+    at::Tensor view = recipe_view(full);
+    ss::SharedFilename s = sst::share_filename(view.storage());
+    sst::shared_incref(view.storage());
+    Child py;
+    spawn_peer(py, {"queue-consumer"});
+    py.say(filename_words(s) + " " + view_words(view));
+    Words reply = parse_words(py.hear());
+    expect(reply["status"] == "ok", "python: " + reply["status"] + " got " + reply["got"] + " want " + reply["want"]);
+    expect(full[1][2].item<float>() == 1000, "the queue consumer's write is not seen");
+    py.say("bye");
+    expect(py.wait() == 0, "python failed");
+    expect(sst::shared_refcount(full.storage()) == 1, "count after python and its consumer left");
+}
+
+/* kill -9 of the C++ side: a copy of this program shares a tensor by name
+ * (our manager), Python opens it; both are killed. The manager must
+ * remove the segment and exit. */
+void test_kill9_cpp_side() {
+    Child victim, py;
+    spawn_self(victim, {"victim"});
+    std::string line = victim.hear();
+    Words w = parse_words(line);
+    pid_t daemon = manager_pid(w.at("manager"));
+    spawn_peer(py, {"hold-filename"});
+    py.say(line);
+    expect(parse_words(py.hear())["status"] == "held", "python did not hold it");
+    expect(shm_exists(w.at("name")), "segment missing while held");
+    victim.kill9();
+    py.kill9();
+    expect_daemon_exits(daemon, "our manager");
+    expect(!shm_exists(w.at("name")), "segment left in /dev/shm after kill -9");
+}
+
+/* kill -9 of the Python side: Python shares by name (torch_shm_manager),
+ * a copy of this program opens it; Python is killed; the copy still
+ * reads the values, releases them and exits. PyTorch's manager must
+ * remove the segment and exit. */
+void test_kill9_python_side() {
+    Child py, holder;
+    spawn_peer(py, {"share-and-hold", "float32"});
+    std::string line = py.hear();
+    Words w = parse_words(line);
+    pid_t daemon = manager_pid(w.at("manager"));
+    spawn_self(holder, {"holder"});
+    holder.say(line);
+    expect(parse_words(holder.hear())["status"] == "held", "the holder did not open it");
+    py.kill9();
+    holder.say("go");
+    expect(parse_words(holder.hear())["status"] == "released", "the holder failed after python died");
+    expect(holder.wait() == 0, "holder exit status");
+    expect_daemon_exits(daemon, "torch_shm_manager");
+    expect(!shm_exists(w.at("name")), "segment left in /dev/shm after kill -9");
+}
+
+void test_arena_tensor_cpp_to_cpp() {
+    sst::ArenaAllocator arena;
+    at::Tensor full = arena.empty({6, 10}, at::kLong);
+    full.copy_(recipe_full(at::kLong));
+    at::Tensor view = recipe_view(full);
+    sst::ArenaTensorHandle h = arena.share(view);
+    expect(h.ndim == 2 && h.storage_offset == 12 && h.sizes[1] == 3 && h.strides[0] == 10, "handle view");
+    auto [ours, theirs] = socket_pair();
+    Child consumer;
+    spawn_self(consumer, {"arena-consumer", std::to_string(theirs.get())}, theirs.get());
+    theirs.reset();
+    int fd = arena.segment_fd(h);
+    ss::send_fds(ours.get(), &h, sizeof h, &fd, 1);
+    Words reply = parse_words(consumer.hear());
+    expect(reply["status"] == "ok", "consumer: " + reply["status"]);
+    expect(full[1][2].item<int64_t>() == 1000, "the consumer's write is not seen");
+    consumer.say("bye");
+    expect(consumer.wait() == 0, "consumer exit status");
+    /* A tensor from elsewhere is refused. */
+    at::Tensor heap = at::zeros({4});
+    ss::Error e = expect_error([&] { arena.share(heap); }, "sharing a heap tensor through the arena");
+    expect(e.status() == SS_ERR_INVALID_ARGUMENT, "status");
+}
+
+void test_cuda_without_gpu() {
+    if (ss::cuda_available()) {
+        std::printf("# CUDA is available: the no-CUDA errors are not checked here\n");
+        return;
+    }
+    ss_cuda_ipc_handle h{};
+    h.mem_handle_len = 66;
+    h.size_bytes = 64;
+    ss::Error e = expect_error([&] { sst::open_cuda(h); }, "open_cuda without CUDA");
+    expect(e.status() == SS_ERR_CUDA_UNAVAILABLE, std::string("open_cuda status ") + e.what());
+    /* A storage that says it is on CUDA (no CUDA call is needed to make one). */
+    static char fake[64];
+    c10::Storage cuda_storage(c10::Storage::use_byte_size_t(), sizeof fake,
+                              c10::DataPtr(fake, c10::Device(c10::DeviceType::CUDA, 0)), nullptr, false);
+    e = expect_error([&] { sst::share_cuda(cuda_storage); }, "share_cuda without CUDA");
+    expect(e.status() == SS_ERR_CUDA_UNAVAILABLE, std::string("share_cuda status ") + e.what());
+    expect(cuda_storage.data_ptr().get() == fake, "a failed share_cuda changed the storage");
+    e = expect_error([&] { sst::share_cuda(at::zeros({4}).storage()); }, "share_cuda of a CPU storage");
+    expect(e.status() == SS_ERR_INVALID_ARGUMENT, "CPU storage status");
+}
+
+void test_errors() {
+    ss::Error e = expect_error([] { sst::open_shared_filename("", "/torch_no_such_segment_here", 64); }, "missing name");
+    expect(e.status() == SS_ERR_NOT_FOUND, std::string("missing segment: ") + e.what());
+    e = expect_error([] { sst::share_fd(c10::Storage()); }, "undefined storage");
+    expect(e.status() == SS_ERR_NULL_POINTER, "undefined storage status");
+    e = expect_error([] { sst::shared_incref(at::zeros({4}).storage()); }, "incref of a heap storage");
+    expect(e.status() == SS_ERR_NULL_POINTER || e.status() == SS_ERR_UNSUPPORTED, "incref status");
+    e = expect_error([] { sst::open_shared_fd(-1, 64); }, "bad fd");
+    expect(e.status() != SS_OK, "bad fd status");
+}
+
+/* ======================= the copies of this program ======================= */
+
+int run_victim() {
+    at::Tensor full = sst::empty_shared({6, 10}, at::kFloat);
+    full.copy_(recipe_full(at::kFloat));
+    at::Tensor view = recipe_view(full);
+    ss::SharedFilename s = sst::share_filename(view.storage());
+    sst::shared_incref(view.storage());
+    std::printf("%s %s\n", filename_words(s).c_str(), view_words(view).c_str());
+    std::fflush(stdout);
+    char buf[16];
+    while (std::fgets(buf, sizeof buf, stdin)) {
+    }
+    return 0;
+}
+
+int run_holder() {
+    char buf[4096];
+    if (!std::fgets(buf, sizeof buf, stdin)) return 2;
+    Words w = parse_words(buf);
+    c10::Storage s = sst::open_shared_filename(w.at("manager"), w.at("name"), std::stoull(w.at("nbytes")));
+    sst::shared_decref(s);
+    at::Tensor t = rebuild_and_check(s, w);
+    std::printf("status=held\n");
+    std::fflush(stdout);
+    if (!std::fgets(buf, sizeof buf, stdin)) return 2;
+    at::Tensor expected = recipe_view(recipe_full(t.scalar_type()));
+    if (!at::equal(t, expected)) return 3; /* the mapping outlives its creator */
+    t.reset();
+    s = c10::Storage();
+    std::printf("status=released\n");
+    std::fflush(stdout);
+    return 0;
+}
+
+int run_arena_consumer(int sock) {
+    ss::FdMessage msg = ss::recv_fds(sock, sizeof(sst::ArenaTensorHandle), 1);
+    if (msg.payload.size() != sizeof(sst::ArenaTensorHandle) || msg.fds.size() != 1) return 2;
+    sst::ArenaTensorHandle h;
+    std::memcpy(&h, msg.payload.data(), sizeof h);
+    ss::ArenaView::import_segment_fd(h.block, msg.fds[0].get());
+    (void)msg.fds[0].release();
+    at::Tensor t = sst::open_arena_tensor(h);
+    at::Tensor expected = recipe_view(recipe_full(at::kLong));
+    bool ok = t.scalar_type() == at::kLong && t.sizes() == expected.sizes() && t.strides() == expected.strides() &&
+              t.storage_offset() == 12 && at::equal(t, expected);
+    t[0][0] = 1000;
+    std::printf("status=%s\n", ok ? "ok" : "mismatch");
+    std::fflush(stdout);
+    char buf[16];
+    while (std::fgets(buf, sizeof buf, stdin)) {
+    }
+    return 0;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    std::string mode = argc > 1 ? argv[1] : "";
+    try {
+        if (mode == "victim") return run_victim();
+        if (mode == "holder") return run_holder();
+        if (mode == "arena-consumer" && argc > 2) return run_arena_consumer(std::atoi(argv[2]));
+    } catch (const std::exception &e) {
+        std::fprintf(stderr, "%s: %s\n", mode.c_str(), e.what());
+        return 1;
+    }
+    if (argc != 3) {
+        std::fprintf(stderr, "usage: %s PYTHON PEER_PY\n", argv[0]);
+        return 2;
+    }
+    g_python = argv[1];
+    g_peer = argv[2];
+    signal(SIGPIPE, SIG_IGN);
+    alarm(600); /* a hang guard only */
+
+    const std::vector<std::pair<const char *, std::function<void()>>> tests = {
+        {"allocator: storages born in shared memory (empty_shared, at::empty in scope)", test_allocator_born_shared},
+        {"share_fd/share_filename move a heap storage in place", test_heap_storage_moves_in_place},
+        {"C++ -> Python by file name through our manager", test_cpp_to_python_filename},
+        {"Python -> C++ by file name through torch_shm_manager; weak refs", test_python_to_cpp_filename},
+        {"C++ -> Python by fd over a Unix socket", test_cpp_to_python_fd},
+        {"Python -> C++ by fd over a Unix socket", test_python_to_cpp_fd},
+        {"C++ -> Python reductions -> torch.multiprocessing.Queue consumer", test_python_queue_consumer},
+        {"kill -9 of the C++ side and its Python peer: nothing left", test_kill9_cpp_side},
+        {"kill -9 of the Python side: nothing left", test_kill9_python_side},
+        {"arena tensor C++ -> C++ by handle", test_arena_tensor_cpp_to_cpp},
+        {"CUDA without a GPU: the library's no-CUDA error", test_cuda_without_gpu},
+        {"errors name what was wrong", test_errors},
+    };
+    int passed = 0, failed = 0;
+    for (const auto &[name, test] : tests) {
+        try {
+            test();
+            std::printf("ok - %s\n", name);
+            passed++;
+        } catch (const std::exception &e) {
+            std::printf("FAIL - %s: %s\n", name, e.what());
+            failed++;
+        }
+        std::fflush(stdout);
+    }
+    std::printf("libtorch: %d passed, %d failed\n", passed, failed);
+    return failed == 0 ? 0 : 1;
+}

@@ -117,12 +117,12 @@ impl PyArena {
     /// Releases dead consumers' holds; returns (reclaimed holds, recycled blocks).
     fn collect(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
         let a = self.get()?;
-        let r = py.allow_threads(|| a.collect());
+        let r = py.allow_threads(|| a.collect()).or_raise()?;
         Ok((r.reclaimed_holds, r.recycled_blocks))
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.get()?.stats();
+        let s = self.get()?.stats().or_raise()?;
         let d = PyDict::new(py);
         d.set_item("segments", s.segments)?;
         d.set_item("live_blocks", s.live_blocks)?;

@@ -26,8 +26,13 @@
 use rayon::prelude::*;
 
 /// The seeds of the five runs, `(a, b)` each.
-const SEEDS: [(u32, u32); 5] =
-    [(0x97c4_aa2f, 0xd821_ccc0), (0xdba2_52fb, 0xd8e5_7d67), (0x9fa1_ded3, 0x6266_d6f2), (0x4c2b_3a57, 0x0e84_bdd8), (0x45cc_cd8c, 0x7a48_42c1)];
+const SEEDS: [(u32, u32); 5] = [
+    (0x97c4_aa2f, 0xd821_ccc0),
+    (0xdba2_52fb, 0xd8e5_7d67),
+    (0x9fa1_ded3, 0x6266_d6f2),
+    (0x4c2b_3a57, 0x0e84_bdd8),
+    (0x45cc_cd8c, 0x7a48_42c1),
+];
 
 const PHILOX_A: u32 = 0x9E37_79B9;
 const PHILOX_B: u32 = 0xBB67_AE85;

@@ -5,10 +5,12 @@
 use pyo3::prelude::*;
 
 mod arena;
+mod content_store;
 mod errors;
 mod fd_server;
 mod manager;
 mod maps;
+mod symm;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -28,6 +30,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<maps::PyRefcountedMapAllocator>()?;
     m.add_class::<manager::PyManagerClient>()?;
     m.add_function(wrap_pyfunction!(manager::spawn_manager, m)?)?;
+    m.add_class::<content_store::PyContentWriter>()?;
+    m.add_class::<content_store::PyContentReader>()?;
+    m.add_class::<content_store::StoredBytes>()?;
+    m.add_function(wrap_pyfunction!(content_store::content_hash, m)?)?;
+    m.add_class::<symm::SymmBlock>()?;
+    m.add_function(wrap_pyfunction!(symm::symm_group_tcp, m)?)?;
+    m.add_function(wrap_pyfunction!(symm::symm_group_store, m)?)?;
+    m.add_function(wrap_pyfunction!(symm::symm_has_group, m)?)?;
     maps::add_flags(m)?;
     m.add("HANDLE_SIZE", storage_sharing::arena::handle::WIRE_SIZE)?;
     fd_server::install_fork_handler();

@@ -13,6 +13,7 @@ pub mod meta;
 pub mod names;
 pub mod reader;
 pub mod record;
+pub mod torch_default_hash;
 pub mod torch_format;
 mod torch_glue;
 pub mod writer;

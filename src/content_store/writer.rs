@@ -7,7 +7,7 @@ use super::bounds::check_fits;
 use super::dtype::Dtype;
 use super::fork_aware::CacheLock;
 use super::fsio;
-use super::hash::{hash_hex, HashMode};
+use super::hash::{hash_hex, is_digest, HashMode};
 use super::layout::{self, Format};
 use super::meta::TensorMeta;
 use super::names::tensor_name_parts;
@@ -130,6 +130,26 @@ impl Writer {
         Ok(hash)
     }
 
+    /// [`write_storage`](Self::write_storage) with a hash the caller
+    /// computed (PyTorch's default hash, say): it must be a digest of
+    /// the length this store's names have, and is trusted to name `data`.
+    pub fn write_storage_hashed(&self, hash: &str, data: &[u8]) -> Result<()> {
+        self.check_name(hash)?;
+        self.store_hashed(hash, data)
+    }
+
+    fn check_name(&self, hash: &str) -> Result<()> {
+        let shape = match self.format {
+            Format::Native => self.hash,
+            // PyTorch's default hash has SHA-1's length.
+            Format::Torch => HashMode::Stable,
+        };
+        if !is_digest(hash, shape) {
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("{hash:?} is not a storage name of a {} store", self.format.name())));
+        }
+        Ok(())
+    }
+
     fn store_hashed(&self, hash: &str, data: &[u8]) -> Result<()> {
         if self.seen.lock().is_some_and(|seen| seen.contains(hash)) {
             self.deduplicated.fetch_add(1, Ordering::Relaxed);
@@ -165,8 +185,21 @@ impl Writer {
     /// must lie inside `data`. `/` in `name` makes folders. An entry of the
     /// same name is replaced. Returns the storage's hash.
     pub fn write_tensor(&self, name: &str, data: &[u8], dtype: Dtype, offset: i64, shape: &[i64], stride: &[i64]) -> Result<String> {
-        let parts = tensor_name_parts(name)?;
         let hash = hash_hex(data, self.hash);
+        self.write_tensor_unchecked(name, hash, data, dtype, offset, shape, stride)
+    }
+
+    /// [`write_tensor`](Self::write_tensor) with a hash the caller
+    /// computed, as in [`write_storage_hashed`](Self::write_storage_hashed).
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_tensor_hashed(&self, name: &str, hash: &str, data: &[u8], dtype: Dtype, offset: i64, shape: &[i64], stride: &[i64]) -> Result<()> {
+        self.check_name(hash)?;
+        self.write_tensor_unchecked(name, hash.to_string(), data, dtype, offset, shape, stride).map(|_| ())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write_tensor_unchecked(&self, name: &str, hash: String, data: &[u8], dtype: Dtype, offset: i64, shape: &[i64], stride: &[i64]) -> Result<String> {
+        let parts = tensor_name_parts(name)?;
         let meta = TensorMeta { dtype, storage_hash: hash.clone(), offset, shape: shape.to_vec(), stride: stride.to_vec() };
         check_fits(&meta, data.len() as u64, ErrorKind::InvalidArgument).map_err(|e| e.context(format!("tensor {name:?}")))?;
         self.store_hashed(&hash, data)?;

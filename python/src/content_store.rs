@@ -1,0 +1,189 @@
+//! The content store in PyTorch's format, for `storage_sharing.content_store`:
+//! a writer and a reader over byte ranges the Python side names by
+//! address (a torch storage's `data_ptr()` and `nbytes()`, kept alive by
+//! the caller for the length of the call). Hashing, writing and copying
+//! release the GIL.
+
+use crate::errors::{invalid, OrRaise};
+use pyo3::prelude::*;
+use std::path::PathBuf;
+use std::sync::Arc;
+use storage_sharing::content_store::torch_default_hash::torch_default_hash_hex;
+use storage_sharing::content_store::{hash_hex, Dtype, Format, HashMode, Reader, StorageBytes, Writer};
+
+/// The bytes at `address`, `nbytes` long.
+///
+/// # Safety
+/// The range must stay readable and unchanged for the returned lifetime:
+/// the Python caller holds the storage that owns it across the call.
+unsafe fn bytes_at<'a>(address: usize, nbytes: usize) -> &'a [u8] {
+    if nbytes == 0 {
+        &[]
+    } else {
+        std::slice::from_raw_parts(address as *const u8, nbytes)
+    }
+}
+
+fn checked_address(address: usize, nbytes: usize) -> PyResult<()> {
+    if address == 0 && nbytes != 0 {
+        return Err(invalid(format!("null address for {nbytes} bytes")));
+    }
+    Ok(())
+}
+
+/// PyTorch's `hash_storage` of the bytes: SHA-1 with `stable`, its
+/// default (seeded Philox) hash otherwise.
+fn digest(data: &[u8], stable: bool) -> String {
+    if stable {
+        hash_hex(data, HashMode::Stable)
+    } else {
+        torch_default_hash_hex(data)
+    }
+}
+
+/// `hash_storage` of `nbytes` bytes at `address`.
+#[pyfunction]
+pub fn content_hash(py: Python<'_>, address: usize, nbytes: usize, stable: bool) -> PyResult<String> {
+    checked_address(address, nbytes)?;
+    // SAFETY: the caller holds the storage across the call.
+    let data = unsafe { bytes_at(address, nbytes) };
+    Ok(py.allow_threads(|| digest(data, stable)))
+}
+
+fn parse_dtype(name: &str) -> PyResult<Dtype> {
+    Dtype::from_torch_name(name.strip_prefix("torch.").unwrap_or(name)).or_raise()
+}
+
+#[pyclass(frozen, module = "storage_sharing._native", name = "ContentWriter")]
+pub struct PyContentWriter {
+    writer: Writer,
+}
+
+#[pymethods]
+impl PyContentWriter {
+    /// Opens (creating) a PyTorch-format store at `path`. `durable`
+    /// fsyncs every file (PyTorch's writer does not).
+    #[new]
+    #[pyo3(signature = (path, durable=false))]
+    fn new(py: Python<'_>, path: PathBuf, durable: bool) -> PyResult<Self> {
+        let writer = py.allow_threads(|| Writer::open(&path, Format::Torch)).or_raise()?;
+        writer.set_durable(durable);
+        Ok(PyContentWriter { writer })
+    }
+
+    /// Hashes and stores the bytes unless present; returns the hash.
+    fn write_storage(&self, py: Python<'_>, address: usize, nbytes: usize, stable: bool) -> PyResult<String> {
+        checked_address(address, nbytes)?;
+        // SAFETY: the caller holds the storage across the call.
+        let data = unsafe { bytes_at(address, nbytes) };
+        py.allow_threads(|| {
+            let hash = digest(data, stable);
+            self.writer.write_storage_hashed(&hash, data).map(|_| hash)
+        })
+        .or_raise()
+    }
+
+    /// Stores the bytes under a hash computed elsewhere.
+    fn write_storage_hashed(&self, py: Python<'_>, hash: &str, address: usize, nbytes: usize) -> PyResult<()> {
+        checked_address(address, nbytes)?;
+        // SAFETY: the caller holds the storage across the call.
+        let data = unsafe { bytes_at(address, nbytes) };
+        py.allow_threads(|| self.writer.write_storage_hashed(hash, data)).or_raise()
+    }
+
+    /// Hashes and stores the storage, then the entry `name` viewing it;
+    /// returns the hash.
+    #[allow(clippy::too_many_arguments)]
+    fn write_tensor(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        address: usize,
+        nbytes: usize,
+        stable: bool,
+        dtype: &str,
+        offset: i64,
+        shape: Vec<i64>,
+        stride: Vec<i64>,
+    ) -> PyResult<String> {
+        checked_address(address, nbytes)?;
+        let dtype = parse_dtype(dtype)?;
+        // SAFETY: the caller holds the storage across the call.
+        let data = unsafe { bytes_at(address, nbytes) };
+        py.allow_threads(|| {
+            let hash = digest(data, stable);
+            self.writer.write_tensor_hashed(name, &hash, data, dtype, offset, &shape, &stride).map(|_| hash)
+        })
+        .or_raise()
+    }
+
+    /// (storages written, deduplicated, tensors written, bytes written).
+    fn stats(&self) -> (u64, u64, u64, u64) {
+        let s = self.writer.stats();
+        (s.storages_written, s.storages_deduplicated, s.tensors_written, s.bytes_written)
+    }
+}
+
+#[pyclass(frozen, module = "storage_sharing._native", name = "ContentReader")]
+pub struct PyContentReader {
+    reader: Reader,
+}
+
+#[pymethods]
+impl PyContentReader {
+    #[new]
+    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+        Ok(PyContentReader { reader: py.allow_threads(|| Reader::open(&path)).or_raise()? })
+    }
+
+    /// The entry `name`: (dtype name, hash, offset, shape, stride).
+    #[allow(clippy::type_complexity)]
+    fn read_meta(&self, py: Python<'_>, name: &str) -> PyResult<(&'static str, String, i64, Vec<i64>, Vec<i64>)> {
+        let m = py.allow_threads(|| self.reader.read_meta(name)).or_raise()?;
+        Ok((m.dtype.torch_name(), m.storage_hash, m.offset, m.shape, m.stride))
+    }
+
+    /// The storage named `hash`, mapped read-only.
+    fn open_storage(&self, py: Python<'_>, hash: &str) -> PyResult<StoredBytes> {
+        Ok(StoredBytes { bytes: py.allow_threads(|| self.reader.read_storage(hash)).or_raise()? })
+    }
+
+    fn list_tensors(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        py.allow_threads(|| self.reader.list_tensors()).or_raise()
+    }
+}
+
+/// A stored storage's bytes, mapped while this object lives.
+#[pyclass(frozen, module = "storage_sharing._native", name = "StoredBytes")]
+pub struct StoredBytes {
+    bytes: Arc<StorageBytes>,
+}
+
+#[pymethods]
+impl StoredBytes {
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.bytes.bytes().len()
+    }
+
+    #[getter]
+    fn hash(&self) -> &str {
+        self.bytes.hash()
+    }
+
+    /// Copies the bytes to `address`, which must have room for `nbytes`.
+    fn copy_to(&self, py: Python<'_>, address: usize, room: usize) -> PyResult<()> {
+        let src = self.bytes.bytes();
+        if room < src.len() {
+            return Err(invalid(format!("destination has {room} bytes; the storage has {}", src.len())));
+        }
+        checked_address(address, src.len())?;
+        let dst = address;
+        py.allow_threads(|| {
+            // SAFETY: the caller owns `room` writable bytes at `address`
+            // (a fresh storage), which cannot overlap a read-only mapping.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) }
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,166 @@
+"""A drop-in for ``torch.utils._content_store``, backed by the library.
+
+Same names, signatures and return values as PyTorch's module; the files
+are PyTorch's (each side reads what the other wrote). What differs:
+
+* hashing and writing run natively with the GIL released; the default
+  (non-stable) hash is PyTorch's value computed without torch.compile,
+  on all cores for big storages;
+* a store may be reopened and added to, by several writers at once;
+* reading copies the stored bytes into a fresh CPU storage once (no
+  unpickling); entries are parsed by a restricted reader, and an entry it
+  cannot parse is handed to ``torch.load(weights_only=True)``.
+
+Storages not on the CPU are hashed by PyTorch's own ``hash_storage`` for
+the default mode (its value there depends on the device's generator) and
+copied to the CPU to be written.
+"""
+
+import os
+from collections import defaultdict
+from typing import Dict, Optional
+
+import torch
+import torch._utils
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import _native
+from ._errors import Error
+
+__all__ = ["ContentStoreReader", "ContentStoreWriter", "hash_storage"]
+
+# The element types the library's entry format names; others take
+# PyTorch's own path for the entry (the storage is still written natively).
+_NATIVE_DTYPES = {
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+    torch.float32, torch.float64, torch.complex32, torch.complex64, torch.complex128,
+    torch.bool, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn, torch.uint16,
+    torch.uint32, torch.uint64,
+}  # fmt: skip
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype)[len("torch.") :]
+
+
+def hash_storage(storage: torch.UntypedStorage, *, stable_hash: bool = False) -> str:
+    """Hex digest of the storage's bytes: SHA-1 with ``stable_hash``,
+    otherwise PyTorch's default hash (the same value PyTorch computes)."""
+    if storage.device.type != "cpu":
+        if not stable_hash:
+            from torch.utils._content_store import hash_storage as torch_hash
+
+            return torch_hash(storage, stable_hash=False)
+        storage = storage.cpu()
+    return _native.content_hash(storage.data_ptr(), storage.nbytes(), bool(stable_hash))
+
+
+class ContentStoreWriter:
+    """Writes ``storages/<hash>`` (``torch.save`` of the storage) and
+    ``tensors/<name>`` (``torch.save`` of the view's metadata) under ``loc``."""
+
+    def __init__(self, loc: str, stable_hash: bool = False) -> None:
+        self.loc: str = loc
+        self.seen_storage_hashes: set = set()
+        self.stable_hash = stable_hash
+        self._native: Optional[_native.ContentWriter] = None
+
+    def _writer(self) -> "_native.ContentWriter":
+        if self._native is None:
+            self._native = _native.ContentWriter(os.fspath(self.loc))
+        return self._native
+
+    def write_storage(self, storage: torch.UntypedStorage) -> str:
+        if storage.device.type == "cpu":
+            h = self._writer().write_storage(storage.data_ptr(), storage.nbytes(), bool(self.stable_hash))
+        else:
+            h = hash_storage(storage, stable_hash=self.stable_hash)
+            cpu = storage.cpu()
+            self._writer().write_storage_hashed(h, cpu.data_ptr(), cpu.nbytes())
+        self.seen_storage_hashes.add(h)
+        return h
+
+    def compute_tensor_metadata(self, t: torch.Tensor, h=None):
+        if h is None:
+            h = hash_storage(t.untyped_storage(), stable_hash=self.stable_hash)
+        return (t.dtype, h, t.storage_offset(), t.shape, t.stride(), torch._utils.get_tensor_metadata(t))
+
+    def write_tensor(self, name: str, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        extra = torch._utils.get_tensor_metadata(t)
+        if storage.device.type == "cpu" and not extra and t.dtype in _NATIVE_DTYPES:
+            h = self._writer().write_tensor(
+                name,
+                storage.data_ptr(),
+                storage.nbytes(),
+                bool(self.stable_hash),
+                _dtype_name(t.dtype),
+                t.storage_offset(),
+                list(t.shape),
+                list(t.stride()),
+            )
+            self.seen_storage_hashes.add(h)
+            return
+        # Conjugate/negative views, other dtypes and devices: PyTorch's
+        # entry, our storage file.
+        h = self.write_storage(storage)
+        d, f = os.path.split(name)
+        folder = os.path.join(self.loc, "tensors", d)
+        os.makedirs(folder, exist_ok=True)
+        torch.save(self.compute_tensor_metadata(t, h=h), os.path.join(folder, f))
+
+
+class ContentStoreReader:
+    """Reads a store written by either module. With ``cache`` (the
+    default), a storage read again while a tensor over it lives is the same
+    storage, so views read from one storage stay views of one storage."""
+
+    def __init__(self, loc: str, *, cache=True) -> None:
+        self.loc = loc
+        self.storage_cache: Optional[Dict[Optional[torch.device], Dict[str, StorageWeakRef]]] = None
+        if cache:
+            self.storage_cache = defaultdict(dict)
+        self._native: Optional[_native.ContentReader] = None
+
+    def _reader(self) -> "_native.ContentReader":
+        if self._native is None:
+            self._native = _native.ContentReader(os.fspath(self.loc))
+        return self._native
+
+    def read_storage(self, h: str, *, device=None) -> torch.UntypedStorage:
+        if device is not None:
+            device = torch.device(device)
+        ws = self.storage_cache[device].get(h) if self.storage_cache is not None else None
+        if ws is not None:
+            s = torch.UntypedStorage._new_with_weak_ptr(ws.cdata)
+            if s is not None:
+                return s
+        stored = self._reader().open_storage(h)
+        s = torch.UntypedStorage(stored.nbytes)
+        stored.copy_to(s.data_ptr(), s.nbytes())
+        del stored
+        if device is not None and device.type != "cpu":
+            s = torch.empty(0, dtype=torch.uint8).set_(s).to(device).untyped_storage()
+        if self.storage_cache is not None:
+            self.storage_cache[device][h] = StorageWeakRef(s)
+        return s
+
+    def read_tensor_metadata(self, name: str):
+        fn = os.path.join(self.loc, "tensors", name)
+        if not os.path.exists(fn):
+            raise FileNotFoundError(fn)
+        try:
+            dtype, h, offset, shape, stride = self._reader().read_meta(name)
+        except Error:
+            # An entry with metadata our parser does not take (a conjugate
+            # view's flags, say): PyTorch's own loader, weights only.
+            return torch.load(fn, weights_only=True)
+        return (getattr(torch, dtype), h, offset, torch.Size(shape), tuple(stride), {})
+
+    def read_tensor(self, name: str, *, device=None) -> torch.Tensor:
+        dtype, h, storage_offset, size, stride, metadata = self.read_tensor_metadata(name)
+        storage = self.read_storage(h, device=device)
+        t = torch.tensor([], dtype=dtype, device=storage.device)
+        t.set_(storage, storage_offset, size, stride)
+        torch._utils.set_tensor_metadata(t, metadata)
+        return t

@@ -1,0 +1,117 @@
+"""storage_sharing.symm with real processes: spawned ranks in a gloo
+group, meeting through a TCPStore (the library's client) or a FileStore
+(the Python store object, called back)."""
+
+import queue
+from datetime import timedelta
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import _symm_workers as workers  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+# Hang guard only: a healthy run takes seconds.
+GUARD = 120
+
+
+def launch(body, world_size, how, tmp_path, *args):
+    """Runs ``body`` on ``world_size`` spawned ranks; returns their
+    results by rank (or the processes and queue with ``keep``)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    server = None
+    if how == "tcp":
+        server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        where = server.port
+    else:
+        where = str(tmp_path / "filestore")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=workers.run, args=(body, r, world_size, how, where, results) + args) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return server, procs, results
+
+
+def collect(procs, results, expected):
+    got = {}
+    try:
+        for _ in range(expected):
+            rank, status, value = results.get(timeout=GUARD)
+            got[rank] = (status, value)
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return got
+
+
+def ok(got, world_size):
+    for r in range(world_size):
+        assert r in got, f"rank {r} reported nothing"
+        status, value = got[r]
+        assert status == "ok", value
+    return {r: got[r][1] for r in range(world_size)}
+
+
+@pytest.mark.parametrize("how", ["tcp", "file"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_peers_see_each_others_memory_and_signals(tmp_path, how, world_size):
+    server, procs, results = launch(workers.peers_and_signals, world_size, how, tmp_path)
+    out = ok(collect(procs, results, world_size), world_size)
+    for r in range(world_size):
+        assert out[r]["rank"] == r and out[r]["ws"] == world_size
+        assert out[r]["seen"] == [float(p) for p in range(world_size)]
+        assert out[r]["from_left"] == 100 + (r - 1) % world_size
+    del server
+
+
+@pytest.mark.parametrize("how,world_size", [("tcp", 2), ("file", 3), ("tcp", 4)])
+def test_collectives_match_their_definitions_and_gloo(tmp_path, how, world_size):
+    server, procs, results = launch(workers.collectives, world_size, how, tmp_path)
+    out = ok(collect(procs, results, world_size), world_size)
+    prod = 1
+    for r in range(world_size):
+        prod *= r + 1
+    for r in range(world_size):
+        o = out[r]
+        assert all(o[k] for k in o if k.startswith("sum")), o
+        assert o["max"] and o["noncontig"] and o["broadcast"] and o["vs_gloo"], o
+        assert o["prod"] == [prod] * 6
+        assert o["gather"] == [float(p) for p in range(world_size)]
+        assert o["gather_into"] == [float(p) for p in range(world_size) for _ in range(3)]
+    del server
+
+
+@pytest.mark.parametrize("how", ["tcp", "file"])
+def test_rank_killed_mid_collective_times_out_naming_it(tmp_path, how):
+    world_size, victim = 3, 1
+    server, procs, results = launch(workers.dies_mid_collective, world_size, how, tmp_path, victim)
+    got = collect(procs, results, world_size - 1)
+    assert procs[victim].exitcode == -9
+    for r in range(world_size):
+        if r == victim:
+            assert r not in got
+            continue
+        status, value = got[r]
+        assert status == "ok", value
+        assert value["timeout"] is not None, "the collective finished without the dead rank"
+        assert f"rank {victim}" in value["timeout"], value["timeout"]
+    del server
+
+
+def test_join_with_a_store_and_no_process_group(tmp_path):
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    path = str(tmp_path / "fs")
+    procs = [ctx.Process(target=workers.store_only, args=(r, 2, path, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = ok(collect(procs, results, 2), 2)
+    assert out[0] == out[1] == [1.0, 2.0]

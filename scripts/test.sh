@@ -89,5 +89,9 @@ echo "== packaging: install to a temp prefix; SONAME; find_package (shared, stat
 bash tests/packaging/run.sh "$target/release"
 part_done "packaging, Go"
 
+echo "== libtorch: a C++ program on the wheel's libtorch shares tensors with Python PyTorch through torch.hpp"
+bash tests/libtorch/run.sh "$target/release"
+part_done "libtorch adapter"
+
 echo "== minutes per part"
 printf '%s\n' "${timings[@]}"

@@ -174,13 +174,18 @@ fn child(role: &str) {
 
 fn section_share(torch: Option<&str>) {
     let sizes = [4usize << 10, 1 << 20, 256 << 20, 1 << 30];
-    let pt: Vec<Option<f64>> = match torch.and_then(|py| run_torch(py, &sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().iter().fold(vec!["share".to_string()], |mut v, s| { v.push(s.clone()); v }))) {
+    let pt: Vec<Option<f64>> = match torch.and_then(|py| {
+        run_torch(
+            py,
+            &sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().iter().fold(vec!["share".to_string()], |mut v, s| {
+                v.push(s.clone());
+                v
+            }),
+        )
+    }) {
         Some(text) => {
-            let m: std::collections::HashMap<usize, f64> = text
-                .lines()
-                .filter_map(|l| l.split_once('\t'))
-                .filter_map(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
-                .collect();
+            let m: std::collections::HashMap<usize, f64> =
+                text.lines().filter_map(|l| l.split_once('\t')).filter_map(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?))).collect();
             sizes.iter().map(|s| m.get(s).copied()).collect()
         }
         None => vec![None; sizes.len()],
@@ -297,19 +302,35 @@ fn section_stream(n: usize, torch: Option<&str>, torch_n: usize) {
         let way = if strategy == Strategy::Fd { "arena by fd" } else { "arena by name" };
         println!(
             "| {way} | {n} | {} ({} bad) | {} | {:.0} | {pf} / {pm} | {} / {} |",
-            f[0], f[1], human(secs), n as f64 / secs, f[2], f[3]
+            f[0],
+            f[1],
+            human(secs),
+            n as f64 / secs,
+            f[2],
+            f[3]
         );
         println!("|  (segments used: {}) | | | | | | |", arena.stats().unwrap().segments);
     }
     let floor = floor_messages(n);
-    println!("| floor: the same {n} 113-byte messages over a socket pair, no blocks | {n} | {n} | {} | {:.0} | - | - |", human(floor), n as f64 / floor);
+    println!(
+        "| floor: the same {n} 113-byte messages over a socket pair, no blocks | {n} | {n} | {} | {:.0} | - | - |",
+        human(floor),
+        n as f64 / floor
+    );
     match torch.and_then(|py| run_torch(py, &["stream".into(), torch_n.to_string()])) {
         Some(text) => {
             let f: Vec<&str> = text.trim().splitn(8, '\t').collect();
             let secs: f64 = f[2].parse().unwrap_or(f64::NAN);
             println!(
                 "| PyTorch Queue, file_descriptor strategy | {torch_n} | {} ({} receive errors) | {} | {:.0} | {} / {} | {} / {} |",
-                f[0], f[1], human(secs), torch_n as f64 / secs, f[3], f[4], f[5], f[6]
+                f[0],
+                f[1],
+                human(secs),
+                torch_n as f64 / secs,
+                f[3],
+                f[4],
+                f[5],
+                f[6]
             );
             if f.len() > 7 && !f[7].is_empty() {
                 println!("\nPyTorch's first error: {}", f[7]);
@@ -362,32 +383,38 @@ fn section_big(want_gib: usize, torch: Option<&str>) {
         let (mut child, s) = spawn("big-arena", &n.to_string());
         let pid = child.id();
         let arena = Arena::new(ArenaOptions::default()).unwrap();
-        let peak = peak_while(move || pid, || {
-            let p = arena.alloc(n, 4096).unwrap();
-            // SAFETY: n bytes of a live block.
-            unsafe { std::ptr::write_bytes(p, 1, n) };
-            send_block(&arena, s.as_raw_fd(), p).unwrap();
-            let mut line = String::new();
-            BufReader::new(&s).read_line(&mut line).unwrap();
-            assert_eq!(line.trim().parse::<usize>().unwrap(), n);
-            child.wait().unwrap();
-            arena.free(p).unwrap();
-        });
+        let peak = peak_while(
+            move || pid,
+            || {
+                let p = arena.alloc(n, 4096).unwrap();
+                // SAFETY: n bytes of a live block.
+                unsafe { std::ptr::write_bytes(p, 1, n) };
+                send_block(&arena, s.as_raw_fd(), p).unwrap();
+                let mut line = String::new();
+                BufReader::new(&s).read_line(&mut line).unwrap();
+                assert_eq!(line.trim().parse::<usize>().unwrap(), n);
+                child.wait().unwrap();
+                arena.free(p).unwrap();
+            },
+        );
         println!("| arena (born shared, shared by handle) | {} | {:.3} |", gb(peak), peak as f64 / n as f64);
     }
     {
         let (mut child, s) = spawn("big-fd", &n.to_string());
         let pid = child.id();
-        let peak = peak_while(move || pid, || {
-            let src = vec![1u8; n];
-            let m = share_memory(&src).unwrap();
-            drop(src);
-            send_fds(s.as_raw_fd(), b"f", &[m.fd()]).unwrap();
-            let mut line = String::new();
-            BufReader::new(&s).read_line(&mut line).unwrap();
-            assert_eq!(line.trim().parse::<usize>().unwrap(), n);
-            child.wait().unwrap();
-        });
+        let peak = peak_while(
+            move || pid,
+            || {
+                let src = vec![1u8; n];
+                let m = share_memory(&src).unwrap();
+                drop(src);
+                send_fds(s.as_raw_fd(), b"f", &[m.fd()]).unwrap();
+                let mut line = String::new();
+                BufReader::new(&s).read_line(&mut line).unwrap();
+                assert_eq!(line.trim().parse::<usize>().unwrap(), n);
+                child.wait().unwrap();
+            },
+        );
         println!("| heap tensor + ss_share_memory (copy) | {} | {:.3} |", gb(peak), peak as f64 / n as f64);
     }
     match torch.and_then(|py| run_torch(py, &["big".into(), gib.to_string()])) {

@@ -35,7 +35,9 @@ fn best(reps: usize, mut f: impl FnMut() -> u64) -> f64 {
 
 /// Sums the buffer as u64 words on all cores: every byte read once.
 fn read_all(buf: &[u8]) -> u64 {
-    buf.par_chunks(MIB).map(|c| c.chunks_exact(8).fold(0u64, |a, w| a.wrapping_add(u64::from_le_bytes(w.try_into().unwrap())))).reduce(|| 0, u64::wrapping_add)
+    buf.par_chunks(MIB)
+        .map(|c| c.chunks_exact(8).fold(0u64, |a, w| a.wrapping_add(u64::from_le_bytes(w.try_into().unwrap()))))
+        .reduce(|| 0, u64::wrapping_add)
 }
 
 fn gbs(bytes: usize, secs: f64) -> f64 {
@@ -79,11 +81,7 @@ fn hash_table(quick: bool) {
         let b3 = gbs(n, best(reps.min(5), || blake3::Hasher::new().update_rayon(&buf).finalize().as_bytes()[0] as u64));
         let sha = gbs(n, best(reps.min(3), || content_store::hash_hex(&buf, HashMode::Stable).len() as u64));
         let vs = openssl.map_or("n/a".to_string(), |o| format!("{:.2}", sha / o));
-        println!(
-            "| {} MiB | {read:.2} | {fast:.2} | {:.0} % | {xxh:.2} | {b3:.2} | {sha:.2} | {vs} |",
-            n / MIB,
-            100.0 * fast / read
-        );
+        println!("| {} MiB | {read:.2} | {fast:.2} | {:.0} % | {xxh:.2} | {b3:.2} | {sha:.2} | {vs} |", n / MIB, 100.0 * fast / read);
     }
     println!();
     println!(
@@ -160,7 +158,11 @@ fn store_table() {
                 t["writer_stable_hash"],
                 gbs(64 * N, t["writer_stable_hash"])
             );
-            println!("| PyTorch ContentStoreReader (torch.load, copies) | {:.3} s | {:.2} GB/s | | |", t["reader_load"], gbs(64 * N, t["reader_load"]));
+            println!(
+                "| PyTorch ContentStoreReader (torch.load, copies) | {:.3} s | {:.2} GB/s | | |",
+                t["reader_load"],
+                gbs(64 * N, t["reader_load"])
+            );
         }
         None => println!("\nPyTorch rows: skipped: torch not installed (set SS_TEST_PYTHON to a Python with torch)"),
     }

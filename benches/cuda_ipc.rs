@@ -223,7 +223,11 @@ fn consumer() {
         let (kind, text) = line.split_once(' ').unwrap();
         let h = IpcHandle::from_text(text).unwrap();
         let (r, d) = timed(|| ipc.open(&h, 0).unwrap());
-        if kind == "first" { first.push(d) } else { cached.push(d) }
+        if kind == "first" {
+            first.push(d)
+        } else {
+            cached.push(d)
+        }
         held.push((kind == "first", r, h));
     }
     // Floor for a first open: the bare cuIpcOpenMemHandle + event wait.

@@ -232,8 +232,18 @@ fn main() {
     });
     let by_name = time(2000, || drop(RefcountedMapAllocator::open(&name, SHAREDMEM | NOCREATE, 4096).unwrap()));
     let pt_open = torch.as_ref().map_or("-".to_string(), |(_, o)| human(*o));
-    println!("| by name (refcounted, count +1/-1) | {} | {} | {:.2} | {pt_open} (with manager registration) |", human(by_name), human(bare_by_name), by_name / bare_by_name);
-    println!("| by name, vs bare + the header's atomic +1/-1 | {} | {} | {:.2} | - |", human(by_name), human(bare_touch), by_name / bare_touch);
+    println!(
+        "| by name (refcounted, count +1/-1) | {} | {} | {:.2} | {pt_open} (with manager registration) |",
+        human(by_name),
+        human(bare_by_name),
+        by_name / bare_by_name
+    );
+    println!(
+        "| by name, vs bare + the header's atomic +1/-1 | {} | {} | {:.2} | - |",
+        human(by_name),
+        human(bare_touch),
+        by_name / bare_touch
+    );
     drop(creator);
     let shared = share_memory(&[1u8; 4096]).unwrap();
     let fd = shared.fd();

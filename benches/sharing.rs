@@ -49,8 +49,13 @@ fn main() {
     big_named.share_filename().unwrap();
     small.share_fd().unwrap();
     big.share_fd().unwrap();
-    let names = ["1-byte pipe round trip", "4 KiB by fd (SCM_RIGHTS, map, ack)", "4 KiB by name (manager, map, ack)",
-        "16 MiB by fd (SCM_RIGHTS, map, ack)", "16 MiB by name (manager, map, ack)"];
+    let names = [
+        "1-byte pipe round trip",
+        "4 KiB by fd (SCM_RIGHTS, map, ack)",
+        "4 KiB by name (manager, map, ack)",
+        "16 MiB by fd (SCM_RIGHTS, map, ack)",
+        "16 MiB by name (manager, map, ack)",
+    ];
     let mut kinds: Vec<(String, Vec<f64>)> = names.iter().map(|n| (n.to_string(), Vec::new())).collect();
     let every = (small_n / big_n).max(1);
     for i in 0..small_n + 20 {
@@ -78,7 +83,10 @@ fn main() {
     let torch_rows = torch_queue(if quick { 100 } else { 1000 }, if quick { 30 } else { 200 });
 
     let floor = pipe.median;
-    println!("\nstorage sharing latency ({} CPUs; median / p90 per message, µs)", std::thread::available_parallelism().map_or(0, |n| n.get()));
+    println!(
+        "\nstorage sharing latency ({} CPUs; median / p90 per message, µs)",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
     println!("| {:<44} | {:>9} | {:>9} | {:>12} |", "what", "median", "p90", "x pipe RTT");
     println!("|{:-<46}|{:->11}|{:->11}|{:->14}|", "", "", "", "");
     for (what, st) in rows.iter().chain([("open by name + register + close, in-process".to_string(), opens)].iter()) {

@@ -85,11 +85,8 @@ impl Drop for TorchServer {
 
 /// PyTorch's client timing loop against `port`: median µs per set+get.
 fn torch_client(port: u16, n: usize) -> f64 {
-    let out = Command::new(python())
-        .args([script(), "client".into(), port.to_string(), n.to_string()])
-        .stderr(Stdio::null())
-        .output()
-        .unwrap();
+    let out =
+        Command::new(python()).args([script(), "client".into(), port.to_string(), n.to_string()]).stderr(Stdio::null()).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     text.lines().find_map(|l| l.strip_prefix("US ")).expect("python client result").trim().parse().unwrap()
 }
@@ -183,7 +180,10 @@ fn main() {
             rows.push(("PyTorch (Python loop)".into(), format!("PyTorch {name}"), us, f64::NAN));
         }
     }
-    println!("\nstore set+get round trip, loopback, {}-byte value, {rounds} rounds x {per_round} (Python rows: median of 5 batches)", VALUE.len());
+    println!(
+        "\nstore set+get round trip, loopback, {}-byte value, {rounds} rounds x {per_round} (Python rows: median of 5 batches)",
+        VALUE.len()
+    );
     println!("{:<24} {:<18} {:>10} {:>10} {:>10}", "client", "server", "median µs", "p90 µs", "x echo");
     for (c, s, us, p90) in &rows {
         let p90 = if p90.is_nan() { "-".to_string() } else { format!("{p90:.1}") };
@@ -216,6 +216,13 @@ fn main() {
         wake.push((rx.recv().unwrap() - t0).as_secs_f64() * 1e6);
     }
     waiter.join().unwrap();
-    println!("{:<24} {:<18} {:>10.1} {:>10.1} {:>10}", "file store set -> woken get", "another thread", median(wake.clone()), pct(wake, 90), "-");
+    println!(
+        "{:<24} {:<18} {:>10.1} {:>10.1} {:>10}",
+        "file store set -> woken get",
+        "another thread",
+        median(wake.clone()),
+        pct(wake, 90),
+        "-"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }

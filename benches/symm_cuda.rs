@@ -25,11 +25,13 @@ use storage_sharing::symm::{self, group, DeviceType};
 const ROLE_ENV: &str = "SS_SYMM_CUDA_BENCH_RANK";
 const NOP_PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry ss_nop()\n{\n\tret;\n}\n\0";
 
-
 fn rounds() -> usize {
-    if std::env::var_os("SS_BENCH_QUICK").is_some() { 200 } else { 2000 }
+    if std::env::var_os("SS_BENCH_QUICK").is_some() {
+        200
+    } else {
+        2000
+    }
 }
-
 
 fn stream_sync(s: usize) {
     // SAFETY: our stream, context current.
@@ -147,7 +149,11 @@ fn run_rank(rank: usize) {
         let (lf, bf) = (median_us(launch_floor), median_us(block_floor));
         println!("| barrier + cuStreamSynchronize | {:.1} | {lf:.1} (empty kernel launch + sync) |", median_us(one));
         println!("| barrier, {n} enqueued back to back, per barrier | {pipelined:.1} | |");
-        println!("| put_signal + wait_signal round trip (+ sync) | {:.1} | {:.1} (two launches + sync: 2 × floor) |", median_us(rtt), 2.0 * lf);
+        println!(
+            "| put_signal + wait_signal round trip (+ sync) | {:.1} | {:.1} (two launches + sync: 2 × floor) |",
+            median_us(rtt),
+            2.0 * lf
+        );
         println!("| alloc of 1 MiB (rank 0) | {:.0} | {bf:.0} (cuMemCreate+reserve+map+access, undone) |", alloc_time.as_secs_f64() * 1e6);
         println!("| rendezvous of 1 MiB (rank 0, file store) | {:.0} | |", rendezvous_time.as_secs_f64() * 1e6);
     }
@@ -188,7 +194,9 @@ fn block_floor(size: usize, n: usize) -> Vec<Duration> {
     prop.location.id = 0;
     let mut g = 0usize;
     ok(
-        unsafe { cuMemGetAllocationGranularity(&mut g, &prop, CUmemAllocationGranularity_flags_enum::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) },
+        unsafe {
+            cuMemGetAllocationGranularity(&mut g, &prop, CUmemAllocationGranularity_flags_enum::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+        },
         "granularity",
     );
     let bytes = (size + 12288).next_multiple_of(g);

@@ -7,10 +7,10 @@
 mod common;
 
 use common::{child_main, my_role, run_ok, use_built_manager, wait_until, Parent, Peer, ROLE_VAR};
-use std::time::Duration;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::process::Command;
+use std::time::Duration;
 use storage_sharing::arena::transport::{recv_block, send_block};
 use storage_sharing::arena::{Arena, ArenaOptions, RemoteView, Strategy};
 use storage_sharing::storage::{recv_fds, send_fds, Storage};
@@ -285,7 +285,10 @@ fn trim_consumer_role() {
     assert_eq!(peer.recv(), "sent");
     // SAFETY: a signal to our own child, reaped below.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-    let zombie = || std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')));
+    let zombie = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')))
+    };
     assert!(wait_until(Duration::from_secs(10), zombie), "producer {pid} did not become a zombie");
     assert_eq!(views.iter().map(check).collect::<Vec<_>>(), [50, 51, 52]);
     drop(views);

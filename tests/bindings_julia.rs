@@ -102,14 +102,8 @@ fn parse_structs(text: &str) -> BTreeMap<String, Vec<Field>> {
                     Some((d, a)) => (d.trim(), Some(a.trim_end_matches(']').trim().to_string())),
                     None => (f, None),
                 };
-                let cut = decl
-                    .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
-                    .map_or(0, |i| i + 1);
-                Field {
-                    ty: normalize_c_type(&decl[..cut]),
-                    name: decl[cut..].to_string(),
-                    array,
-                }
+                let cut = decl.rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |i| i + 1);
+                Field { ty: normalize_c_type(&decl[..cut]), name: decl[cut..].to_string(), array }
             })
             .collect();
         out.insert(name, fields);
@@ -146,9 +140,7 @@ fn parse_header(text: &str) -> (BTreeMap<String, Prototype>, Vec<String>) {
         let open = stmt.find('(').unwrap();
         let close = stmt.rfind(')').expect("unbalanced prototype");
         let head = stmt[..open].trim_end();
-        let name_start = head
-            .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
-            .map_or(0, |i| i + 1);
+        let name_start = head.rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |i| i + 1);
         let name = head[name_start..].to_string();
         let ret = normalize_c_type(&head[..name_start]);
         let params = split_top_level(&stmt[open + 1..close])
@@ -156,9 +148,7 @@ fn parse_header(text: &str) -> (BTreeMap<String, Prototype>, Vec<String>) {
             .filter(|p| p != "void")
             .map(|p| {
                 // Drop the parameter's name: the last identifier after the type.
-                let cut = p
-                    .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
-                    .map_or(0, |i| i + 1);
+                let cut = p.rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |i| i + 1);
                 normalize_c_type(&p[..cut])
             })
             .collect();
@@ -212,9 +202,7 @@ fn parse_ccalls(text: &str) -> Result<Vec<Ccall>, String> {
         }
         let args = split_top_level(&code[start..end]);
         if args.len() < 3 {
-            return Err(format!(
-                "line {line}: ccall needs (name, lib), a return type and a type tuple"
-            ));
+            return Err(format!("line {line}: ccall needs (name, lib), a return type and a type tuple"));
         }
         let target = args[0].trim_start_matches('(').trim_end_matches(')');
         let name = split_top_level(target)
@@ -224,18 +212,10 @@ fn parse_ccalls(text: &str) -> Result<Vec<Ccall>, String> {
             .to_string();
         let tuple = args[2].trim();
         if !(tuple.starts_with('(') && tuple.ends_with(')')) {
-            return Err(format!(
-                "line {line}: the argument types of {name} are not a literal tuple"
-            ));
+            return Err(format!("line {line}: the argument types of {name} are not a literal tuple"));
         }
         let types = split_top_level(&tuple[1..tuple.len() - 1]);
-        calls.push(Ccall {
-            line,
-            name,
-            ret: args[1].clone(),
-            types,
-            nargs: args.len() - 3,
-        });
+        calls.push(Ccall { line, name, ret: args[1].clone(), types, nargs: args.len() - 3 });
         from = end;
     }
     Ok(calls)
@@ -269,11 +249,7 @@ fn julia_types_for(c: &str, opaque: &[String]) -> Result<Vec<String>, String> {
         "ss_arena_stats" => vec!["ArenaStats".into()],
         // A C function pointer (from @cfunction) or C_NULL.
         "ss_cuda_deleter" if stars == 0 => vec!["Ptr{Cvoid}".into()],
-        b => {
-            return Err(format!(
-                "C type `{b}` has no Julia spelling yet: add it to julia_types_for in tests/bindings_julia.rs"
-            ))
-        }
+        b => return Err(format!("C type `{b}` has no Julia spelling yet: add it to julia_types_for in tests/bindings_julia.rs")),
     };
     for _ in 0..stars {
         options = options.iter().map(|t| format!("Ptr{{{t}}}")).collect();
@@ -294,18 +270,10 @@ fn check_ccalls(calls: &[Ccall], protos: &BTreeMap<String, Prototype>, opaque: &
             continue;
         };
         if call.types.len() != proto.params.len() {
-            problems.push(format!(
-                "{at}: {} argument types, the C function has {} parameters",
-                call.types.len(),
-                proto.params.len()
-            ));
+            problems.push(format!("{at}: {} argument types, the C function has {} parameters", call.types.len(), proto.params.len()));
         }
         if call.nargs != call.types.len() {
-            problems.push(format!(
-                "{at}: {} arguments passed for {} types",
-                call.nargs,
-                call.types.len()
-            ));
+            problems.push(format!("{at}: {} arguments passed for {} types", call.nargs, call.types.len()));
         }
         let mut pairs: Vec<(&str, &str, String)> = vec![(&proto.ret, &call.ret, "return type".to_string())];
         for (i, (c, j)) in proto.params.iter().zip(&call.types).enumerate() {
@@ -314,9 +282,7 @@ fn check_ccalls(calls: &[Ccall], protos: &BTreeMap<String, Prototype>, opaque: &
         for (c, j, what) in pairs {
             match julia_types_for(c, opaque) {
                 Ok(ok) if ok.iter().any(|t| t == j) => {}
-                Ok(ok) => problems.push(format!(
-                    "{at}: {what} is `{j}` in Julia, C has `{c}` (expected one of {ok:?})"
-                )),
+                Ok(ok) => problems.push(format!("{at}: {what} is `{j}` in Julia, C has `{c}` (expected one of {ok:?})")),
                 Err(e) => problems.push(format!("{at}: {e}")),
             }
         }
@@ -382,10 +348,7 @@ fn julia_sources() -> Vec<(String, String)> {
 fn every_ccall_matches_the_header() {
     let header = read("include/storage_sharing.h");
     let (protos, opaque) = parse_header(&header);
-    assert!(
-        protos.contains_key("ss_map_open") && opaque.contains(&"ss_map".to_string()),
-        "header parser found {protos:?}"
-    );
+    assert!(protos.contains_key("ss_map_open") && opaque.contains(&"ss_map".to_string()), "header parser found {protos:?}");
     assert_eq!(
         opaque,
         [
@@ -412,19 +375,11 @@ fn every_ccall_matches_the_header() {
         let file_calls = parse_ccalls(&julia).unwrap_or_else(|e| panic!("{file}: {e}"));
         let written = strip_julia_comments(&julia).matches("ccall(").count();
         assert_eq!(file_calls.len(), written, "{file}: parsed {} of {written} ccalls", file_calls.len());
-        problems.extend(
-            check_ccalls(&file_calls, &protos, &opaque)
-                .into_iter()
-                .map(|p| p.replacen("bindings/julia", &file, 1)),
-        );
+        problems.extend(check_ccalls(&file_calls, &protos, &opaque).into_iter().map(|p| p.replacen("bindings/julia", &file, 1)));
         calls.extend(file_calls);
     }
     assert!(calls.len() > 60, "found only {} ccalls", calls.len());
-    assert!(
-        problems.is_empty(),
-        "Julia ccalls disagree with the header:\n{}",
-        problems.join("\n")
-    );
+    assert!(problems.is_empty(), "Julia ccalls disagree with the header:\n{}", problems.join("\n"));
     // The module binds the whole C API: a new C function needs a wrapper.
     let unbound: Vec<&String> = protos.keys().filter(|n| !calls.iter().any(|c| &c.name == *n)).collect();
     assert!(unbound.is_empty(), "C functions without a Julia wrapper: {unbound:?}");
@@ -449,39 +404,23 @@ fn check_struct(c_name: &str, j_name: &str) {
     let header = read("include/storage_sharing.h");
     let consts = header_constants(&header);
     let structs = parse_structs(&header);
-    let c_fields = structs
-        .get(c_name)
-        .unwrap_or_else(|| panic!("no {c_name} in {structs:?}"));
-    let julia = julia_sources()
-        .into_iter()
-        .map(|(_, t)| strip_julia_comments(&t))
-        .collect::<Vec<_>>()
-        .join("\n");
+    let c_fields = structs.get(c_name).unwrap_or_else(|| panic!("no {c_name} in {structs:?}"));
+    let julia = julia_sources().into_iter().map(|(_, t)| strip_julia_comments(&t)).collect::<Vec<_>>().join("\n");
     let body = julia
         .split(&format!("struct {j_name}\n"))
         .nth(1)
         .and_then(|b| b.split("\nend").next())
         .unwrap_or_else(|| panic!("no `struct {j_name}` in the Julia module"));
-    let j_fields: Vec<(String, String)> = body
-        .lines()
-        .filter_map(|l| l.trim().split_once("::"))
-        .map(|(n, t)| (n.trim().to_string(), t.trim().to_string()))
-        .collect();
+    let j_fields: Vec<(String, String)> =
+        body.lines().filter_map(|l| l.trim().split_once("::")).map(|(n, t)| (n.trim().to_string(), t.trim().to_string())).collect();
     let names: Vec<&str> = c_fields.iter().map(|f| f.name.as_str()).collect();
-    assert_eq!(
-        j_fields.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
-        names,
-        "{j_name}: field names and order"
-    );
+    assert_eq!(j_fields.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), names, "{j_name}: field names and order");
     let opaque: Vec<String> = Vec::new();
     for (c, (name, jt)) in c_fields.iter().zip(&j_fields) {
         let want: Vec<String> = match &c.array {
             Some(len) => {
-                let n = len
-                    .parse::<i64>()
-                    .ok()
-                    .or_else(|| consts.get(len).copied())
-                    .unwrap_or_else(|| panic!("array length {len} of {name}"));
+                let n =
+                    len.parse::<i64>().ok().or_else(|| consts.get(len).copied()).unwrap_or_else(|| panic!("array length {len} of {name}"));
                 // char arrays are bytes too (NUL-terminated names).
                 let elem = if c.ty == "char" { "UInt8".to_string() } else { julia_types_for(&c.ty, &opaque).unwrap()[0].clone() };
                 vec![format!("NTuple{{{n},{elem}}}"), format!("NTuple{{{n}, {elem}}}")]
@@ -498,9 +437,7 @@ fn julia_constants_have_the_header_values() {
     let julia: Vec<(String, String)> = julia_sources().iter().flat_map(|(_, t)| julia_constants(t)).collect();
     assert!(julia.len() >= 20, "found only {julia:?}");
     for (name, value) in &julia {
-        let want = consts
-            .get(name)
-            .unwrap_or_else(|| panic!("{name} is not in the header"));
+        let want = consts.get(name).unwrap_or_else(|| panic!("{name} is not in the header"));
         assert_eq!(value, &want.to_string(), "{name}: Julia has {value}, the header {want}");
     }
 }
@@ -508,37 +445,20 @@ fn julia_constants_have_the_header_values() {
 /// The checker itself catches the mistakes it exists for.
 #[test]
 fn checker_reports_bad_ccalls() {
-    let header = "typedef struct ss_x ss_x;\nss_status ss_x_open(const char *name,\n    size_t size, ss_x **out);\nvoid ss_x_free(ss_x *x);\n";
+    let header =
+        "typedef struct ss_x ss_x;\nss_status ss_x_open(const char *name,\n    size_t size, ss_x **out);\nvoid ss_x_free(ss_x *x);\n";
     let (protos, opaque) = parse_header(header);
     assert_eq!(protos["ss_x_open"].params, ["const char *", "size_t", "ss_x **"]);
     let good = "ccall((:ss_x_open, lib()), Cint, (Cstring, Csize_t, Ptr{Ptr{Cvoid}}), n, s, out)\nccall((:ss_x_free, lib()), Cvoid, (Ptr{Cvoid},), x)";
     assert!(check_ccalls(&parse_ccalls(good).unwrap(), &protos, &opaque).is_empty());
     for (bad, why) in [
-        (
-            "ccall((:ss_x_opne, lib()), Cint, (Cstring, Csize_t, Ptr{Ptr{Cvoid}}), n, s, out)",
-            "no such function",
-        ),
-        (
-            "ccall((:ss_x_open, lib()), Cint, (Cstring, Ptr{Ptr{Cvoid}}), n, out)",
-            "2 argument types, the C function has 3",
-        ),
-        (
-            "ccall((:ss_x_open, lib()), Cint, (Cstring, Cint, Ptr{Ptr{Cvoid}}), n, s, out)",
-            "parameter 2 is `Cint`",
-        ),
-        (
-            "ccall((:ss_x_open, lib()), Cint, (Cstring, Csize_t, Ptr{Ptr{Cvoid}}), n, s)",
-            "2 arguments passed for 3 types",
-        ),
-        (
-            "ccall((:ss_x_free, lib()), Cint, (Ptr{Cvoid},), x)",
-            "return type is `Cint`",
-        ),
+        ("ccall((:ss_x_opne, lib()), Cint, (Cstring, Csize_t, Ptr{Ptr{Cvoid}}), n, s, out)", "no such function"),
+        ("ccall((:ss_x_open, lib()), Cint, (Cstring, Ptr{Ptr{Cvoid}}), n, out)", "2 argument types, the C function has 3"),
+        ("ccall((:ss_x_open, lib()), Cint, (Cstring, Cint, Ptr{Ptr{Cvoid}}), n, s, out)", "parameter 2 is `Cint`"),
+        ("ccall((:ss_x_open, lib()), Cint, (Cstring, Csize_t, Ptr{Ptr{Cvoid}}), n, s)", "2 arguments passed for 3 types"),
+        ("ccall((:ss_x_free, lib()), Cint, (Ptr{Cvoid},), x)", "return type is `Cint`"),
     ] {
         let problems = check_ccalls(&parse_ccalls(bad).unwrap(), &protos, &opaque);
-        assert!(
-            problems.iter().any(|p| p.contains(why)),
-            "{bad}: wanted '{why}', got {problems:?}"
-        );
+        assert!(problems.iter().any(|p| p.contains(why)), "{bad}: wanted '{why}', got {problems:?}");
     }
 }

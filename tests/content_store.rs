@@ -62,7 +62,8 @@ fn round_trip(format: Format) {
     for code in ALL_DTYPES {
         let dtype = Dtype::from_code(code).unwrap();
         for (i, (offset, shape, stride)) in views().into_iter().enumerate() {
-            let meta = content_store::TensorMeta { dtype, storage_hash: String::new(), offset, shape: shape.clone(), stride: stride.clone() };
+            let meta =
+                content_store::TensorMeta { dtype, storage_hash: String::new(), offset, shape: shape.clone(), stride: stride.clone() };
             let need = content_store::bounds::required_bytes(&meta, ErrorKind::InvalidArgument).unwrap() as usize;
             let data = common::pattern(need + 3 * dtype.itemsize(), (code as u8).wrapping_add(i as u8));
             let name = format!("{}/v{i}", dtype.torch_name());
@@ -314,7 +315,8 @@ fn damaged_torch_format_files_are_refused() {
     // An entry naming a storage smaller than its view.
     std::fs::write(&storage_path, &storage).unwrap();
     let small_hash = Reader::open(&root).unwrap().read_meta("small").unwrap().storage_hash;
-    let big_view = content_store::TensorMeta { dtype: Dtype::Float32, storage_hash: small_hash, offset: 0, shape: vec![1000], stride: vec![1] };
+    let big_view =
+        content_store::TensorMeta { dtype: Dtype::Float32, storage_hash: small_hash, offset: 0, shape: vec![1000], stride: vec![1] };
     let crafted = storage_sharing::content_store::torch_format::tensor_file(&big_view);
     std::fs::write(root.join("tensors/crafted"), crafted).unwrap();
     let e = Reader::open(&root).unwrap().read_tensor("crafted").err().unwrap();
@@ -385,7 +387,10 @@ fn fast_hash_is_parallel_safe_and_stable_hash_is_sha1() {
     for _ in 0..3 {
         assert_eq!(content_store::hash_hex(&data, HashMode::Fast), h);
     }
-    assert_eq!(content_store::hash_hex(b"The quick brown fox jumps over the lazy dog", HashMode::Stable), "2fd4e1c67a2d28fced849ee1bb76e7391b93eb12");
+    assert_eq!(
+        content_store::hash_hex(b"The quick brown fox jumps over the lazy dog", HashMode::Stable),
+        "2fd4e1c67a2d28fced849ee1bb76e7391b93eb12"
+    );
 }
 
 /// Child: writes tensors into the store in a loop until killed.
@@ -450,7 +455,11 @@ fn writers_killed_with_sigkill_leave_no_corrupt_object() {
     assert!(!r.list_tensors().unwrap().is_empty(), "the writers wrote nothing before being killed");
     let tensors = r.list_tensors().unwrap().len();
     let gc = content_store::gc(&root, false).unwrap();
-    println!("killed 12 writers: {tensors} tensors survive, gc removed {} temporary files and {} storages", gc.temp_files.len(), gc.storages.len());
+    println!(
+        "killed 12 writers: {tensors} tensors survive, gc removed {} temporary files and {} storages",
+        gc.temp_files.len(),
+        gc.storages.len()
+    );
     let report = content_store::verify(&Reader::open(&root).unwrap(), &mut |_, _| {}).unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
     let mut temp = Vec::new();

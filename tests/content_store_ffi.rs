@@ -97,10 +97,7 @@ fn write_storage_with_a_short_buffer_writes_nothing() {
         ss_content_writer_counts(w, &mut written, std::ptr::null_mut(), std::ptr::null_mut());
         assert_eq!(written, 0, "a refused call wrote the storage");
         assert_eq!(std::fs::read_dir(root.join("storages")).unwrap().count(), 0);
-        assert_eq!(
-            ss_content_write_storage(w, data.as_ptr().cast(), data.len(), buf.as_mut_ptr(), buf.len()),
-            ss_status::SS_OK
-        );
+        assert_eq!(ss_content_write_storage(w, data.as_ptr().cast(), data.len(), buf.as_mut_ptr(), buf.len()), ss_status::SS_OK);
         let hash = CStr::from_ptr(buf.as_ptr()).to_str().unwrap().to_string();
         assert!(root.join("storages").join(&hash).exists());
         ss_content_writer_free(w);

@@ -82,8 +82,7 @@ fn children_forked_while_threads_write_a_store_all_finish() {
                 let mut n = 0usize;
                 while !stop.load(Ordering::Relaxed) {
                     let data = &contents[n % contents.len()];
-                    w.write_tensor(&format!("t{t}/{}", n % 16), data, Dtype::UInt8, 0, &[data.len() as i64], &[1])
-                        .unwrap();
+                    w.write_tensor(&format!("t{t}/{}", n % 16), data, Dtype::UInt8, 0, &[data.len() as i64], &[1]).unwrap();
                     n += 1;
                 }
             })

@@ -110,10 +110,7 @@ fn stable_hash_equals_torch_hash_storage() {
         std::fs::write(dir.join(i.to_string()), s).unwrap();
         want.push(content_store::hash_hex(s, HashMode::Stable));
     }
-    let got = python(
-        HASH_STORAGE_PY,
-        &[dir.to_str().unwrap(), &want.len().to_string()],
-    );
+    let got = python(HASH_STORAGE_PY, &[dir.to_str().unwrap(), &want.len().to_string()]);
     assert_eq!(got.lines().collect::<Vec<_>>(), want);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -162,10 +159,7 @@ fn torch_reads_what_we_write() {
 }
 
 fn write_with_torch(root: &Path, stable: bool) {
-    python(
-        TORCH_WRITER_PY,
-        &[root.to_str().unwrap(), if stable { "1" } else { "0" }],
-    );
+    python(TORCH_WRITER_PY, &[root.to_str().unwrap(), if stable { "1" } else { "0" }]);
 }
 
 #[test]
@@ -199,10 +193,7 @@ fn we_read_what_torch_writes() {
     w.write_tensor("ours", &base, Dtype::Float32, 0, &[24], &[1]).unwrap();
     assert_eq!(w.stats().storages_deduplicated, 1);
     drop(w);
-    let out = python(
-        TORCH_COMPARE_PY,
-        &[root.to_str().unwrap()],
-    );
+    let out = python(TORCH_COMPARE_PY, &[root.to_str().unwrap()]);
     assert_eq!(out.trim(), "True");
 
     // PyTorch's default (non-portable) hash: readable, not verifiable.

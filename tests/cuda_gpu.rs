@@ -17,7 +17,6 @@ use storage_sharing::ErrorKind;
 const ROLE_ENV: &str = "SS_CUDA_GPU_ROLE";
 const PATTERN: u32 = 0x0C0F_FEE1;
 
-
 /// True with device 0's primary context current on this thread; prints
 /// why and returns false where CUDA cannot be used.
 fn gpu_ready() -> bool {
@@ -267,10 +266,8 @@ fn gpu_producer_consumer_event_sync_and_limbo() {
 
 fn torch_python() -> Option<String> {
     let py = std::env::var("SS_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    let probe = Command::new(&py)
-        .args(["-c", "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"])
-        .stderr(Stdio::null())
-        .status();
+    let probe =
+        Command::new(&py).args(["-c", "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"]).stderr(Stdio::null()).status();
     match probe.map(|s| s.code()) {
         Ok(Some(0)) => Some(py),
         Ok(Some(3)) => {

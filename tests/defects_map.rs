@@ -9,9 +9,9 @@ use common::shm_exists;
 use std::ffi::{c_void, CStr, CString};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
+use storage_sharing::ffi::errors::ss_last_error_message;
 use storage_sharing::ffi::fd_passing::{ss_recv_fds, ss_send_fds};
 use storage_sharing::ffi::map::*;
-use storage_sharing::ffi::errors::ss_last_error_message;
 use storage_sharing::ffi::status::ss_status;
 use storage_sharing::ffi::storage_utils::ss_share_memory;
 use storage_sharing::shm::flags::{EXCLUSIVE, FROMFD, KEEPFD, SHARED, SHAREDMEM, UNLINK};
@@ -128,11 +128,7 @@ fn unreadable_source_is_an_invalid_argument() {
 /// in total: the other tests of this binary run on other threads and open
 /// descriptors of their own meanwhile.
 fn fds_open_on(target: &std::path::Path) -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter(|t| t == target)
-        .count()
+    std::fs::read_dir("/proc/self/fd").unwrap().filter_map(|e| std::fs::read_link(e.ok()?.path()).ok()).filter(|t| t == target).count()
 }
 
 #[test]

@@ -40,12 +40,14 @@ fn every_export_is_guarded() {
         let in_ffi = file.starts_with(root.join("ffi"));
         for (name, body) in exports(&text) {
             assert!(in_ffi, "{}: extern \"C\" fn {name} outside src/ffi", file.display());
-            let guarded = body.starts_with(&format!("ffi_status!(\"{name}\","))
-                || body.starts_with(&format!("ffi_value!(\"{name}\","));
+            let guarded = body.starts_with(&format!("ffi_status!(\"{name}\",")) || body.starts_with(&format!("ffi_value!(\"{name}\","));
             assert!(guarded, "{}: {name} does not start with ffi_status!/ffi_value!(\"{name}\", ...)", file.display());
-            assert!(text.contains(&format!("#[no_mangle]\npub unsafe extern \"C\" fn {name}("))
-                || text.contains(&format!("#[no_mangle]\npub extern \"C\" fn {name}(")),
-                "{}: {name} must be `#[no_mangle] pub` directly above", file.display());
+            assert!(
+                text.contains(&format!("#[no_mangle]\npub unsafe extern \"C\" fn {name}("))
+                    || text.contains(&format!("#[no_mangle]\npub extern \"C\" fn {name}(")),
+                "{}: {name} must be `#[no_mangle] pub` directly above",
+                file.display()
+            );
             count += 1;
         }
     }

@@ -146,15 +146,17 @@ fn any_handle() -> impl Strategy<Value = IpcHandle> {
         proptest::collection::vec(any::<u8>(), IPC_HANDLE_SIZE),
         any::<bool>(),
     )
-        .prop_map(|(device, mem_handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset, ev, event_sync_required)| IpcHandle {
-            device,
-            mem_handle,
-            size_bytes,
-            offset_bytes,
-            ref_counter_handle,
-            ref_counter_offset,
-            event_handle: ev.try_into().unwrap(),
-            event_sync_required,
+        .prop_map(|(device, mem_handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset, ev, event_sync_required)| {
+            IpcHandle {
+                device,
+                mem_handle,
+                size_bytes,
+                offset_bytes,
+                ref_counter_handle,
+                ref_counter_offset,
+                event_handle: ev.try_into().unwrap(),
+                event_sync_required,
+            }
         })
 }
 
@@ -790,7 +792,11 @@ fn write_seed_corpus() {
     put("tcpstore_request", "handshake.bin", &enc(&hello));
     put("tcpstore_request", "session_every_query.bin", &[enc(&hello), enc(&session)].concat());
     for (i, r) in session.iter().enumerate() {
-        put("tcpstore_request", &format!("one_{i:02}_{}.bin", format!("{r:?}").split([' ', '(']).next().unwrap().to_lowercase()), &r.to_bytes());
+        put(
+            "tcpstore_request",
+            &format!("one_{i:02}_{}.bin", format!("{r:?}").split([' ', '(']).next().unwrap().to_lowercase()),
+            &r.to_bytes(),
+        );
     }
     let mut huge = vec![query::GET];
     huge.extend_from_slice(&(MAX_FIELD + 1).to_le_bytes());
@@ -803,7 +809,8 @@ fn write_seed_corpus() {
     partial.truncate(50);
     put("tcpstore_request", "partial_set.bin", &partial);
 
-    let m = TensorMeta { dtype: Dtype::Float32, storage_hash: "0123456789abcdef".repeat(2), offset: 1, shape: vec![3, 4], stride: vec![1, 3] };
+    let m =
+        TensorMeta { dtype: Dtype::Float32, storage_hash: "0123456789abcdef".repeat(2), offset: 1, shape: vec![3, 4], stride: vec![1, 3] };
     put("tensor_record", "ok_f32_transposed.bin", &record::encode(&m));
     let scalar = TensorMeta { dtype: Dtype::BFloat16, storage_hash: "a".into(), offset: 0, shape: vec![], stride: vec![] };
     put("tensor_record", "ok_bf16_scalar.bin", &record::encode(&scalar));
@@ -815,7 +822,11 @@ fn write_seed_corpus() {
         r[at..at + v.len()].copy_from_slice(v);
         reseal(r)
     };
-    put("tensor_record", "bad_checksum.bin", &{ let mut r = rec.clone(); r[40] ^= 1; r });
+    put("tensor_record", "bad_checksum.bin", &{
+        let mut r = rec.clone();
+        r[40] ^= 1;
+        r
+    });
     put("tensor_record", "bad_version_2.bin", &edit(8, &2u32.to_le_bytes()));
     put("tensor_record", "bad_dtype_12.bin", &edit(12, &12i32.to_le_bytes()));
     put("tensor_record", "bad_ndim_65.bin", &edit(16, &65u32.to_le_bytes()));
@@ -896,7 +907,11 @@ fn write_seed_corpus() {
         b[at..at + v.len()].copy_from_slice(v);
         b
     };
-    put("symm_request", "ok_padding_not_zero.bin", &{ let mut b = edit(33, &[0xa5; 3]); b[105..].fill(0x5a); b });
+    put("symm_request", "ok_padding_not_zero.bin", &{
+        let mut b = edit(33, &[0xa5; 3]);
+        b[105..].fill(0x5a);
+        b
+    });
     put("symm_request", "regression_multicast_byte_2.bin", &edit(32, &[2]));
     put("symm_request", "regression_hostname_byte_after_nul.bin", &edit(40 + 11, b"x"));
     put("symm_request", "regression_hostname_no_nul.bin", &edit(40, &[b'h'; HOSTNAME_LEN]));

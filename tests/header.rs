@@ -18,10 +18,7 @@ fn committed_header_matches_generated() {
             std::fs::read_to_string(root.join("include/storage_sharing.h")).unwrap()
         }
     };
-    assert!(
-        committed == GENERATED,
-        "include/storage_sharing.h in HEAD differs from what the code generates: build, then commit include/"
-    );
+    assert!(committed == GENERATED, "include/storage_sharing.h in HEAD differs from what the code generates: build, then commit include/");
 }
 
 #[test]

@@ -62,8 +62,7 @@ if __name__ == "__main__":
 
 /// The real torch package folder, found by importing it.
 fn torch_dir(py: &str) -> PathBuf {
-    let out =
-        Command::new(py).args(["-c", "import os, torch; print(os.path.dirname(torch.__file__))"]).output().unwrap();
+    let out = Command::new(py).args(["-c", "import os, torch; print(os.path.dirname(torch.__file__))"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }

@@ -87,8 +87,8 @@ fn garbage_and_malformed_messages_drop_only_that_client() {
     let mut keeper = connect(&path);
     register(&mut keeper, &new_process_wide_shm_handle());
     let bad: Vec<Vec<u8>> = vec![
-        vec![0xff; 68],                       // no NUL in the name field
-        vec![0; 68],                          // empty name
+        vec![0xff; 68], // no NUL in the name field
+        vec![0; 68],    // empty name
         {
             let mut m = AllocInfo::new(1, false, "/a").unwrap().encode().to_vec();
             m[6] = b'/';
@@ -101,7 +101,7 @@ fn garbage_and_malformed_messages_drop_only_that_client() {
             m[6] = 0xc3; // invalid UTF-8
             m
         },
-        vec![b'A'; 100_000],                  // oversized stream of junk
+        vec![b'A'; 100_000], // oversized stream of junk
     ];
     for msg in bad {
         let mut s = connect(&path);
@@ -159,8 +159,7 @@ fn many_clients_at_once_lose_no_registration() {
     let path = start();
     const CLIENTS: usize = 48;
     const EACH: usize = 20;
-    let names: Vec<Vec<String>> =
-        (0..CLIENTS).map(|_| (0..EACH).map(|_| new_process_wide_shm_handle()).collect()).collect();
+    let names: Vec<Vec<String>> = (0..CLIENTS).map(|_| (0..EACH).map(|_| new_process_wide_shm_handle()).collect()).collect();
     let threads: Vec<_> = names
         .iter()
         .cloned()
@@ -337,7 +336,8 @@ fn peer_pid(s: &UnixStream) -> i32 {
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: a connected socket we own; cred and len are valid.
-    let rc = unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
+    let rc =
+        unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
     assert_eq!(rc, 0);
     cred.pid
 }

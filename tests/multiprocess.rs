@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use std::os::fd::RawFd;
-use storage_sharing::shm::flags::{NOCREATE, OPEN_SHARED_FD, SHAREDMEM, EXCLUSIVE};
+use storage_sharing::shm::flags::{EXCLUSIVE, NOCREATE, OPEN_SHARED_FD, SHAREDMEM};
 use storage_sharing::shm::{new_process_wide_shm_handle, share_memory, MapAllocator, RefcountedMapAllocator};
 
 const LEN: usize = 3 * 4096 + 100;

@@ -38,7 +38,12 @@ fn child_role() {
     let e = storage_sharing::storage::Storage::from_bytes(&vec![7u8; ASK]).unwrap().share_filename().unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NoSpace, "share_filename: {e}");
     // Counter files are 80 KiB: fill the tmpfs first, then ask for one.
-    let filler = MapAllocator::open(&new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE | storage_sharing::shm::flags::UNLINK, (1 << 20) - (32 << 10)).unwrap();
+    let filler = MapAllocator::open(
+        &new_process_wide_shm_handle(),
+        SHAREDMEM | EXCLUSIVE | storage_sharing::shm::flags::UNLINK,
+        (1 << 20) - (32 << 10),
+    )
+    .unwrap();
     let e = storage_sharing::cuda::counters::CounterFile::create().unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NoSpace, "CounterFile::create: {e}");
     drop(filler);

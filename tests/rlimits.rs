@@ -129,8 +129,7 @@ fn nofile() {
 
 fn address_space() {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let vm_kb: u64 =
-        status.lines().find(|l| l.starts_with("VmSize:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    let vm_kb: u64 = status.lines().find(|l| l.starts_with("VmSize:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
     // 64 MiB above what the process uses now: the mapping budget.
     set_limit(libc::RLIMIT_AS, vm_kb * 1024 + (64 << 20));
     let mut held = Vec::new();
@@ -225,11 +224,7 @@ fn file_store_waits_at_nofile_32_poll_instead_of_failing() {
     let dir = std::env::temp_dir().join(format!("ss-rlimits-store-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let mut child = child_command("store_nofile", &[dir.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = child_command("store_nofile", &[dir.to_str().unwrap()]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
     let mut text = String::new();
     while !text.contains("READY") {

@@ -180,7 +180,10 @@ fn demo_symm_refuses_bad_sizes() {
         let out = Command::new(env!("CARGO_BIN_EXE_ssctl")).args(["demo", "symm", arg]).env("TMPDIR", &tmp).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{arg}: {err}");
-        assert!(err.contains(&format!("demo symm: the size must be a whole number of KiB from 1 to 1048576 (got {arg:?})")), "{arg}: {err}");
+        assert!(
+            err.contains(&format!("demo symm: the size must be a whole number of KiB from 1 to 1048576 (got {arg:?})")),
+            "{arg}: {err}"
+        );
         let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
         assert!(left.is_empty(), "{arg}: left in TMPDIR: {left:?}");
         let tmp_str = tmp.to_string_lossy().into_owned();

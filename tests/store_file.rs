@@ -75,7 +75,8 @@ fn child_role() {
                 if answer == me.as_bytes() {
                     won.push(round.to_string());
                 }
-                let moved = store.compare_set(key.as_bytes(), &answer, format!("{}+", String::from_utf8_lossy(&answer)).as_bytes()).unwrap();
+                let moved =
+                    store.compare_set(key.as_bytes(), &answer, format!("{}+", String::from_utf8_lossy(&answer)).as_bytes()).unwrap();
                 assert!(moved.starts_with(&answer), "round {round}: {moved:?} does not extend {answer:?}");
             }
             println!("WON {}", won.join(" "));
@@ -150,11 +151,7 @@ fn many_waiters(store: FileStore) {
         assert_eq!(store.get(format!("seq/{round}").as_bytes(), Some(Duration::from_secs(30))).unwrap(), b"v");
         setter.join().unwrap();
     }
-    assert!(
-        wait_until(Duration::from_secs(10), || inotify_fds() == 0),
-        "{} inotify instances stay after every wait ended",
-        inotify_fds()
-    );
+    assert!(wait_until(Duration::from_secs(10), || inotify_fds() == 0), "{} inotify instances stay after every wait ended", inotify_fds());
     println!("many waiters ok");
 }
 
@@ -203,10 +200,8 @@ fn compare_set_elects_exactly_one_leader_per_round_across_four_processes() {
     let dir = fresh_dir("elect");
     let d = dir.to_str().unwrap();
     let names = ["p0", "p1", "p2", "p3"];
-    let children: Vec<_> = names
-        .iter()
-        .map(|n| child_command("elector", &[d, n]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
-        .collect();
+    let children: Vec<_> =
+        names.iter().map(|n| child_command("elector", &[d, n]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()).collect();
     let mut wins = vec![0usize; ROUNDS];
     for c in children {
         let out = c.wait_with_output().unwrap();
@@ -236,9 +231,8 @@ fn compare_set_elects_exactly_one_leader_per_round_across_four_processes() {
 fn concurrent_adds_from_four_processes_sum_exactly() {
     let dir = fresh_dir("adds");
     let d = dir.to_str().unwrap();
-    let children: Vec<_> = (0..4)
-        .map(|_| child_command("adder", &[d]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
-        .collect();
+    let children: Vec<_> =
+        (0..4).map(|_| child_command("adder", &[d]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()).collect();
     let mut all: Vec<i64> = Vec::new();
     for c in children {
         let out = c.wait_with_output().unwrap();
@@ -303,15 +297,9 @@ fn c_api_timeouts_name_keys_and_arguments_are_checked() {
 
         let mut len = 0usize;
         let mut small = [0u8; 4];
-        assert_eq!(
-            ss_store_get(s, a.as_ptr(), 100, small.as_mut_ptr().cast(), 4, &mut len),
-            ss_status::SS_ERR_BUFFER_TOO_SMALL
-        );
+        assert_eq!(ss_store_get(s, a.as_ptr(), 100, small.as_mut_ptr().cast(), 4, &mut len), ss_status::SS_ERR_BUFFER_TOO_SMALL);
         assert_eq!(len, 10);
-        assert_eq!(
-            ss_store_get(s, a.as_ptr(), 100, std::ptr::null_mut(), 0, &mut len),
-            ss_status::SS_ERR_BUFFER_TOO_SMALL
-        );
+        assert_eq!(ss_store_get(s, a.as_ptr(), 100, std::ptr::null_mut(), 0, &mut len), ss_status::SS_ERR_BUFFER_TOO_SMALL);
         assert_eq!(len, 10);
         let mut buf = [0u8; 16];
         assert_eq!(ss_store_get(s, a.as_ptr(), 100, buf.as_mut_ptr().cast(), 16, &mut len), ss_status::SS_OK);

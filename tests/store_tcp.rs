@@ -57,9 +57,7 @@ fn free_port() -> u16 {
 fn three_ranks_in_three_processes_through_our_server() {
     let port = free_port();
     let p = port.to_string();
-    let kids: Vec<_> = (1..3)
-        .map(|r| child_command("rank", &[&p, &r.to_string()]).stdout(Stdio::piped()).spawn().unwrap())
-        .collect();
+    let kids: Vec<_> = (1..3).map(|r| child_command("rank", &[&p, &r.to_string()]).stdout(Stdio::piped()).spawn().unwrap()).collect();
     // The master returns once all three ranks joined (init/ counter).
     let s = TcpStore::open("127.0.0.1", port, true, 3, T).unwrap();
     assert_eq!(s.port(), port);
@@ -241,11 +239,7 @@ fn our_client_against_pytorch_servers() {
         return;
     }
     for libuv in ["1", "0"] {
-        let mut child = Command::new(python())
-            .args([&peer_script(), "server", libuv])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = Command::new(python()).args([&peer_script(), "server", libuv]).stdout(Stdio::piped()).spawn().unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         lines.read_line(&mut line).unwrap();
@@ -264,11 +258,7 @@ fn pytorch_client_against_our_server() {
         return;
     }
     let port = free_port();
-    let child = Command::new(python())
-        .args([&peer_script(), "client", &port.to_string()])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = Command::new(python()).args([&peer_script(), "client", &port.to_string()]).stdout(Stdio::piped()).spawn().unwrap();
     // Returns once PyTorch's client joined (it adds 1 to init/ too).
     let s = TcpStore::open("127.0.0.1", port, true, 2, T).unwrap();
     play_exchange(&s);
@@ -282,11 +272,7 @@ fn pytorch_client_queues_list_keys_and_barrier_against_our_server() {
     }
     let port = free_port();
     let _server = TcpStore::open("127.0.0.1", port, true, 0, T).unwrap();
-    let child = Command::new(python())
-        .args([&peer_script(), "extended", &port.to_string()])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = Command::new(python()).args([&peer_script(), "extended", &port.to_string()]).stdout(Stdio::piped()).spawn().unwrap();
     wait_ok(child);
 }
 

@@ -347,7 +347,10 @@ fn role_persistent(me: Rank) {
 fn role_broadcast(me: Rank) {
     use std::io::{Read, Seek, Write};
     use std::os::fd::AsRawFd;
-    use storage_sharing::symm::{exchange, ipc_channel::{IpcChannel, PeerSocket}};
+    use storage_sharing::symm::{
+        exchange,
+        ipc_channel::{IpcChannel, PeerSocket},
+    };
     me.join("bcast");
     let info = group::get_group_info("bcast").unwrap();
     let channel = IpcChannel::open().unwrap();
@@ -469,7 +472,10 @@ fn role_bad_args(me: Rank) {
     let max = h.max_channel();
     assert_eq!(max, h.signal_pad_size() / 4 - 1, "one rank: one slot per channel");
     let e = h.barrier(max as i64 + 1, t(10), 0).unwrap_err();
-    assert_eq!(e.message(), format!("The maximum supported channel for barrier(), put_signal() and wait_signal() is {max} (got {})", max + 1));
+    assert_eq!(
+        e.message(),
+        format!("The maximum supported channel for barrier(), put_signal() and wait_signal() is {max} (got {})", max + 1)
+    );
     let e = h.put_signal(0, -1, t(10), 0).unwrap_err();
     assert!(e.message().contains("must not be negative (got -1)"), "{}", e.message());
     // One rank: put to itself and wait for itself on the last channel.
@@ -881,7 +887,8 @@ fn rank_killed_with_its_descriptor_socket_open_leaves_nothing() {
     let mut fake = storage_sharing::symm::request::RendezvousRequest::new(0, &layout);
     fake.pid = sleeper.id() as i32;
     for r in [0, 2] {
-        storage_sharing::store::Store::set(&store, format!("symmetric_memory-world/CPUSymmetricMemory/0/{r}").as_bytes(), &fake.to_bytes()).unwrap();
+        storage_sharing::store::Store::set(&store, format!("symmetric_memory-world/CPUSymmetricMemory/0/{r}").as_bytes(), &fake.to_bytes())
+            .unwrap();
     }
     let mut ranks = spawn_ranks("waits_to_be_killed", &dir, 3, &[1], &[]);
     let pid = ranks[0].1.id();

@@ -71,7 +71,6 @@ fn compute_modes_that_keep_ranks_off_one_device() {
     assert!(one_device_blocker(7).unwrap().contains("compute mode 7"));
 }
 
-
 fn test_dir(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ss-symm-cuda-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -127,7 +126,11 @@ fn run_ranks(role: &str, ws: usize, extra: &[&str]) -> Vec<(usize, Output)> {
         print!("{}", String::from_utf8_lossy(&o.stdout));
     }
     assert_eq!(dev_shm(), shm_before, "nothing may appear in /dev/shm");
-    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().starts_with("symm_mem-")).collect();
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("symm_mem-"))
+        .collect();
     assert!(left.is_empty(), "sockets left behind");
     let _ = std::fs::remove_dir_all(&dir);
     outs
@@ -159,7 +162,6 @@ impl Rank {
         (p, h)
     }
 }
-
 
 fn t(ms: u64) -> Option<Duration> {
     Some(Duration::from_millis(ms))
@@ -308,10 +310,10 @@ fn role_kill9(me: Rank) {
         unreachable!();
     }
     std::thread::sleep(Duration::from_millis(300)); // rank 2 is gone by now
-    // Long enough that the live peer always answers in time, even with the
-    // other tests' ranks time-slicing the one GPU: the timeout must name
-    // rank 2, and with a short one the thread waiting for rank 1 could
-    // claim the record first.
+                                                    // Long enough that the live peer always answers in time, even with the
+                                                    // other tests' ranks time-slicing the one GPU: the timeout must name
+                                                    // rank 2, and with a short one the thread waiting for rank 1 could
+                                                    // claim the record first.
     h.barrier(0, t(3000), 0).unwrap();
     sync();
     let e = h.barrier(0, t(500), 0).unwrap_err();

@@ -273,7 +273,8 @@ fn huge_reply_length_allocates_only_what_arrives() {
 
 fn huge_reply_child() {
     let fake = FakeServer::start();
-    let reply = std::fs::read(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus/tcpstore_reply/regression_length_2gib.bin")).unwrap();
+    let reply =
+        std::fs::read(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus/tcpstore_reply/regression_length_2gib.bin")).unwrap();
     fake.answer(None, reply);
     let client = TcpClient::connect("127.0.0.1", fake.port, Some(Duration::from_secs(5))).unwrap();
     // Room for everything but the 2 GiB buffer.

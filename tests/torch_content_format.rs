@@ -39,7 +39,8 @@ fn torch_reads_our_store_and_we_read_torchs() {
     std::fs::write(dir.join("ours/storages").join(&hash), storage_file(&data)).unwrap();
     let views = [("a", 0i64, vec![2i64, 3, 4], vec![12i64, 4, 1]), ("sub/b", 1, vec![3, 3, 2], vec![1, 4, 12]), ("c", 5, vec![], vec![])];
     for (name, offset, shape, stride) in &views {
-        let m = TensorMeta { dtype: Dtype::Float32, storage_hash: hash.clone(), offset: *offset, shape: shape.clone(), stride: stride.clone() };
+        let m =
+            TensorMeta { dtype: Dtype::Float32, storage_hash: hash.clone(), offset: *offset, shape: shape.clone(), stride: stride.clone() };
         std::fs::write(dir.join("ours/tensors").join(name), tensor_file(&m)).unwrap();
     }
     let script = r#"

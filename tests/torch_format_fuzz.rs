@@ -44,7 +44,13 @@ fn sample_meta() -> TensorMeta {
 }
 
 fn seed_files() -> Vec<Vec<u8>> {
-    let big = TensorMeta { dtype: Dtype::Int64, storage_hash: "ff".repeat(20), offset: 70000, shape: vec![1, 2, 3, 4], stride: vec![24, 12, 4, 1] };
+    let big = TensorMeta {
+        dtype: Dtype::Int64,
+        storage_hash: "ff".repeat(20),
+        offset: 70000,
+        shape: vec![1, 2, 3, 4],
+        stride: vec![24, 12, 4, 1],
+    };
     vec![tensor_file(&sample_meta()), tensor_file(&big), storage_file(&[7u8; 200]), storage_file(b"")]
 }
 

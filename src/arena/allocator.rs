@@ -208,10 +208,7 @@ impl Arena {
             return Err(Error::new(ErrorKind::InvalidArgument, "arena_alloc of 0 bytes"));
         }
         if !align.is_power_of_two() || align > MAX_ALIGN {
-            return Err(Error::new(
-                ErrorKind::InvalidArgument,
-                format!("alignment {align} must be a power of two of at most {MAX_ALIGN}"),
-            ));
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("alignment {align} must be a power of two of at most {MAX_ALIGN}")));
         }
         let mut st = self.lock("alloc")?;
         match class_for(size, align, st.opts.large_threshold) {
@@ -400,7 +397,10 @@ fn take_slot(seg: &mut SegState, live: &mut HashMap<usize, Block>, deferred: &mu
     seg.free_slots.pop().ok_or_else(|| {
         Error::new(
             ErrorKind::Busy,
-            format!("all {} hold slots of arena segment {id} are taken by shares in flight or held: raise max_holds or release views", seg.seg.nslots()),
+            format!(
+                "all {} hold slots of arena segment {id} are taken by shares in flight or held: raise max_holds or release views",
+                seg.seg.nslots()
+            ),
         )
     })
 }

@@ -78,10 +78,7 @@ impl HoldSlot {
         self.size.store(size, Ordering::Relaxed);
         self.holder_pid.store(me.0, Ordering::Relaxed);
         self.holder_start.store(me.1, Ordering::Relaxed);
-        self.tag
-            .compare_exchange(tag(generation, FREE), tag(next, IN_FLIGHT), Ordering::AcqRel, Ordering::Acquire)
-            .ok()
-            .map(|_| next)
+        self.tag.compare_exchange(tag(generation, FREE), tag(next, IN_FLIGHT), Ordering::AcqRel, Ordering::Acquire).ok().map(|_| next)
     }
 
     /// Consumer: takes over the in-flight hold of generation `generation`
@@ -113,9 +110,7 @@ impl HoldSlot {
     /// releasing its hold, a producer cancelling an unopened share, a
     /// collector reclaiming a dead holder's). False if it was not there.
     pub fn release(&self, generation: u32, state: u32) -> bool {
-        self.tag
-            .compare_exchange(tag(generation, state), tag(generation, FREE), Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
+        self.tag.compare_exchange(tag(generation, state), tag(generation, FREE), Ordering::AcqRel, Ordering::Acquire).is_ok()
     }
 }
 

@@ -113,10 +113,7 @@ impl ArenaHandle {
             return bad("block size 0".into());
         }
         if self.offset.checked_add(self.size).map_or(true, |end| end > self.segment_data_size) {
-            return bad(format!(
-                "block [{}, +{}) past the {} data bytes of its segment",
-                self.offset, self.size, self.segment_data_size
-            ));
+            return bad(format!("block [{}, +{}) past the {} data bytes of its segment", self.offset, self.size, self.segment_data_size));
         }
         match self.strategy {
             Strategy::Name if self.name.len() > MAX_NAME_LEN || !is_segment_name(&self.name) => bad(format!(
@@ -137,10 +134,8 @@ const NAME_AT: usize = WIRE_SIZE - (MAX_NAME_LEN + 1);
 /// then NULs only. Any other byte after the NUL would make a second
 /// spelling of the same handle. The error says what is wrong.
 pub fn name_from_field(field: &[u8]) -> std::result::Result<String, String> {
-    let len = field
-        .iter()
-        .position(|c| *c == 0)
-        .ok_or_else(|| format!("the segment name field has no NUL in its {} bytes", field.len()))?;
+    let len =
+        field.iter().position(|c| *c == 0).ok_or_else(|| format!("the segment name field has no NUL in its {} bytes", field.len()))?;
     if let Some(i) = field[len..].iter().position(|c| *c != 0) {
         return Err(format!(
             "byte {} of the segment name field, after the name's NUL at {len}, is {:#04x}, must be 0",
@@ -222,7 +217,13 @@ mod tests {
         let e = ArenaHandle::decode(&b).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Corrupt);
         assert!(e.message().contains("after the name's NUL"), "{}", e.message());
-        for name in ["/ss_arena_42_3_0000ABCD", "/ss_arena_042_3_0000abcd", "/ss_arena_42_3_abcd", "/ss_arena_/_3_0000abcd", "/ss_arena_42_3_0000abcd_"] {
+        for name in [
+            "/ss_arena_42_3_0000ABCD",
+            "/ss_arena_042_3_0000abcd",
+            "/ss_arena_42_3_abcd",
+            "/ss_arena_/_3_0000abcd",
+            "/ss_arena_42_3_0000abcd_",
+        ] {
             let other = ArenaHandle { name: name.into(), ..h.clone() };
             assert_eq!(other.validate().unwrap_err().kind(), ErrorKind::InvalidArgument, "{name}");
         }

@@ -6,9 +6,9 @@ use super::counters::{self, Refusal, HELD};
 use super::handle::{ArenaHandle, Strategy};
 use super::segment::{Segment, SegmentKey};
 use crate::error::{Error, ErrorKind, Result};
+use crate::fork_safe::ForkSafeMutex;
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
-use crate::fork_safe::ForkSafeMutex;
 use std::sync::{Arc, MutexGuard};
 
 struct Entry {

@@ -219,7 +219,10 @@ impl Segment {
         {
             return Err(Error::new(
                 ErrorKind::Corrupt,
-                format!("<{what}> is not arena segment {} of pid {} with {data_size} data bytes (header does not match)", key.segment_id, key.producer_pid),
+                format!(
+                    "<{what}> is not arena segment {} of pid {} with {data_size} data bytes (header does not match)",
+                    key.segment_id, key.producer_pid
+                ),
             ));
         }
         seg.nslots = nslots;

@@ -7,10 +7,10 @@ use super::allocator::Arena;
 use super::handle::{ArenaHandle, Strategy, WIRE_SIZE};
 use super::remote::{has_segment, import_segment_fd, open_remote, RemoteView};
 use crate::error::{Error, ErrorKind, Result};
+use crate::fork_safe::ForkSafeMutex;
 use crate::storage::{recv_fds, send_fds};
 use std::collections::HashSet;
 use std::os::fd::RawFd;
-use crate::fork_safe::ForkSafeMutex;
 
 /// (socket device, socket inode, segment id) already sent.
 static SENT: ForkSafeMutex<Option<HashSet<(u64, u64, u64)>>> = ForkSafeMutex::new(None);
@@ -75,10 +75,7 @@ pub fn recv_block(sock: RawFd) -> Result<RemoteView> {
         got += n;
     }
     if msg[0] as usize != fds.len() {
-        return Err(Error::new(
-            ErrorKind::Protocol,
-            format!("arena message announces {} descriptors but {} arrived", msg[0], fds.len()),
-        ));
+        return Err(Error::new(ErrorKind::Protocol, format!("arena message announces {} descriptors but {} arrived", msg[0], fds.len())));
     }
     let h = ArenaHandle::decode(&msg[1..])?;
     if let Some(fd) = fds.pop() {

@@ -2,12 +2,12 @@
 //! its name, every tensor entry parsed and bounds-checked) and `gc`
 //! (storages no entry refers to, and temporary files of dead writers).
 
+use super::fsio;
 use super::layout::{self, Format};
 use super::names::TEMP_PREFIX;
 use super::reader::{check_hash, OddObject, Reader};
 use super::torch_format::{self, DataCrc};
 use super::writer::flock;
-use super::fsio;
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -103,11 +103,18 @@ fn check_storage(reader: &Reader, hash: &str) -> Result<StorageCheck> {
     // PyTorch's default hash also gives 40 hex digits: only the zip
     // record's CRC-32 tells a default-hash name from damaged bytes.
     match torch_format::storage_data_crc(s.file())? {
-        DataCrc::Matches => Ok(StorageCheck::Unverifiable(n, format!("{UNVERIFIABLE} (PyTorch's default hash; the bytes match their CRC-32)"))),
-        DataCrc::Absent => Ok(StorageCheck::Unverifiable(n, format!("{UNVERIFIABLE} (and the file holds no CRC-32 to check the bytes against)"))),
+        DataCrc::Matches => {
+            Ok(StorageCheck::Unverifiable(n, format!("{UNVERIFIABLE} (PyTorch's default hash; the bytes match their CRC-32)")))
+        }
+        DataCrc::Absent => {
+            Ok(StorageCheck::Unverifiable(n, format!("{UNVERIFIABLE} (and the file holds no CRC-32 to check the bytes against)")))
+        }
         DataCrc::Differs => Err(Error::new(
             ErrorKind::Corrupt,
-            format!("storage {hash}: its bytes match neither their name ({}) nor the CRC-32 of their zip record: damaged", mismatch.message()),
+            format!(
+                "storage {hash}: its bytes match neither their name ({}) nor the CRC-32 of their zip record: damaged",
+                mismatch.message()
+            ),
         )),
     }
 }
@@ -143,7 +150,14 @@ pub fn gc(root: &Path, dry_run: bool) -> Result<GcReport> {
     let mut used = HashSet::new();
     for name in listing.names {
         let meta = reader.read_meta(&name).map_err(|e| {
-            Error::new(e.kind(), format!("gc refused: tensor {name:?} ({}/{name}) cannot be read ({}); its storage might be needed", layout::TENSORS, e.message()))
+            Error::new(
+                e.kind(),
+                format!(
+                    "gc refused: tensor {name:?} ({}/{name}) cannot be read ({}); its storage might be needed",
+                    layout::TENSORS,
+                    e.message()
+                ),
+            )
         })?;
         used.insert(meta.storage_hash);
     }

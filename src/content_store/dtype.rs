@@ -27,18 +27,32 @@ pub enum Dtype {
 }
 
 const ALL: [Dtype; 18] = [
-    Dtype::UInt8, Dtype::Int8, Dtype::Int16, Dtype::Int32, Dtype::Int64, Dtype::Float16,
-    Dtype::Float32, Dtype::Float64, Dtype::ComplexHalf, Dtype::ComplexFloat, Dtype::ComplexDouble,
-    Dtype::Bool, Dtype::BFloat16, Dtype::Float8E5M2, Dtype::Float8E4M3Fn, Dtype::UInt16,
-    Dtype::UInt32, Dtype::UInt64,
+    Dtype::UInt8,
+    Dtype::Int8,
+    Dtype::Int16,
+    Dtype::Int32,
+    Dtype::Int64,
+    Dtype::Float16,
+    Dtype::Float32,
+    Dtype::Float64,
+    Dtype::ComplexHalf,
+    Dtype::ComplexFloat,
+    Dtype::ComplexDouble,
+    Dtype::Bool,
+    Dtype::BFloat16,
+    Dtype::Float8E5M2,
+    Dtype::Float8E4M3Fn,
+    Dtype::UInt16,
+    Dtype::UInt32,
+    Dtype::UInt64,
 ];
 
 impl Dtype {
     /// The dtype for a c10::ScalarType code, or an error naming the code.
     pub fn from_code(code: i32) -> Result<Dtype> {
-        ALL.into_iter().find(|d| *d as i32 == code).ok_or_else(|| {
-            Error::new(ErrorKind::InvalidArgument, format!("unknown or unsupported dtype code {code}"))
-        })
+        ALL.into_iter()
+            .find(|d| *d as i32 == code)
+            .ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("unknown or unsupported dtype code {code}")))
     }
 
     /// The c10::ScalarType code.
@@ -85,9 +99,9 @@ impl Dtype {
 
     /// The dtype for a name after `torch.`, or an error naming it.
     pub fn from_torch_name(name: &str) -> Result<Dtype> {
-        ALL.into_iter().find(|d| d.torch_name() == name).ok_or_else(|| {
-            Error::new(ErrorKind::InvalidArgument, format!("unknown or unsupported dtype torch.{name}"))
-        })
+        ALL.into_iter()
+            .find(|d| d.torch_name() == name)
+            .ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("unknown or unsupported dtype torch.{name}")))
     }
 }
 

@@ -167,7 +167,10 @@ pub fn open_lock_file(path: &Path) -> Result<File> {
         })?;
     let meta = file.metadata().map_err(|e| io_error(e, format!("unable to stat lock file {}", path.display())))?;
     if !meta.is_file() {
-        return Err(Error::new(ErrorKind::Corrupt, format!("lock file {} is {}, not a regular file", path.display(), file_kind(meta.file_type()))));
+        return Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("lock file {} is {}, not a regular file", path.display(), file_kind(meta.file_type())),
+        ));
     }
     Ok(file)
 }

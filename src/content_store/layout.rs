@@ -83,7 +83,9 @@ fn parse_marker(text: &[u8], path: &Path) -> Result<HashMode> {
     }
     match lines.next() {
         Some("version 1") => {}
-        Some(v) => return Err(Error::new(ErrorKind::Unsupported, format!("{}/{MARKER}: {v:?}; this library reads version 1", path.display()))),
+        Some(v) => {
+            return Err(Error::new(ErrorKind::Unsupported, format!("{}/{MARKER}: {v:?}; this library reads version 1", path.display())))
+        }
         None => return Err(bad("no version line")),
     }
     let hash = lines.next().and_then(|l| l.strip_prefix("hash ")).ok_or_else(|| bad("no `hash <name>` line"))?;

@@ -33,8 +33,12 @@ pub fn tensor_name_parts(name: &str) -> Result<Vec<&str>> {
         match *part {
             "" => return Err(bad("has an empty part (`//` or a trailing `/`)")),
             "." | ".." => return Err(bad("has a `.` or `..` part")),
-            p if p.starts_with(TEMP_PREFIX) => return Err(bad(&format!("has a part starting with {TEMP_PREFIX:?}, kept for temporary files"))),
-            p if p.len() > 255 => return Err(Error::new(ErrorKind::NameTooLong, format!("tensor name {name:?} has a part longer than 255 bytes"))),
+            p if p.starts_with(TEMP_PREFIX) => {
+                return Err(bad(&format!("has a part starting with {TEMP_PREFIX:?}, kept for temporary files")))
+            }
+            p if p.len() > 255 => {
+                return Err(Error::new(ErrorKind::NameTooLong, format!("tensor name {name:?} has a part longer than 255 bytes")))
+            }
             _ => {}
         }
     }

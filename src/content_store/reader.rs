@@ -97,9 +97,17 @@ impl Reader {
     /// Opens the store at `path`; its format is detected (see [`layout`]).
     pub fn open(path: &Path) -> Result<Reader> {
         let root_fd = fsio::open_root(path)?;
-        let (format, hash) = layout::detect(&root_fd, path)?
-            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no content store at {} (no storages/ or tensors/ folder)", path.display())))?;
-        Ok(Reader { root: path.to_path_buf(), root_fd, format, hash, verify: AtomicBool::new(false), cache: CacheLock::new(HashMap::new()) })
+        let (format, hash) = layout::detect(&root_fd, path)?.ok_or_else(|| {
+            Error::new(ErrorKind::NotFound, format!("no content store at {} (no storages/ or tensors/ folder)", path.display()))
+        })?;
+        Ok(Reader {
+            root: path.to_path_buf(),
+            root_fd,
+            format,
+            hash,
+            verify: AtomicBool::new(false),
+            cache: CacheLock::new(HashMap::new()),
+        })
     }
 
     pub fn format(&self) -> Format {
@@ -156,7 +164,10 @@ impl Reader {
         }
         .map_err(|e| e.context(&what))?;
         if !self.is_storage_name(&meta.storage_hash) {
-            return Err(Error::new(ErrorKind::Corrupt, format!("{what} names storage {:?}, which is not a {} hash", meta.storage_hash, self.hash.name())));
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("{what} names storage {:?}, which is not a {} hash", meta.storage_hash, self.hash.name()),
+            ));
         }
         Ok((meta, bits))
     }
@@ -173,7 +184,10 @@ impl Reader {
     /// any earlier result for it is alive.
     pub fn read_storage(&self, hash: &str) -> Result<Arc<StorageBytes>> {
         if !self.is_storage_name(hash) {
-            return Err(Error::new(ErrorKind::InvalidArgument, format!("{hash:?} is not a storage hash of this {} store", self.format.name())));
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("{hash:?} is not a storage hash of this {} store", self.format.name()),
+            ));
         }
         let cached = self.cache.lock().and_then(|cache| cache.get(hash).and_then(Weak::upgrade));
         let storage = match cached {
@@ -219,7 +233,10 @@ impl Reader {
             // a store are never modified in place (only replaced by rename),
             // so the bytes stay as mapped unless someone else truncates the
             // file, which no Rust mapping can guard against.
-            Some(unsafe { MmapOptions::new().len(len).map(&file) }.map_err(|e| Error::new(ErrorKind::Io, format!("unable to map storage {hash}: {e}")))?)
+            Some(
+                unsafe { MmapOptions::new().len(len).map(&file) }
+                    .map_err(|e| Error::new(ErrorKind::Io, format!("unable to map storage {hash}: {e}")))?,
+            )
         };
         let range = match self.format {
             Format::Native => 0..len,
@@ -323,10 +340,7 @@ type StorageScan = (Vec<(String, u64)>, Vec<OddObject>);
 pub fn check_hash(storage: &StorageBytes, mode: HashMode) -> Result<()> {
     let got = hash_hex(storage.bytes(), mode);
     if got != storage.hash {
-        return Err(Error::new(
-            ErrorKind::Corrupt,
-            format!("storage {} has bytes whose {} hash is {got}", storage.hash, mode.name()),
-        ));
+        return Err(Error::new(ErrorKind::Corrupt, format!("storage {} has bytes whose {} hash is {got}", storage.hash, mode.name())));
     }
     Ok(())
 }

@@ -55,9 +55,13 @@ impl Writer {
     pub fn open(path: &Path, format: Format) -> Result<Writer> {
         // create_dir_all would say only "File exists".
         if std::fs::metadata(path).is_ok_and(|m| !m.is_dir()) {
-            return Err(Error::new(ErrorKind::InvalidArgument, format!("{} exists and is not a folder (a content store is a folder)", path.display())));
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("{} exists and is not a folder (a content store is a folder)", path.display()),
+            ));
         }
-        std::fs::create_dir_all(path).map_err(|e| Error::new(ErrorKind::Io, format!("unable to create store folder {}: {e}", path.display())))?;
+        std::fs::create_dir_all(path)
+            .map_err(|e| Error::new(ErrorKind::Io, format!("unable to create store folder {}: {e}", path.display())))?;
         let root_fd = fsio::open_root(path)?;
         let hash = match layout::detect(&root_fd, path)? {
             Some((found, hash)) if found == format => hash,
@@ -145,7 +149,10 @@ impl Writer {
             Format::Torch => HashMode::Stable,
         };
         if !is_digest(hash, shape) {
-            return Err(Error::new(ErrorKind::InvalidArgument, format!("{hash:?} is not a storage name of a {} store", self.format.name())));
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("{hash:?} is not a storage name of a {} store", self.format.name()),
+            ));
         }
         Ok(())
     }
@@ -192,13 +199,31 @@ impl Writer {
     /// [`write_tensor`](Self::write_tensor) with a hash the caller
     /// computed, as in [`write_storage_hashed`](Self::write_storage_hashed).
     #[allow(clippy::too_many_arguments)]
-    pub fn write_tensor_hashed(&self, name: &str, hash: &str, data: &[u8], dtype: Dtype, offset: i64, shape: &[i64], stride: &[i64]) -> Result<()> {
+    pub fn write_tensor_hashed(
+        &self,
+        name: &str,
+        hash: &str,
+        data: &[u8],
+        dtype: Dtype,
+        offset: i64,
+        shape: &[i64],
+        stride: &[i64],
+    ) -> Result<()> {
         self.check_name(hash)?;
         self.write_tensor_unchecked(name, hash.to_string(), data, dtype, offset, shape, stride).map(|_| ())
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn write_tensor_unchecked(&self, name: &str, hash: String, data: &[u8], dtype: Dtype, offset: i64, shape: &[i64], stride: &[i64]) -> Result<String> {
+    fn write_tensor_unchecked(
+        &self,
+        name: &str,
+        hash: String,
+        data: &[u8],
+        dtype: Dtype,
+        offset: i64,
+        shape: &[i64],
+        stride: &[i64],
+    ) -> Result<String> {
         let parts = tensor_name_parts(name)?;
         let meta = TensorMeta { dtype, storage_hash: hash.clone(), offset, shape: shape.to_vec(), stride: stride.to_vec() };
         check_fits(&meta, data.len() as u64, ErrorKind::InvalidArgument).map_err(|e| e.context(format!("tensor {name:?}")))?;
@@ -209,7 +234,8 @@ impl Writer {
         };
         let (file, folders) = parts.split_last().expect("a valid name has a part");
         let dir = fsio::make_dirs(&self.root.join(layout::TENSORS), folders)?;
-        fsio::write_atomic(&dir, file, self.durable.load(Ordering::Relaxed), |f| fsio::write_all(f, &entry)).map_err(|e| e.context(format!("tensor {name:?}")))?;
+        fsio::write_atomic(&dir, file, self.durable.load(Ordering::Relaxed), |f| fsio::write_all(f, &entry))
+            .map_err(|e| e.context(format!("tensor {name:?}")))?;
         self.tensors.fetch_add(1, Ordering::Relaxed);
         Ok(hash)
     }

@@ -100,7 +100,8 @@ pub fn release_slot(name: &str, slot: u64) -> Result<()> {
 pub fn peek_slot(name: &str, slot: u64) -> Result<i64> {
     let slot = check_slot(slot)?;
     validate_shm_name(name)?;
-    let c = std::ffi::CString::new(name).map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("name <{name}> contains a NUL byte")))?;
+    let c =
+        std::ffi::CString::new(name).map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("name <{name}> contains a NUL byte")))?;
     // SAFETY: shm_open with a valid C string; the descriptor is closed below.
     let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0) };
     if fd < 0 {
@@ -121,10 +122,7 @@ pub fn peek_slot(name: &str, slot: u64) -> Result<i64> {
         return Err(e);
     }
     if n != 8 {
-        return Err(Error::new(
-            ErrorKind::SizeMismatch,
-            format!("<{name}> is too short for slot {slot}: not a CUDA IPC ref-counter file"),
-        ));
+        return Err(Error::new(ErrorKind::SizeMismatch, format!("<{name}> is too short for slot {slot}: not a CUDA IPC ref-counter file")));
     }
     Ok(i64::from_ne_bytes(bytes))
 }

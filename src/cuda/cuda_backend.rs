@@ -59,11 +59,7 @@ impl IpcBackend for CudaBackend {
             let mut ordinal: i32 = -1;
             // SAFETY: the attribute is an int written into our variable.
             let r = unsafe {
-                sys::cuPointerGetAttribute(
-                    (&mut ordinal as *mut i32).cast(),
-                    CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                    ptr,
-                )
+                sys::cuPointerGetAttribute((&mut ordinal as *mut i32).cast(), CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
             };
             if r != CUresult::CUDA_SUCCESS {
                 return Err(Error::new(
@@ -143,7 +139,9 @@ impl IpcBackend for CudaBackend {
             let flags = CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
             // SAFETY: out-pointer is ours; the handle is 64 plain bytes.
             check(unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, h, flags) }, || {
-                format!("cuIpcOpenMemHandle on device {device} (the producer may have exited or freed the memory, or it is this same process)")
+                format!(
+                    "cuIpcOpenMemHandle on device {device} (the producer may have exited or freed the memory, or it is this same process)"
+                )
             })?;
             let (mut start, mut size) = (0u64, 0usize);
             // SAFETY: out-pointers are ours.

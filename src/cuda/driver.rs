@@ -6,11 +6,11 @@
 //! (success or the reason for `CudaUnavailable`) is kept for the process.
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::fork_safe::ForkSafeMutex;
 use cudarc::driver::sys::{self, CUcontext, CUresult};
 use once_cell::sync::OnceCell;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
-use crate::fork_safe::ForkSafeMutex;
 
 /// Oldest driver API we accept (cudarc's bindings are those of CUDA 12.0).
 pub const MIN_DRIVER_VERSION: i32 = 12000;
@@ -164,10 +164,7 @@ fn open_library() -> std::result::Result<(*mut libc::c_void, String), Error> {
         let text = if err.is_null() { "unknown error".to_string() } else { unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned() };
         reasons.push(text);
     }
-    Err(unavailable(format!(
-        "the driver library could not be loaded (is the NVIDIA driver installed?): {}",
-        reasons.join("; ")
-    )))
+    Err(unavailable(format!("the driver library could not be loaded (is the NVIDIA driver installed?): {}", reasons.join("; "))))
 }
 
 /// "CUDA_ERROR_X (text)" for a driver result.

@@ -31,9 +31,7 @@ pub fn decode_mem_handle(bytes: &[u8]) -> Result<[u8; IPC_HANDLE_SIZE]> {
     if bytes.len() == IPC_HANDLE_SIZE {
         return Ok(bytes.try_into().expect("length checked"));
     }
-    let bad = |why: &str| {
-        Error::new(ErrorKind::InvalidArgument, format!("unexpected or illformed shareable handle type: {why}"))
-    };
+    let bad = |why: &str| Error::new(ErrorKind::InvalidArgument, format!("unexpected or illformed shareable handle type: {why}"));
     if bytes.len() < 2 {
         return Err(bad(&format!("{} bytes", bytes.len())));
     }

@@ -5,13 +5,13 @@
 //! the event budget and the stream-sync fallback.
 
 use super::backend::{IpcBackend, RawHandle};
+use super::sent::Deleter;
 use crate::error::{Error, ErrorKind, Result};
 use crate::shm::flags::{EXCLUSIVE, NOCREATE, SHAREDMEM};
 use crate::shm::MapAllocator;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use super::sent::Deleter;
 
 pub struct HostBackend {
     tag: String,

@@ -13,11 +13,11 @@ use super::limbo::Limbo;
 use super::received::{Received, ReceivedCache};
 use super::sent::{Deleter, PinnedBlock, SentData};
 use crate::error::{Error, ErrorKind, Result};
+use crate::fork_safe::ForkSafeMutex;
 use crate::shm::flags::SHAREDMEM;
 use crate::shm::map::unlink_name;
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use crate::fork_safe::ForkSafeMutex;
 use std::sync::MutexGuard;
 
 /// Interprocess events alive at once before sends fall back to a stream
@@ -25,7 +25,8 @@ use std::sync::MutexGuard;
 pub const MAX_EVENTS_IN_USE: usize = 1000;
 
 /// PyTorch's message for sending memory this process received.
-pub const RESEND_MESSAGE: &str = "Attempted to send CUDA tensor received from another process; this is not currently supported. Consider cloning before sending.";
+pub const RESEND_MESSAGE: &str =
+    "Attempted to send CUDA tensor received from another process; this is not currently supported. Consider cloning before sending.";
 
 /// Sending and receiving device memory with cross-process reference
 /// counts. One per process in the product ([`super::global()`]); tests make
@@ -88,7 +89,14 @@ impl<B: IpcBackend> CudaIpc<B> {
     /// event, or a stream synchronisation once 1000 events are in use).
     /// A null `ptr` gives PyTorch's tuple for a storage without data and no
     /// record.
-    pub fn share(&self, ptr: u64, nbytes: usize, device: i32, stream: u64, deleter: Option<Deleter>) -> Result<(IpcHandle, Option<SentData>)> {
+    pub fn share(
+        &self,
+        ptr: u64,
+        nbytes: usize,
+        device: i32,
+        stream: u64,
+        deleter: Option<Deleter>,
+    ) -> Result<(IpcHandle, Option<SentData>)> {
         self.backend.check_available()?;
         if ptr == 0 {
             if nbytes != 0 {
@@ -248,15 +256,7 @@ impl<B: IpcBackend> CudaIpc<B> {
     pub fn open(&self, h: &IpcHandle, stream: u64) -> Result<Received> {
         self.backend.check_available()?;
         if h.is_null() {
-            return Ok(Received {
-                device: h.device,
-                key: None,
-                data: 0,
-                size: 0,
-                counter_name: String::new(),
-                slot: 0,
-                stream,
-            });
+            return Ok(Received { device: h.device, key: None, data: 0, size: 0, counter_name: String::new(), slot: 0, stream });
         }
         let raw = decode_mem_handle(&h.mem_handle)?;
         // The counter file tells whether the producer is still there, and
@@ -282,10 +282,7 @@ impl<B: IpcBackend> CudaIpc<B> {
         if end.map_or(true, |end| end > size as u64) {
             return undo(Error::new(
                 ErrorKind::SizeMismatch,
-                format!(
-                    "tuple asks for {} bytes at offset {} but the shared allocation has {size} bytes",
-                    h.size_bytes, h.offset_bytes
-                ),
+                format!("tuple asks for {} bytes at offset {} but the shared allocation has {size} bytes", h.size_bytes, h.offset_bytes),
             ));
         }
         if h.event_sync_required {

@@ -2,8 +2,8 @@
 //! them. They are given back by a later collection once their counter is 0.
 
 use super::sent::{PinnedBlock, SentData};
-use std::sync::atomic::{AtomicBool, Ordering};
 use crate::fork_safe::ForkSafeMutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Above this many blocks in limbo we warn once: every collection scans them.
 pub const WARN_AFTER_BLOCKS_IN_LIMBO: usize = 1000;

@@ -5,8 +5,8 @@
 
 use super::backend::RawHandle;
 use crate::error::Result;
-use std::collections::HashMap;
 use crate::fork_safe::ForkSafeMutex;
+use std::collections::HashMap;
 
 /// One received storage (PyTorch's `CudaIPCReceivedData` plus what its
 /// deleter needs). Give it back with [`super::CudaIpc::received_free`].

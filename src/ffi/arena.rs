@@ -323,7 +323,11 @@ pub unsafe extern "C" fn ss_arena_segment_fd(a: *const SsArena, segment_id: u64,
 /// `out_reclaimed_holds` and `out_recycled_blocks` are NULL or point to a
 /// writable `size_t`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_arena_collect(a: *const SsArena, out_reclaimed_holds: *mut usize, out_recycled_blocks: *mut usize) -> ss_status {
+pub unsafe extern "C" fn ss_arena_collect(
+    a: *const SsArena,
+    out_reclaimed_holds: *mut usize,
+    out_recycled_blocks: *mut usize,
+) -> ss_status {
     ffi_status!("ss_arena_collect", {
         // SAFETY: NULL or a live handle.
         let r = unsafe { arena_arg(a) }?.collect()?;

@@ -13,9 +13,7 @@ pub unsafe fn str_arg<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
         return Err(null(what));
     }
     // SAFETY: per the contract above.
-    unsafe { CStr::from_ptr(p) }
-        .to_str()
-        .map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("{what} is not valid UTF-8")))
+    unsafe { CStr::from_ptr(p) }.to_str().map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("{what} is not valid UTF-8")))
 }
 
 /// A reference to a handle argument called `what`.
@@ -74,10 +72,7 @@ pub unsafe fn copy_c_string(text: &str, buf: *mut c_char, len: usize, what: &str
 /// several string out-parameters check them all before writing any).
 pub fn c_string_fits(text: &str, len: usize, what: &str) -> Result<()> {
     if text.len() + 1 > len {
-        return Err(Error::new(
-            ErrorKind::BufferTooSmall,
-            format!("{what} needs {} bytes (with the NUL) but has {len}", text.len() + 1),
-        ));
+        return Err(Error::new(ErrorKind::BufferTooSmall, format!("{what} needs {} bytes (with the NUL) but has {len}", text.len() + 1)));
     }
     Ok(())
 }

@@ -250,7 +250,11 @@ pub unsafe extern "C" fn ss_content_writer_counts(
     ffi_status!("ss_content_writer_counts", {
         // SAFETY: NULL or a live handle.
         let s = unsafe { handle(w, "writer") }?.writer.stats();
-        for (p, v) in [(out_storages_written, s.storages_written), (out_storages_deduplicated, s.storages_deduplicated), (out_tensors_written, s.tensors_written)] {
+        for (p, v) in [
+            (out_storages_written, s.storages_written),
+            (out_storages_deduplicated, s.storages_deduplicated),
+            (out_tensors_written, s.tensors_written),
+        ] {
             if !p.is_null() {
                 // SAFETY: a non-NULL out-parameter is writable.
                 unsafe { write_out(p, v) };
@@ -349,7 +353,11 @@ pub unsafe extern "C" fn ss_content_reader_set_verify(r: *const SsContentReader,
 /// meanwhile); `name` is NULL or a NUL-terminated string; `out` is NULL or
 /// points to a writable `ss_content_tensor*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_read_tensor(r: *const SsContentReader, name: *const c_char, out: *mut *mut SsContentTensor) -> ss_status {
+pub unsafe extern "C" fn ss_content_read_tensor(
+    r: *const SsContentReader,
+    name: *const c_char,
+    out: *mut *mut SsContentTensor,
+) -> ss_status {
     ffi_status!("ss_content_read_tensor", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a live handle; NULL or a NUL-terminated string.
@@ -370,7 +378,11 @@ pub unsafe extern "C" fn ss_content_read_tensor(r: *const SsContentReader, name:
 /// meanwhile); `hash` is NULL or a NUL-terminated string; `out` is NULL or
 /// points to a writable `ss_content_storage*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_read_storage(r: *const SsContentReader, hash: *const c_char, out: *mut *mut SsContentStorage) -> ss_status {
+pub unsafe extern "C" fn ss_content_read_storage(
+    r: *const SsContentReader,
+    hash: *const c_char,
+    out: *mut *mut SsContentStorage,
+) -> ss_status {
     ffi_status!("ss_content_read_storage", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a live handle; NULL or a NUL-terminated string.
@@ -435,7 +447,11 @@ pub unsafe extern "C" fn ss_content_list_storages(r: *const SsContentReader, out
 /// meanwhile); `out_checked` is NULL or points to a writable `uint64_t`;
 /// `out_problems` is NULL or points to a writable `ss_content_list*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_verify(r: *const SsContentReader, out_checked: *mut u64, out_problems: *mut *mut SsContentList) -> ss_status {
+pub unsafe extern "C" fn ss_content_verify(
+    r: *const SsContentReader,
+    out_checked: *mut u64,
+    out_problems: *mut *mut SsContentList,
+) -> ss_status {
     ffi_status!("ss_content_verify", {
         out_arg(out_problems, "out_problems")?;
         // SAFETY: NULL or a live handle.

@@ -102,9 +102,10 @@ impl SsCudaIpcHandle {
             ));
         }
         let name_bytes: Vec<u8> = self.ref_counter_handle.iter().map(|c| *c as u8).collect();
-        let end = name_bytes.iter().position(|b| *b == 0).ok_or_else(|| {
-            Error::new(ErrorKind::InvalidArgument, "ref_counter_handle is not NUL-terminated within its 64 bytes")
-        })?;
+        let end = name_bytes
+            .iter()
+            .position(|b| *b == 0)
+            .ok_or_else(|| Error::new(ErrorKind::InvalidArgument, "ref_counter_handle is not NUL-terminated within its 64 bytes"))?;
         let name = std::str::from_utf8(&name_bytes[..end])
             .map_err(|_| Error::new(ErrorKind::InvalidArgument, "ref_counter_handle is not valid UTF-8"))?;
         Ok(IpcHandle {
@@ -311,11 +312,7 @@ pub unsafe extern "C" fn ss_cuda_sent_free(sent: *mut SsCudaSent, out_in_limbo: 
 /// `cudaStream_t` of the handle's device; `out` is NULL or points to a
 /// writable `ss_cuda_received*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_cuda_open(
-    ipc_handle: *const SsCudaIpcHandle,
-    stream: *mut c_void,
-    out: *mut *mut SsCudaReceived,
-) -> ss_status {
+pub unsafe extern "C" fn ss_cuda_open(ipc_handle: *const SsCudaIpcHandle, stream: *mut c_void, out: *mut *mut SsCudaReceived) -> ss_status {
     ffi_status!("ss_cuda_open", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a readable struct.

@@ -133,13 +133,7 @@ pub unsafe extern "C" fn ss_map_open(name: *const c_char, flags: c_int, size: us
 /// `name` is NULL or a NUL-terminated string; `out` is NULL or points to a
 /// writable `ss_map*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_map_open_fd(
-    name: *const c_char,
-    fd: c_int,
-    flags: c_int,
-    size: usize,
-    out: *mut *mut SsMap,
-) -> ss_status {
+pub unsafe extern "C" fn ss_map_open_fd(name: *const c_char, fd: c_int, flags: c_int, size: usize, out: *mut *mut SsMap) -> ss_status {
     ffi_status!("ss_map_open_fd", {
         out_arg(out, "out")?;
         // SAFETY: the caller passes a NUL-terminated name or NULL.
@@ -162,12 +156,7 @@ pub unsafe extern "C" fn ss_map_open_fd(
 /// `name` is NULL or a NUL-terminated string; `out` is NULL or points to a
 /// writable `ss_map*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_refcounted_map_open(
-    name: *const c_char,
-    flags: c_int,
-    size: usize,
-    out: *mut *mut SsMap,
-) -> ss_status {
+pub unsafe extern "C" fn ss_refcounted_map_open(name: *const c_char, flags: c_int, size: usize, out: *mut *mut SsMap) -> ss_status {
     ffi_status!("ss_refcounted_map_open", {
         out_arg(out, "out")?;
         // SAFETY: the caller passes a NUL-terminated name or NULL.
@@ -355,7 +344,6 @@ pub unsafe extern "C" fn ss_map_from_data(ptr: *const c_void) -> *mut SsMap {
         registry::lookup(ptr as usize).map_or(std::ptr::null_mut(), |t| t as *mut SsMap)
     })
 }
-
 
 #[cfg(test)]
 mod tests {

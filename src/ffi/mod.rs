@@ -5,8 +5,8 @@
 
 #[macro_use]
 pub mod guard;
-pub mod args;
 pub mod arena;
+pub mod args;
 pub mod content_store;
 pub mod cuda;
 pub mod errors;

@@ -121,11 +121,29 @@ impl ss_status {
     pub fn from_raw(code: i32) -> Option<Self> {
         use ss_status::*;
         const ALL: [ss_status; 23] = [
-            SS_OK, SS_ERR_INVALID_ARGUMENT, SS_ERR_NULL_POINTER, SS_ERR_NOT_FOUND, SS_ERR_ALREADY_EXISTS,
-            SS_ERR_NO_SPACE, SS_ERR_PERMISSION, SS_ERR_SIZE_MISMATCH, SS_ERR_IO, SS_ERR_UNSUPPORTED,
-            SS_ERR_CUDA_UNAVAILABLE, SS_ERR_CUDA, SS_ERR_TIMEOUT, SS_ERR_PROTOCOL, SS_ERR_PANIC,
-            SS_ERR_NAME_TOO_LONG, SS_ERR_BAD_REFCOUNT, SS_ERR_TOO_MANY_FILES, SS_ERR_CLOSED,
-            SS_ERR_BUFFER_TOO_SMALL, SS_ERR_PEER_GONE, SS_ERR_BUSY, SS_ERR_CORRUPT,
+            SS_OK,
+            SS_ERR_INVALID_ARGUMENT,
+            SS_ERR_NULL_POINTER,
+            SS_ERR_NOT_FOUND,
+            SS_ERR_ALREADY_EXISTS,
+            SS_ERR_NO_SPACE,
+            SS_ERR_PERMISSION,
+            SS_ERR_SIZE_MISMATCH,
+            SS_ERR_IO,
+            SS_ERR_UNSUPPORTED,
+            SS_ERR_CUDA_UNAVAILABLE,
+            SS_ERR_CUDA,
+            SS_ERR_TIMEOUT,
+            SS_ERR_PROTOCOL,
+            SS_ERR_PANIC,
+            SS_ERR_NAME_TOO_LONG,
+            SS_ERR_BAD_REFCOUNT,
+            SS_ERR_TOO_MANY_FILES,
+            SS_ERR_CLOSED,
+            SS_ERR_BUFFER_TOO_SMALL,
+            SS_ERR_PEER_GONE,
+            SS_ERR_BUSY,
+            SS_ERR_CORRUPT,
         ];
         ALL.into_iter().find(|s| *s as i32 == code)
     }

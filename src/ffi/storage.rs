@@ -265,9 +265,7 @@ pub unsafe extern "C" fn ss_storage_new_shared_filename(
 ) -> ss_status {
     ffi_status!("ss_storage_new_shared_filename", {
         // SAFETY: out is NULL or writable; the strings NUL-terminated or NULL.
-        unsafe {
-            new_handle(out, || Storage::new_shared_filename(str_arg(manager, "manager")?, str_arg(name, "name")?, nbytes))
-        }
+        unsafe { new_handle(out, || Storage::new_shared_filename(str_arg(manager, "manager")?, str_arg(name, "name")?, nbytes)) }
     })
 }
 
@@ -369,7 +367,10 @@ pub unsafe extern "C" fn ss_weak_upgrade(w: *const SsWeak, out: *mut *mut SsStor
         // SAFETY: out is NULL or writable; w is NULL or a live handle.
         unsafe {
             new_handle(out, || {
-                handle(w, "weak")?.weak.upgrade().ok_or_else(|| Error::new(ErrorKind::NotFound, "weak reference expired: the storage is gone"))
+                handle(w, "weak")?
+                    .weak
+                    .upgrade()
+                    .ok_or_else(|| Error::new(ErrorKind::NotFound, "weak reference expired: the storage is gone"))
             })
         }
     })

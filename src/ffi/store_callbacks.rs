@@ -13,8 +13,7 @@ use std::sync::Arc;
 
 /// Sets `key` to the `len` bytes at `value`. Returns an `ss_status` code
 /// (`SS_OK` = 0).
-pub type ss_store_set_fn =
-    Option<unsafe extern "C" fn(ctx: *mut c_void, key: *const c_char, value: *const c_void, len: usize) -> c_int>;
+pub type ss_store_set_fn = Option<unsafe extern "C" fn(ctx: *mut c_void, key: *const c_char, value: *const c_void, len: usize) -> c_int>;
 
 /// Waits for `key` (`timeout_ms` 0: forever; expiry returns
 /// `SS_ERR_TIMEOUT`), writes the value's length to `*out_len` and, when it
@@ -34,8 +33,7 @@ pub type ss_store_get_fn = Option<
 
 /// Adds `delta` to the integer under `key` (missing = 0, stored as
 /// decimal text as c10d does) and writes the new value to `*out_value`.
-pub type ss_store_add_fn =
-    Option<unsafe extern "C" fn(ctx: *mut c_void, key: *const c_char, delta: i64, out_value: *mut i64) -> c_int>;
+pub type ss_store_add_fn = Option<unsafe extern "C" fn(ctx: *mut c_void, key: *const c_char, delta: i64, out_value: *mut i64) -> c_int>;
 
 /// Waits until all `nkeys` keys are set (`timeout_ms` 0: forever; expiry
 /// returns `SS_ERR_TIMEOUT`).
@@ -113,10 +111,9 @@ impl CallbackStore {
                 let text = s.text().to_string_lossy();
                 Err(Error::new(kind, format!("{} failed in {}: {text}", what(), self.describe())))
             }
-            None => Err(Error::new(
-                ErrorKind::Io,
-                format!("{} failed in {}: callback returned unknown status {code}", what(), self.describe()),
-            )),
+            None => {
+                Err(Error::new(ErrorKind::Io, format!("{} failed in {}: callback returned unknown status {code}", what(), self.describe())))
+            }
         }
     }
 }
@@ -172,7 +169,10 @@ impl Store for CallbackStore {
             let too_small = ss_status::SS_ERR_BUFFER_TOO_SMALL as c_int;
             if (code == 0 || code == too_small) && len != usize::MAX && len > buf.len() {
                 if len > crate::store::tcp::protocol::MAX_FIELD as usize {
-                    return Err(Error::new(ErrorKind::Protocol, format!("get of key {} in {} reported {len} bytes", show_key(key), self.describe())));
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!("get of key {} in {} reported {len} bytes", show_key(key), self.describe()),
+                    ));
                 }
                 buf.resize(len, 0);
                 continue;
@@ -182,7 +182,10 @@ impl Store for CallbackStore {
             }
             self.status(code, || format!("get of key {}", show_key(key)))?;
             if len == usize::MAX {
-                return Err(Error::new(ErrorKind::Protocol, format!("get of key {} in {} returned no length", show_key(key), self.describe())));
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!("get of key {} in {} returned no length", show_key(key), self.describe()),
+                ));
             }
             buf.truncate(len);
             return Ok(buf);
@@ -230,11 +233,7 @@ impl Store for CallbackStore {
 /// never unwinding) for as long as the store lives; `out` is NULL or points
 /// to a writable `ss_store*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_store_from_callbacks(
-    cb: *const SsStoreCallbacks,
-    ctx: *mut c_void,
-    out: *mut *mut SsStore,
-) -> ss_status {
+pub unsafe extern "C" fn ss_store_from_callbacks(cb: *const SsStoreCallbacks, ctx: *mut c_void, out: *mut *mut SsStore) -> ss_status {
     ffi_status!("ss_store_from_callbacks", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a readable table.
@@ -251,4 +250,3 @@ pub unsafe extern "C" fn ss_store_from_callbacks(
         Ok(())
     })
 }
-

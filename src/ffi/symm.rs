@@ -253,7 +253,12 @@ pub unsafe extern "C" fn ss_symm_free(ptr: *mut c_void) -> ss_status {
 /// NUL-terminated string; `out` is NULL or points to a writable
 /// `ss_symm_mem*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_symm_rendezvous(ptr: *mut c_void, group: *const c_char, timeout_ms: i64, out: *mut *mut SsSymmMem) -> ss_status {
+pub unsafe extern "C" fn ss_symm_rendezvous(
+    ptr: *mut c_void,
+    group: *const c_char,
+    timeout_ms: i64,
+    out: *mut *mut SsSymmMem,
+) -> ss_status {
     ffi_status!("ss_symm_rendezvous", {
         out_arg(out, "out")?;
         if ptr.is_null() {
@@ -473,7 +478,13 @@ pub unsafe extern "C" fn ss_symm_mem_barrier(h: *const SsSymmMem, channel: c_int
 /// (`dst_rank`, `channel`) of it meanwhile (put, wait or barrier). `stream`
 /// is NULL or, for a CUDA block, a live `cudaStream_t` of the block's device.
 #[no_mangle]
-pub unsafe extern "C" fn ss_symm_mem_put_signal(h: *const SsSymmMem, dst_rank: c_int, channel: c_int, timeout_ms: i64, stream: *mut c_void) -> ss_status {
+pub unsafe extern "C" fn ss_symm_mem_put_signal(
+    h: *const SsSymmMem,
+    dst_rank: c_int,
+    channel: c_int,
+    timeout_ms: i64,
+    stream: *mut c_void,
+) -> ss_status {
     ffi_status!("ss_symm_mem_put_signal", {
         // SAFETY: NULL or a live handle.
         let m = unsafe { symm_mem(h) }?;
@@ -489,7 +500,13 @@ pub unsafe extern "C" fn ss_symm_mem_put_signal(h: *const SsSymmMem, dst_rank: c
 /// (`src_rank`, `channel`) of it meanwhile (put, wait or barrier). `stream`
 /// is NULL or, for a CUDA block, a live `cudaStream_t` of the block's device.
 #[no_mangle]
-pub unsafe extern "C" fn ss_symm_mem_wait_signal(h: *const SsSymmMem, src_rank: c_int, channel: c_int, timeout_ms: i64, stream: *mut c_void) -> ss_status {
+pub unsafe extern "C" fn ss_symm_mem_wait_signal(
+    h: *const SsSymmMem,
+    src_rank: c_int,
+    channel: c_int,
+    timeout_ms: i64,
+    stream: *mut c_void,
+) -> ss_status {
     ffi_status!("ss_symm_mem_wait_signal", {
         // SAFETY: NULL or a live handle.
         let m = unsafe { symm_mem(h) }?;

@@ -76,10 +76,7 @@ impl Client {
             ));
         }
         let stream = UnixStream::connect(path).map_err(|e| {
-            Error::from_errno(
-                e.raw_os_error().unwrap_or(libc::EIO),
-                format!("could not connect to the shared memory manager at <{path}>"),
-            )
+            Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not connect to the shared memory manager at <{path}>"))
         })?;
         let conn = Conn { stream, owed: 0, partial: Vec::new(), broken: None, unreported: false };
         Ok(Client { path: path.to_string(), pid: std::process::id(), conn: Mutex::new(conn), timeout })
@@ -117,7 +114,10 @@ impl Client {
         if self.pid != std::process::id() {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
-                format!("the connection to the shared memory manager <{}> belongs to process {}, not to this forked child", self.path, self.pid),
+                format!(
+                    "the connection to the shared memory manager <{}> belongs to process {}, not to this forked child",
+                    self.path, self.pid
+                ),
             ));
         }
         Ok(())
@@ -247,9 +247,7 @@ impl Client {
         let mut sent = 0;
         while sent < msg.len() {
             // SAFETY: the buffer range is valid for reading.
-            let n = unsafe {
-                libc::send(c.stream.as_raw_fd(), msg[sent..].as_ptr().cast(), msg.len() - sent, libc::MSG_NOSIGNAL)
-            };
+            let n = unsafe { libc::send(c.stream.as_raw_fd(), msg[sent..].as_ptr().cast(), msg.len() - sent, libc::MSG_NOSIGNAL) };
             if n < 0 {
                 let errno = crate::error::errno();
                 if errno == libc::EINTR {
@@ -273,8 +271,7 @@ struct Connections {
 
 /// Fork-safe (see `fork_safe`); each connection's own lock is never taken
 /// by a forked child (connections of the parent are left alone there).
-static CONNECTIONS: ForkSafeMutex<Connections> =
-    ForkSafeMutex::new(Connections { by_path: BTreeMap::new(), default: None });
+static CONNECTIONS: ForkSafeMutex<Connections> = ForkSafeMutex::new(Connections { by_path: BTreeMap::new(), default: None });
 
 fn connections() -> std::sync::MutexGuard<'static, Connections> {
     CONNECTIONS.lock_static()

@@ -63,7 +63,11 @@ pub fn check_filename(filename: &str) -> Result<()> {
     if filename.len() >= FILENAME_FIELD {
         return Err(Error::new(
             ErrorKind::NameTooLong,
-            format!("MapAllocatorContext_filename too long: <{filename}> has {} bytes, the manager protocol allows {}", filename.len(), FILENAME_FIELD - 1),
+            format!(
+                "MapAllocatorContext_filename too long: <{filename}> has {} bytes, the manager protocol allows {}",
+                filename.len(),
+                FILENAME_FIELD - 1
+            ),
         ));
     }
     if filename.is_empty() || filename.contains('\0') {

@@ -136,8 +136,7 @@ impl Reclaimer {
     /// scan interval has passed. Returns the names removed.
     pub fn on_tick(&mut self, held: impl Fn(&str) -> bool) -> Vec<String> {
         let scan_due = self.last_scan.map_or(true, |t| t.elapsed() >= TICK_MAX);
-        let due: Vec<String> =
-            self.watch.iter().filter(|(_, w)| scan_due || **w == Wait::InFlight).map(|(n, _)| n.clone()).collect();
+        let due: Vec<String> = self.watch.iter().filter(|(_, w)| scan_due || **w == Wait::InFlight).map(|(n, _)| n.clone()).collect();
         let removed = self.recheck(due, held);
         // Frees and disconnects recheck at once; the timer only catches a
         // decrement by a process that is not our client, so it backs off.

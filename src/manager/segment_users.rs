@@ -96,9 +96,7 @@ pub fn header_refcount(name: &str) -> Option<i32> {
     }
     // SAFETY: a fresh read-only shared mapping of the header only; the
     // file is at least that long (checked above).
-    let base = unsafe {
-        libc::mmap(std::ptr::null_mut(), HEADER_SIZE, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0)
-    };
+    let base = unsafe { libc::mmap(std::ptr::null_mut(), HEADER_SIZE, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0) };
     if base == libc::MAP_FAILED {
         return None;
     }
@@ -128,10 +126,8 @@ pub fn process_start_epoch(pid: i32) -> Option<f64> {
     let ticks = process_start_ticks(pid)?;
     // SAFETY: sysconf has no memory effects.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let btime: f64 = fs::read_to_string("/proc/stat")
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("btime ").and_then(|v| v.trim().parse().ok()))?;
+    let btime: f64 =
+        fs::read_to_string("/proc/stat").ok()?.lines().find_map(|l| l.strip_prefix("btime ").and_then(|v| v.trim().parse().ok()))?;
     Some(btime + ticks as f64 / hz)
 }
 

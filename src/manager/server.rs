@@ -118,11 +118,7 @@ fn nobody_listens(path: &Path) -> bool {
     }
     // SAFETY: addr is a valid sockaddr_un of the size given.
     let rc = unsafe {
-        libc::connect(
-            fd,
-            (&addr as *const libc::sockaddr_un).cast(),
-            std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
-        )
+        libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t)
     };
     let refused = rc != 0 && crate::error::errno() == libc::ECONNREFUSED;
     // SAFETY: our descriptor.
@@ -167,10 +163,7 @@ impl Server {
             Ok(l) => l,
             Err(e) => {
                 let _ = std::fs::remove_dir(&dir);
-                return Err(Error::from_errno(
-                    e.raw_os_error().unwrap_or(libc::EIO),
-                    format!("could not bind <{}>", socket.display()),
-                ));
+                return Err(Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not bind <{}>", socket.display())));
             }
         };
         // std listens with a backlog of 128 (libshm: 10): many clients may
@@ -190,10 +183,7 @@ impl Server {
         };
         // On failure dropping `server` removes the socket and its folder.
         server.listener.set_nonblocking(true).map_err(|e| {
-            Error::from_errno(
-                e.raw_os_error().unwrap_or(libc::EIO),
-                format!("could not make <{}> non-blocking", server.socket.display()),
-            )
+            Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not make <{}> non-blocking", server.socket.display()))
         })?;
         Ok(server)
     }
@@ -218,9 +208,7 @@ impl Server {
             let now = Instant::now();
             let wake = self.next_wakeup().map(|d| now + d.max(MIN_WAIT));
             self.due = [self.due, wake].into_iter().flatten().min();
-            let timeout = self
-                .due
-                .map_or(-1, |t| t.saturating_duration_since(now).as_millis().min(i32::MAX as u128) as libc::c_int);
+            let timeout = self.due.map_or(-1, |t| t.saturating_duration_since(now).as_millis().min(i32::MAX as u128) as libc::c_int);
             let ids: Vec<u64> = self.sessions.keys().copied().collect();
             let mut fds = Vec::with_capacity(ids.len() + 2);
             fds.push(libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 });
@@ -335,10 +323,7 @@ impl Server {
                     self.note(format!("client {id} connected (pid {peer_pid})"));
                     self.idle_since = None;
                     self.reclaim.trust_counts();
-                    self.sessions.insert(
-                        id,
-                        Session { stream, peer_pid, pending: Vec::new(), held: HashMap::new(), mute: false },
-                    );
+                    self.sessions.insert(id, Session { stream, peer_pid, pending: Vec::new(), held: HashMap::new(), mute: false });
                 }
                 Err(e) if e.kind() == IoKind::WouldBlock => return,
                 Err(e) if e.kind() == IoKind::Interrupted => {}
@@ -504,13 +489,7 @@ fn peer_credentials(stream: &UnixStream) -> (i32, libc::uid_t) {
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
+        libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
     };
     if rc == 0 {
         (cred.pid, cred.uid)

@@ -9,11 +9,11 @@
 //! code, then in `../bin` from there; `ss_shm_manager` on `PATH`.
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::fork_safe::ForkSafeMutex;
 use std::io::Read;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::os::fd::AsRawFd;
-use crate::fork_safe::ForkSafeMutex;
 use std::time::{Duration, Instant};
 
 /// File name of the daemon.
@@ -119,14 +119,9 @@ struct Started {
 impl Started {
     fn run(binary: &Path) -> Result<Self> {
         let shown = binary.display().to_string();
-        let child = Command::new(binary)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| {
-                Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not start the shared memory manager \"{shown}\""))
-            })?;
+        let child = Command::new(binary).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| {
+            Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not start the shared memory manager \"{shown}\""))
+        })?;
         Ok(Started { child: Some(child), shown })
     }
 
@@ -225,7 +220,10 @@ fn read_first_line(mut out: std::process::ChildStdout, shown: &str, limit: Durat
             Ok(n) => line.extend_from_slice(&chunk[..n]),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => {
-                return Err(Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("reading from the shared memory manager \"{shown}\"")))
+                return Err(Error::from_errno(
+                    e.raw_os_error().unwrap_or(libc::EIO),
+                    format!("reading from the shared memory manager \"{shown}\""),
+                ))
             }
         }
     }

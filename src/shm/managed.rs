@@ -31,11 +31,7 @@ impl ManagedMapAllocator {
         Self::register_then(manager_handle, name, || RefcountedMapAllocator::create_with(name, flags, bytes))
     }
 
-    fn register_then(
-        manager_handle: &str,
-        name: &str,
-        map: impl FnOnce() -> Result<RefcountedMapAllocator>,
-    ) -> Result<Self> {
+    fn register_then(manager_handle: &str, name: &str, map: impl FnOnce() -> Result<RefcountedMapAllocator>) -> Result<Self> {
         super::names::validate_shm_name(name)?;
         crate::manager::protocol::check_filename(name)?;
         let client = if manager_handle.is_empty() { default_client()? } else { client_for(manager_handle)? };

@@ -100,8 +100,8 @@ impl MapAllocator {
         if flags & FROMFD == 0 {
             check_name(name, flags)?;
         }
-        let c_name = CString::new(name)
-            .map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("name <{name}> contains a NUL byte")))?;
+        let c_name =
+            CString::new(name).map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("name <{name}> contains a NUL byte")))?;
         let mut opened = match source {
             Source::Nameless => match Opened::nameless(&c_name, flags) {
                 Some(o) => o,
@@ -279,10 +279,7 @@ impl Drop for MapAllocator {
 /// Validates and normalises flags as ATen does, plus the checks it lacks.
 fn check_flags(flags: i32, fd: Option<RawFd>) -> Result<i32> {
     if flags & !flags::ALL != 0 {
-        return Err(Error::new(
-            ErrorKind::InvalidArgument,
-            format!("unknown flag bits {:#x} in flags {flags}", flags & !flags::ALL),
-        ));
+        return Err(Error::new(ErrorKind::InvalidArgument, format!("unknown flag bits {:#x} in flags {flags}", flags & !flags::ALL)));
     }
     if flags & SHARED != 0 && flags & SHAREDMEM != 0 {
         return Err(Error::new(
@@ -298,23 +295,15 @@ fn check_flags(flags: i32, fd: Option<RawFd>) -> Result<i32> {
         flags &= !NOCREATE;
     }
     if flags == EXCLUSIVE {
-        return Err(Error::new(
-            ErrorKind::InvalidArgument,
-            "ALLOCATOR_MAPPED_EXCLUSIVE flag requires opening the file in shared mode",
-        ));
+        return Err(Error::new(ErrorKind::InvalidArgument, "ALLOCATOR_MAPPED_EXCLUSIVE flag requires opening the file in shared mode"));
     }
     if flags & EXCLUSIVE != 0 && flags & NOCREATE != 0 {
         return Err(Error::new(ErrorKind::InvalidArgument, "flags EXCLUSIVE and NOCREATE contradict each other"));
     }
     match (flags & FROMFD != 0, fd) {
         (true, None) => Err(Error::new(ErrorKind::InvalidArgument, "FROMFD flag given but no file descriptor")),
-        (true, Some(fd)) if fd < 0 => {
-            Err(Error::new(ErrorKind::InvalidArgument, format!("invalid file descriptor {fd} with FROMFD")))
-        }
-        (false, Some(fd)) => Err(Error::new(
-            ErrorKind::InvalidArgument,
-            format!("file descriptor {fd} given without the FROMFD flag"),
-        )),
+        (true, Some(fd)) if fd < 0 => Err(Error::new(ErrorKind::InvalidArgument, format!("invalid file descriptor {fd} with FROMFD"))),
+        (false, Some(fd)) => Err(Error::new(ErrorKind::InvalidArgument, format!("file descriptor {fd} given without the FROMFD flag"))),
         _ => Ok(flags),
     }
 }
@@ -391,7 +380,13 @@ impl Opened {
         let found = |fd| Ok(Opened { fd, owned: true, made_here: false, name_gone: false, c_name: c_name.clone(), flags });
         if oflags & libc::O_CREAT == 0 || oflags & libc::O_EXCL != 0 {
             let fd = open_raw(c_name, oflags, flags);
-            return if fd < 0 { fail() } else if oflags & libc::O_EXCL != 0 { made(fd) } else { found(fd) };
+            return if fd < 0 {
+                fail()
+            } else if oflags & libc::O_EXCL != 0 {
+                made(fd)
+            } else {
+                found(fd)
+            };
         }
         // Create-or-open: try to create first, so that we know whether this
         // call made the object (and may remove it if the open fails later).
@@ -512,7 +507,13 @@ fn map(fd: RawFd, size: usize, flags: i32, name: &str) -> Result<*mut u8> {
 pub(crate) fn unlink_name(c_name: &CString, name: &str, flags: i32) -> Result<()> {
     let shm = in_shm_namespace(flags);
     // SAFETY: c_name is a valid NUL-terminated string.
-    let rc = unsafe { if shm { libc::shm_unlink(c_name.as_ptr()) } else { libc::unlink(c_name.as_ptr()) } };
+    let rc = unsafe {
+        if shm {
+            libc::shm_unlink(c_name.as_ptr())
+        } else {
+            libc::unlink(c_name.as_ptr())
+        }
+    };
     if rc != 0 {
         let what = if shm { "the shared memory file" } else { "file" };
         return Err(Error::from_errno(errno(), format!("could not unlink {what} <{name}>")));

@@ -35,10 +35,7 @@ fn random_u32() -> u32 {
 /// no other '/', no NUL, at most [`MAX_SHM_NAME_LEN`] bytes after the '/'.
 pub fn validate_shm_name(name: &str) -> Result<()> {
     if !name.starts_with('/') {
-        return Err(Error::new(
-            ErrorKind::InvalidArgument,
-            format!("shared memory name <{name}> must start with '/'"),
-        ));
+        return Err(Error::new(ErrorKind::InvalidArgument, format!("shared memory name <{name}> must start with '/'")));
     }
     if name.len() == 1 || name[1..].contains('/') || name.contains('\0') {
         return Err(Error::new(

@@ -53,10 +53,7 @@ impl RefcountedMapAllocator {
             }
         }
         if flags & SHAREDMEM == 0 {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                "RefcountedMapAllocator requires ALLOCATOR_MAPPED_SHAREDMEM flag",
-            ));
+            return Err(Error::new(ErrorKind::Unsupported, "RefcountedMapAllocator requires ALLOCATOR_MAPPED_SHAREDMEM flag"));
         }
         if size == 0 {
             return Err(Error::new(ErrorKind::InvalidArgument, format!("size 0 for <{name}>: a segment needs at least one byte")));
@@ -154,7 +151,10 @@ impl RefcountedMapAllocator {
         // A count at i32::MAX was overwritten by someone: wrapping it to a
         // negative value would make every later open fail and close misfire.
         self.count().fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_add(1)).map(|_| ()).map_err(|c| {
-            Error::new(ErrorKind::BadRefcount, format!("refcounted segment <{}> has count {c} in its header: one more would overflow", self.map.filename()))
+            Error::new(
+                ErrorKind::BadRefcount,
+                format!("refcounted segment <{}> has count {c} in its header: one more would overflow", self.map.filename()),
+            )
         })
     }
 

@@ -34,9 +34,7 @@ pub fn write_all(fd: RawFd, at: usize, src: &[u8], what: &str) -> Result<()> {
     let mut done = 0;
     while done < src.len() {
         // SAFETY: the source range is inside `src`; pwrite only reads it.
-        let n = unsafe {
-            libc::pwrite(fd, src.as_ptr().add(done).cast(), src.len() - done, (at + done) as libc::off_t)
-        };
+        let n = unsafe { libc::pwrite(fd, src.as_ptr().add(done).cast(), src.len() - done, (at + done) as libc::off_t) };
         if n < 0 {
             let e = errno();
             if e == libc::EINTR {

@@ -62,7 +62,13 @@ pub fn run(args: &[String]) -> i32 {
     let report = collect(&prefix, dry_run);
     let verb = if dry_run { "would remove" } else { "removed" };
     for s in &report.removed {
-        println!("{verb} {} ({} bytes, refcount {}, creator pid {} dead)", s.name, s.size, s.refcount.map_or("-".into(), |r| r.to_string()), s.pid);
+        println!(
+            "{verb} {} ({} bytes, refcount {}, creator pid {} dead)",
+            s.name,
+            s.size,
+            s.refcount.map_or("-".into(), |r| r.to_string()),
+            s.pid
+        );
     }
     for (s, e) in &report.failed {
         eprintln!("failed {}: {e}", s.name);

@@ -11,7 +11,8 @@ pub fn render(segments: &[Segment]) -> String {
         let rc = s.refcount.map_or("-".to_string(), |r| r.to_string());
         let alive = if s.creator_alive { "alive" } else { "dead" };
         let used = if s.in_use { "yes" } else { "no" };
-        out += &format!("{:<40} {:>12} {:>8} {:>8} {:>7} {:>6} {:>8.0}\n", s.name, s.size, rc, s.pid, alive, used, (now - s.created).max(0.0));
+        out +=
+            &format!("{:<40} {:>12} {:>8} {:>8} {:>7} {:>6} {:>8.0}\n", s.name, s.size, rc, s.pid, alive, used, (now - s.created).max(0.0));
     }
     out += &format!("{} segment(s)\n", segments.len());
     out

@@ -108,7 +108,8 @@ fn show(path: &Path, names: &[String]) -> crate::Result<()> {
         let tensors = r.list_tensors()?;
         let unique: u64 = storages.iter().map(|s| s.1).sum();
         let sizes: std::collections::HashMap<&str, u64> = storages.iter().map(|(h, s)| (h.as_str(), *s)).collect();
-        let referenced: u64 = tensors.iter().filter_map(|n| r.read_meta(n).ok()).filter_map(|m| sizes.get(m.storage_hash.as_str()).copied()).sum();
+        let referenced: u64 =
+            tensors.iter().filter_map(|n| r.read_meta(n).ok()).filter_map(|m| sizes.get(m.storage_hash.as_str()).copied()).sum();
         println!("store:     {}", path.display());
         println!("format:    {} (storage names: {})", r.format().name(), r.hash_mode().name());
         println!("tensors:   {}", tensors.len());
@@ -144,7 +145,10 @@ fn verify(path: &Path) -> i32 {
         }
     };
     let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-    bar.set_style(ProgressStyle::with_template("verify {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_style(
+        ProgressStyle::with_template("verify {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     let started = std::time::Instant::now();
     let report = content_store::verify(&r, &mut |done, total| {
         if total >= PROGRESS_FROM {
@@ -161,12 +165,7 @@ fn verify(path: &Path) -> i32 {
         }
     };
     let secs = started.elapsed().as_secs_f64();
-    println!(
-        "checked {} storage(s) ({}) and {} tensor(s) in {secs:.2} s",
-        report.storages,
-        HumanBytes(report.bytes),
-        report.tensors
-    );
+    println!("checked {} storage(s) ({}) and {} tensor(s) in {secs:.2} s", report.storages, HumanBytes(report.bytes), report.tensors);
     if !report.unverifiable.is_empty() {
         println!("{} storage(s) with names that cannot be checked (not corrupt):", report.unverifiable.len());
         for p in &report.unverifiable {

@@ -59,10 +59,7 @@ pub fn send_fds(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<usize> {
         }
         let e = errno();
         if e != libc::EINTR {
-            return Err(Error::from_errno(
-                e,
-                format!("sendmsg of {} bytes and {} descriptors on socket {sock}", payload.len(), fds.len()),
-            ));
+            return Err(Error::from_errno(e, format!("sendmsg of {} bytes and {} descriptors on socket {sock}", payload.len(), fds.len())));
         }
     }
 }
@@ -76,10 +73,7 @@ pub fn send_fds(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<usize> {
 /// the kernel) is `BufferTooSmall` too, its descriptors closed.
 pub fn recv_fds(sock: RawFd, buf: &mut [u8], max_fds: usize) -> Result<(usize, Vec<OwnedFd>)> {
     if max_fds > MAX_FDS_PER_MESSAGE {
-        return Err(Error::new(
-            ErrorKind::InvalidArgument,
-            format!("max_fds {max_fds} above the kernel's {MAX_FDS_PER_MESSAGE}"),
-        ));
+        return Err(Error::new(ErrorKind::InvalidArgument, format!("max_fds {max_fds} above the kernel's {MAX_FDS_PER_MESSAGE}")));
     }
     let space = cmsg_space(max_fds);
     let mut control = vec![0u64; space.div_ceil(8).max(1)];

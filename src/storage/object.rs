@@ -3,8 +3,8 @@
 //! references to it (ATen's StorageImpl with intrusive_ptr/weak_intrusive_ptr).
 
 use super::heap::HeapBuf;
-use crate::error::{Error, ErrorKind, Result};
 use crate::arena::Arena;
+use crate::error::{Error, ErrorKind, Result};
 use crate::shm::{ManagedMapAllocator, MapAllocator};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
@@ -178,7 +178,11 @@ impl Storage {
         if !s.resizable || !matches!(s.alloc, Allocation::Heap(_)) {
             return Err(Error::new(
                 ErrorKind::Unsupported,
-                format!("Trying to resize storage that is not resizable ({} bytes, shared: {})", s.nbytes, !matches!(s.alloc, Allocation::Heap(_))),
+                format!(
+                    "Trying to resize storage that is not resizable ({} bytes, shared: {})",
+                    s.nbytes,
+                    !matches!(s.alloc, Allocation::Heap(_))
+                ),
             ));
         }
         let new = HeapBuf::new(nbytes)?;

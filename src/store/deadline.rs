@@ -29,10 +29,7 @@ pub fn timeout_error(timeout: Timeout, missing: &[&[u8]], store: &str) -> Error 
     let waited = timeout.map_or_else(|| "forever".to_string(), |t| format!("{} ms", t.as_millis()));
     let noun = if missing.len() == 1 { "key" } else { "keys" };
     let list: Vec<String> = missing.iter().map(|k| super::show_key(k)).collect();
-    Error::new(
-        ErrorKind::Timeout,
-        format!("timed out after {waited} waiting for {noun} {} in {store}", list.join(", ")),
-    )
+    Error::new(ErrorKind::Timeout, format!("timed out after {waited} waiting for {noun} {} in {store}", list.join(", ")))
 }
 
 /// Grows a polling interval: doubles from `start` up to `cap`, and never

@@ -113,10 +113,7 @@ impl FileStore {
             Ok(m) if !m.is_dir() => {
                 return Err(Error::new(
                     ErrorKind::InvalidArgument,
-                    format!(
-                        "file store <{}> exists and is not a folder (a store is a folder of key files)",
-                        dir.display()
-                    ),
+                    format!("file store <{}> exists and is not a folder (a store is a folder of key files)", dir.display()),
                 ))
             }
             Ok(_) => {}
@@ -185,9 +182,7 @@ impl FileStore {
         let mut file = match opened {
             Ok(f) => f,
             Err(e) if e.kind() == IoKind::NotFound => return Ok(Attempt::Missing),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
-                return Ok(Attempt::NoDescriptor(e))
-            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => return Ok(Attempt::NoDescriptor(e)),
             Err(e) => {
                 // A socket cannot be opened at all: name it like the others.
                 if let Ok(meta) = std::fs::metadata(&path) {
@@ -211,7 +206,8 @@ impl FileStore {
         Err(Error::new(
             ErrorKind::Corrupt,
             format!(
-                "key {} in {}: <{}> is {}, not a regular file (this store writes only regular files there)", show_key(key),
+                "key {} in {}: <{}> is {}, not a regular file (this store writes only regular files there)",
+                show_key(key),
                 self.describe(),
                 path.display(),
                 type_name(t)
@@ -227,8 +223,7 @@ impl FileStore {
         let tid = unsafe { libc::syscall(libc::SYS_gettid) };
         let tmp = self.dir.join(format!("{TMP_PREFIX}{}.{tid}.{seq}", std::process::id()));
         let context = || format!("unable to write key {} in {}", show_key(key), self.describe());
-        let mut file =
-            OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| io_error(e, context()))?;
+        let mut file = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| io_error(e, context()))?;
         if let Err(e) = file.write_all(value) {
             let _ = std::fs::remove_file(&tmp);
             return Err(io_error(e, context()));
@@ -246,8 +241,7 @@ impl FileStore {
 
     /// Runs `f` holding the folder's exclusive lock.
     fn locked<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        let _guard =
-            FlockGuard::lock(&self.lock).map_err(|e| e.context(format!("unable to lock {}", self.describe())))?;
+        let _guard = FlockGuard::lock(&self.lock).map_err(|e| e.context(format!("unable to lock {}", self.describe())))?;
         f()
     }
 }
@@ -383,8 +377,7 @@ impl Store for FileStore {
     }
 
     fn num_keys(&self) -> Result<i64> {
-        let entries = std::fs::read_dir(&self.dir)
-            .map_err(|e| io_error(e, format_args!("unable to list {}", self.describe())))?;
+        let entries = std::fs::read_dir(&self.dir).map_err(|e| io_error(e, format_args!("unable to list {}", self.describe())))?;
         let mut n = 0;
         for entry in entries {
             let entry = entry.map_err(|e| io_error(e, format_args!("unable to list {}", self.describe())))?;
@@ -458,14 +451,9 @@ mod tests {
         assert!(e.message().contains("\"x\", \"y/z\""), "{}", e.message());
         assert!(!e.message().contains("a/b"), "{}", e.message());
         let e = s.get(b"late", Some(Duration::from_millis(5))).unwrap_err();
-        assert!(
-            e.message().contains("\"late\"") && e.message().contains(&dir.display().to_string()),
-            "{}",
-            e.message()
-        );
+        assert!(e.message().contains("\"late\"") && e.message().contains(&dir.display().to_string()), "{}", e.message());
         // Nothing but key files and the lock file: no temporaries left.
-        let mut names: Vec<String> =
-            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        let mut names: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         names.sort();
         assert_eq!(names, [".lock", "k.a%2Fb", "k.n"]);
         std::fs::remove_dir_all(dir).unwrap();

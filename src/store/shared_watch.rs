@@ -85,11 +85,7 @@ impl SharedWatch {
     /// thread can be started (the last waiter then closes it).
     fn spawn_closer(self: &Arc<Self>) -> bool {
         let me = self.clone();
-        std::thread::Builder::new()
-            .name("ss-store-watch".into())
-            .stack_size(64 << 10)
-            .spawn(move || me.close_when_idle())
-            .is_ok()
+        std::thread::Builder::new().name("ss-store-watch".into()).stack_size(64 << 10).spawn(move || me.close_when_idle()).is_ok()
     }
 
     fn close_when_idle(&self) {

@@ -19,10 +19,7 @@ pub const MAX_NAME: usize = 107;
 
 fn address(name: &str) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
     if name.is_empty() || name.len() > MAX_NAME {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("abstract socket name of {} bytes (1 to {MAX_NAME})", name.len()),
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("abstract socket name of {} bytes (1 to {MAX_NAME})", name.len())));
     }
     // SAFETY: sockaddr_un is plain data; all-zero is valid.
     let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };

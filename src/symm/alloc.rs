@@ -76,13 +76,7 @@ pub fn alloc(device_type: DeviceType, device_idx: i32, size: usize, group: Optio
 
 /// The persistent block `alloc_id`: made on first use, the same block on
 /// later uses once the previous one was freed.
-pub fn alloc_persistent(
-    device_type: DeviceType,
-    device_idx: i32,
-    size: usize,
-    group: Option<&str>,
-    alloc_id: u64,
-) -> Result<*mut u8> {
+pub fn alloc_persistent(device_type: DeviceType, device_idx: i32, size: usize, group: Option<&str>, alloc_id: u64) -> Result<*mut u8> {
     let mut table = TABLE.lock_static();
     if let Some(&ptr) = table.by_id.get(&alloc_id) {
         let a = table.by_ptr[&ptr].clone();

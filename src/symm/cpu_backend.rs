@@ -57,7 +57,11 @@ pub fn layout_for(size: usize, pad: usize) -> Result<Layout> {
 fn page_size() -> usize {
     // SAFETY: sysconf only reads a system value.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 { p as usize } else { 4096 }
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
 }
 
 /// One rank's block: a memfd and its mapping.
@@ -147,10 +151,7 @@ fn check_peer_size(fd: &OwnedFd, rank: usize, want: usize) -> Result<()> {
         return Err(Error::last_os_error(format!("unable to stat the block of rank {rank}")));
     }
     if (st.st_size as usize) < want {
-        return Err(Error::new(
-            ErrorKind::SizeMismatch,
-            format!("the block of rank {rank} has {} bytes, expected {want}", st.st_size),
-        ));
+        return Err(Error::new(ErrorKind::SizeMismatch, format!("the block of rank {rank} has {} bytes, expected {want}", st.st_size)));
     }
     Ok(())
 }

@@ -112,9 +112,7 @@ impl Vmm {
     fn create(device: i32, size: usize, prop: &sys::CUmemAllocationProp) -> Result<Vmm> {
         let mut v = Vmm { device, handle: 0, va: 0, size, progress: VmmProgress::default() };
         // SAFETY: out-pointer ours; prop is a valid property struct.
-        check(unsafe { sys::cuMemCreate(&mut v.handle, size, prop, 0) }, || {
-            format!("cuMemCreate of {size} bytes on device {device}")
-        })?;
+        check(unsafe { sys::cuMemCreate(&mut v.handle, size, prop, 0) }, || format!("cuMemCreate of {size} bytes on device {device}"))?;
         v.progress.handle = true;
         Ok(v)
     }
@@ -412,9 +410,7 @@ impl Module {
         // SAFETY: NUL-terminated PTX; two options whose values are the log
         // buffer and its size (passed by value in the pointer, as the API
         // wants); out-pointer ours.
-        let r = unsafe {
-            sys::cuModuleLoadDataEx(&mut module, SIGNAL_PTX.as_ptr().cast(), 2, options.as_mut_ptr(), values.as_mut_ptr())
-        };
+        let r = unsafe { sys::cuModuleLoadDataEx(&mut module, SIGNAL_PTX.as_ptr().cast(), 2, options.as_mut_ptr(), values.as_mut_ptr()) };
         check(r, || {
             let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
             let text = String::from_utf8_lossy(&log[..end]).trim().to_string();
@@ -438,9 +434,7 @@ impl Module {
             let mut most = 0;
             // SAFETY: live function, out-pointer ours.
             check(
-                unsafe {
-                    sys::cuFuncGetAttribute(&mut most, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f)
-                },
+                unsafe { sys::cuFuncGetAttribute(&mut most, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f) },
                 || format!("cuFuncGetAttribute(MAX_THREADS_PER_BLOCK) of {name}"),
             )?;
             m.max_threads[i] = most.max(0) as u32;
@@ -611,19 +605,7 @@ impl CudaPeers {
             // driver copies them before returning.
             check(
                 unsafe {
-                    sys::cuLaunchKernel(
-                        f,
-                        1,
-                        1,
-                        1,
-                        threads,
-                        1,
-                        1,
-                        0,
-                        stream as sys::CUstream,
-                        params.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    )
+                    sys::cuLaunchKernel(f, 1, 1, 1, threads, 1, 1, 0, stream as sys::CUstream, params.as_mut_ptr(), std::ptr::null_mut())
                 },
                 || format!("cuLaunchKernel({})", KERNELS[op as usize]),
             )
@@ -870,13 +852,7 @@ impl CudaBlock {
     /// the ranks all-gather whether it worked here, so either all have
     /// multicast or none (`Ok(Err(reason))`); only a failing collective
     /// (timeout, dead peer) fails the rendezvous.
-    fn setup_multicast(
-        &self,
-        d: &Driver,
-        coll: &dyn Collective,
-        rank: usize,
-        ws: usize,
-    ) -> Result<std::result::Result<McMapping, String>> {
+    fn setup_multicast(&self, d: &Driver, coll: &dyn Collective, rank: usize, ws: usize) -> Result<std::result::Result<McMapping, String>> {
         let fns = McFns::load(d);
         let mut cu_device = 0;
         // SAFETY: out-pointer ours; the ordinal was checked at allocation.

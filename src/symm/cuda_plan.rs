@@ -37,10 +37,7 @@ pub const ATTR_RDMA_WITH_VMM: i32 = 110;
 /// whole block to the allocation granularity.
 pub fn layout(size: usize, pad: usize, granularity: usize) -> Result<Layout> {
     if granularity == 0 || !granularity.is_power_of_two() {
-        return Err(Error::new(
-            ErrorKind::CudaError,
-            format!("cuMemGetAllocationGranularity gave {granularity}, not a power of two"),
-        ));
+        return Err(Error::new(ErrorKind::CudaError, format!("cuMemGetAllocationGranularity gave {granularity}, not a power of two")));
     }
     let too_large = || Error::new(ErrorKind::InvalidArgument, format!("symmetric block of {size} bytes is too large"));
     let buffer_offset = pad.checked_next_multiple_of(BUFFER_ALIGN).ok_or_else(too_large)?;
@@ -391,10 +388,14 @@ mod tests {
         assert_eq!(parse_record([1, 3, 1, 0, 1, 0, 0, 0]), None); // not finished writing
         let t = parse_record([2, 3, 2, 0, 3, 7, 500_000_000, 0]).unwrap();
         assert_eq!(t, DeviceTimeout { op: "barrier", send: false, rank: 0, peer: 3, channel: 7, elapsed_ns: 500_000_000 });
-        assert!(t.message().starts_with("CUDASymmetricMemory::barrier: rank 0 failed to receive signal from rank 3 on channel 7 after 500 ms"));
+        assert!(t
+            .message()
+            .starts_with("CUDASymmetricMemory::barrier: rank 0 failed to receive signal from rank 3 on channel 7 after 500 ms"));
         let t = parse_record([2, 1, 1, 2, 0, 1, 0, 1]).unwrap();
         assert_eq!(t.elapsed_ns, 1 << 32);
-        assert!(t.message().starts_with("CUDASymmetricMemory::put_signal: rank 2 failed to send signal to rank 0 on channel 1 after 4294 ms"));
+        assert!(t
+            .message()
+            .starts_with("CUDASymmetricMemory::put_signal: rank 2 failed to send signal to rank 0 on channel 1 after 4294 ms"));
         assert_eq!(parse_record([2, 2, 2, 1, 0, 0, 0, 0]).unwrap().op, "wait_signal");
     }
 

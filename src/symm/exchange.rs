@@ -25,8 +25,7 @@ pub type PerRank = Vec<Vec<u8>>;
 /// abort when `n` (which callers derive from their input) cannot be had.
 pub fn vec_for<T>(n: usize, what: &str) -> Result<Vec<T>> {
     let mut v = Vec::new();
-    v.try_reserve_exact(n)
-        .map_err(|_| Error::new(ErrorKind::NoSpace, format!("out of memory for {n} entries of {what}")))?;
+    v.try_reserve_exact(n).map_err(|_| Error::new(ErrorKind::NoSpace, format!("out of memory for {n} entries of {what}")))?;
     Ok(v)
 }
 
@@ -42,13 +41,7 @@ pub fn all_gather(group: &GroupInfo, prefix: &str, value: &[u8], timeout: Timeou
 /// rendezvous details) under `<key>/side`, set first, so that a rank whose
 /// value is there has its side there too. A rank that published a value
 /// but no side (another implementation) gives a `Timeout` naming it.
-pub fn all_gather_with_side(
-    group: &GroupInfo,
-    prefix: &str,
-    value: &[u8],
-    side: &[u8],
-    timeout: Timeout,
-) -> Result<(PerRank, PerRank)> {
+pub fn all_gather_with_side(group: &GroupInfo, prefix: &str, value: &[u8], side: &[u8], timeout: Timeout) -> Result<(PerRank, PerRank)> {
     let seq = group.next_seq();
     let deadline = timeout.map(|t| Instant::now() + t);
     let side_key = |r: usize| format!("{prefix}/{seq}/{r}/side");

@@ -71,25 +71,18 @@ pub fn set_group_info(name: &str, rank: i64, world_size: i64, store: StoreRef) -
     }
     let mut map = groups();
     if map.contains_key(name) {
-        return Err(Error::new(
-            ErrorKind::AlreadyExists,
-            format!("set_group_info: group info for the group name {name} is already set"),
-        ));
+        return Err(Error::new(ErrorKind::AlreadyExists, format!("set_group_info: group info for the group name {name} is already set")));
     }
-    let info = GroupInfo {
-        name: name.to_string(),
-        rank: rank as usize,
-        world_size: world_size as usize,
-        store,
-        next_seq: AtomicU64::new(0),
-    };
+    let info =
+        GroupInfo { name: name.to_string(), rank: rank as usize, world_size: world_size as usize, store, next_seq: AtomicU64::new(0) };
     map.insert(name.to_string(), Arc::new(info));
     Ok(())
 }
 
 /// The info of group `name`.
 pub fn get_group_info(name: &str) -> Result<Arc<GroupInfo>> {
-    groups().get(name).cloned().ok_or_else(|| {
-        Error::new(ErrorKind::NotFound, format!("get_group_info: no group info associated with the group name {name}"))
-    })
+    groups()
+        .get(name)
+        .cloned()
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("get_group_info: no group info associated with the group name {name}")))
 }

@@ -72,10 +72,7 @@ impl SymmetricMemory {
 
     fn check_rank(&self, rank: i64) -> Result<usize> {
         if rank < 0 || rank as u64 >= self.world_size as u64 {
-            return Err(Error::new(
-                ErrorKind::InvalidArgument,
-                format!("Invalid peer rank: {rank} (world size {})", self.world_size),
-            ));
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("Invalid peer rank: {rank} (world size {})", self.world_size)));
         }
         Ok(rank as usize)
     }
@@ -154,9 +151,9 @@ impl SymmetricMemory {
 
     /// The block's multicast address; `Unsupported` saying why there is none.
     pub fn multicast_ptr(&self) -> Result<*mut u8> {
-        self.peers.multicast_ptr().map_err(|why| {
-            Error::new(ErrorKind::Unsupported, format!("symmetric memory of group {} has no multicast: {why}", self.group))
-        })
+        self.peers
+            .multicast_ptr()
+            .map_err(|why| Error::new(ErrorKind::Unsupported, format!("symmetric memory of group {} has no multicast: {why}", self.group)))
     }
 
     pub fn barrier(&self, channel: i64, timeout: Timeout, stream: usize) -> Result<()> {

@@ -90,7 +90,14 @@ impl IpcChannel {
     /// rank: `src` sends it to each other rank, the others receive it. The
     /// caller makes sure no ring message is still in flight (a store
     /// barrier after the ring), as both use this socket.
-    pub fn broadcast(&self, fd: Option<RawFd>, src: usize, rank: usize, peers: &[PeerSocket], deadline: Option<Instant>) -> Result<Option<OwnedFd>> {
+    pub fn broadcast(
+        &self,
+        fd: Option<RawFd>,
+        src: usize,
+        rank: usize,
+        peers: &[PeerSocket],
+        deadline: Option<Instant>,
+    ) -> Result<Option<OwnedFd>> {
         if rank == src {
             let fds: Vec<RawFd> = fd.into_iter().collect();
             for (r, peer) in peers.iter().enumerate().filter(|&(r, _)| r != src) {
@@ -154,10 +161,7 @@ impl IpcChannel {
     fn recv(&self, from_rank: usize, from: &PeerSocket, deadline: Option<Instant>) -> Result<(usize, OwnedFd)> {
         match self.recv_any(from_rank, from, deadline)? {
             (origin, Some(fd)) => Ok((origin, fd)),
-            (_, None) => Err(Error::new(
-                ErrorKind::Protocol,
-                format!("message from rank {from_rank} had no descriptor, expected one"),
-            )),
+            (_, None) => Err(Error::new(ErrorKind::Protocol, format!("message from rank {from_rank} had no descriptor, expected one"))),
         }
     }
 

@@ -22,9 +22,7 @@ impl Mapping {
     /// Maps `len` bytes of `fd` from offset 0, shared and writable.
     pub fn map(fd: BorrowedFd<'_>, len: usize, what: &str) -> Result<Mapping> {
         // SAFETY: a fresh mapping chosen by the kernel; nothing else is touched.
-        let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0)
-        };
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
         if p == libc::MAP_FAILED {
             return Err(Error::last_os_error(format!("unable to mmap {len} bytes of {what}")));
         }

@@ -90,18 +90,16 @@ fn env_backend() -> Result<String> {
     match std::env::var("TORCH_SYMMMEM") {
         Err(_) => Ok("CUDA".to_string()),
         Ok(v) if TORCH_SYMMMEM_CHOICES.contains(&v.as_str()) => Ok(v),
-        Ok(_) => Err(Error::new(
-            ErrorKind::InvalidArgument,
-            "TORCH_SYMMMEM environment variable must be one of 'CUDA', 'NVSHMEM', 'NCCL'.",
-        )),
+        Ok(_) => {
+            Err(Error::new(ErrorKind::InvalidArgument, "TORCH_SYMMMEM environment variable must be one of 'CUDA', 'NVSHMEM', 'NCCL'."))
+        }
     }
 }
 
 /// The allocator for `device_type` under the rules above; fixes the backend.
 pub fn get_allocator(device_type: DeviceType) -> Result<Arc<dyn SymmAllocator>> {
     let mut reg = registry();
-    let candidates: Vec<Arc<dyn SymmAllocator>> =
-        reg.allocators.iter().filter(|a| a.device_type() == device_type).cloned().collect();
+    let candidates: Vec<Arc<dyn SymmAllocator>> = reg.allocators.iter().filter(|a| a.device_type() == device_type).cloned().collect();
     let wanted = match (&reg.chosen, device_type) {
         (Some(name), _) if candidates.iter().any(|a| a.name() == name) => name.clone(),
         (_, DeviceType::Cuda) => env_backend()?,
@@ -147,10 +145,7 @@ pub fn set_signal_pad_size(size: usize) -> Result<()> {
     if reg.used {
         return Err(Error::new(
             ErrorKind::Busy,
-            format!(
-                "set_signal_pad_size: the signal pad size can not be changed after the first allocation (it is {})",
-                signal_pad_size()
-            ),
+            format!("set_signal_pad_size: the signal pad size can not be changed after the first allocation (it is {})", signal_pad_size()),
         ));
     }
     SIGNAL_PAD_SIZE.store(size, Ordering::Release);

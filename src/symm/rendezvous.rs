@@ -4,11 +4,11 @@
 //! sizes against rank 0's, pass the block descriptors round the ring, map
 //! the peers, and meet once more through the store before the sockets go.
 
+use super::abstract_socket;
 use super::backend::{Collective, SymmBlock};
 use super::exchange;
 use super::group::GroupInfo;
 use super::handle::SymmetricMemory;
-use super::abstract_socket;
 use super::ipc_channel::{IpcChannel, PeerSocket};
 use super::request::RendezvousRequest;
 use crate::error::{Error, ErrorKind, Result};
@@ -30,12 +30,8 @@ pub fn run(block: &dyn SymmBlock, backend: &str, group: &GroupInfo, timeout: Tim
     let side = SideInfo { signal_pad_size: layout.signal_pad_size as u64, socket: channel.name().to_string() };
     let (gathered, sides) = exchange::all_gather_with_side(group, &prefix, &mine.to_bytes(), &side.to_bytes(), timeout)?;
     let context = |e: Error| e.context(format!("rendezvous of group {}", group.name));
-    let requests = gathered
-        .iter()
-        .enumerate()
-        .map(|(r, b)| RendezvousRequest::from_bytes(b, r))
-        .collect::<Result<Vec<_>>>()
-        .map_err(context)?;
+    let requests =
+        gathered.iter().enumerate().map(|(r, b)| RendezvousRequest::from_bytes(b, r)).collect::<Result<Vec<_>>>().map_err(context)?;
     let sides = sides.iter().enumerate().map(|(r, b)| SideInfo::from_bytes(b, r)).collect::<Result<Vec<_>>>().map_err(context)?;
     check_pads(&sides, group)?;
     check_requests(&requests, group)?;
@@ -135,7 +131,12 @@ fn check_requests(requests: &[RendezvousRequest], group: &GroupInfo) -> Result<(
                 format!(
                     "rendezvous of group {}: rank {r} allocated {} bytes (block {}, buffer offset {}) but rank 0 \
                      allocated {} bytes (block {}, buffer offset {}); every rank must allocate the same size",
-                    group.name, req.buffer_size, req.block_size, req.buffer_offset, first.buffer_size, first.block_size,
+                    group.name,
+                    req.buffer_size,
+                    req.block_size,
+                    req.buffer_offset,
+                    first.buffer_size,
+                    first.block_size,
                     first.buffer_offset
                 ),
             ));

@@ -90,11 +90,7 @@ impl RendezvousRequest {
             return bad(format!("hostname (bytes {OFF_HOST}..{}) has no NUL", OFF_HOST + HOSTNAME_LEN));
         };
         if let Some(i) = hostname[nul..].iter().position(|&c| c != 0) {
-            return bad(format!(
-                "byte {} of hostname, after its NUL at {nul}, is {:#04x}, must be 0",
-                nul + i,
-                hostname[nul + i]
-            ));
+            return bad(format!("byte {} of hostname, after its NUL at {nul}, is {:#04x}, must be 0", nul + i, hostname[nul + i]));
         }
         let req = RendezvousRequest {
             device_idx: i32_at(OFF_DEVICE),

@@ -175,10 +175,8 @@ impl Spinner {
 }
 
 fn futex_wait(slot: &AtomicU32, expected: u32, timeout: Option<Duration>) {
-    let ts = timeout.map(|t| libc::timespec {
-        tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
-        tv_nsec: t.subsec_nanos() as libc::c_long,
-    });
+    let ts = timeout
+        .map(|t| libc::timespec { tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t, tv_nsec: t.subsec_nanos() as libc::c_long });
     let ts_ptr = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
     // SAFETY: FUTEX_WAIT (shared) reads the aligned u32 behind `slot`,
     // which stays mapped for the call; the timespec outlives it. EINTR,
@@ -191,7 +189,15 @@ fn futex_wait(slot: &AtomicU32, expected: u32, timeout: Option<Duration>) {
 fn futex_wake(slot: &AtomicU32) {
     // SAFETY: FUTEX_WAKE (shared) only uses the address as a key.
     unsafe {
-        libc::syscall(libc::SYS_futex, slot.as_ptr(), libc::FUTEX_WAKE, i32::MAX, std::ptr::null::<libc::timespec>(), std::ptr::null::<u32>(), 0);
+        libc::syscall(
+            libc::SYS_futex,
+            slot.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0,
+        );
     }
 }
 

@@ -5,10 +5,10 @@
 
 #![allow(dead_code)]
 
-use std::process::Output;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::process::Output;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -68,17 +68,9 @@ pub fn python() -> String {
 /// goes on is recorded in `$SS_TORCH_TESTS_LOG`, so the test command can
 /// say how many interop tests really ran.
 pub fn torch_available(test: &str) -> bool {
-    let ok = Command::new(python())
-        .args(["-c", "import torch"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
+    let ok = Command::new(python()).args(["-c", "import torch"]).output().map(|o| o.status.success()).unwrap_or(false);
     if !ok {
-        assert!(
-            !running_in_ci(),
-            "{test}: PyTorch is required under CI but `{} -c 'import torch'` failed (set SS_TEST_PYTHON)",
-            python()
-        );
+        assert!(!running_in_ci(), "{test}: PyTorch is required under CI but `{} -c 'import torch'` failed (set SS_TEST_PYTHON)", python());
         println!("{test}: skipped: torch not installed (set SS_TEST_PYTHON to a Python with torch)");
         return false;
     }
@@ -243,4 +235,3 @@ pub fn child_main(run: impl FnOnce(&str, Parent)) {
     run(&role, Parent { stream, reader, arg });
     std::process::exit(0);
 }
-

@@ -140,7 +140,13 @@ fn run(o: &Options) -> i32 {
         }
         let replay = format!("--seed {} --start {i} --rounds 1", o.seed);
         if std::env::var_os("SS_SOAK_TRACE").is_some() {
-            eprintln!("round {i} [{}] pids {:?}: {}; {}", s.name(), r.pids, r.kill_text(), outcome.as_ref().map_or_else(|e| e.clone(), |_| "ok".into()));
+            eprintln!(
+                "round {i} [{}] pids {:?}: {}; {}",
+                s.name(),
+                r.pids,
+                r.kill_text(),
+                outcome.as_ref().map_or_else(|e| e.clone(), |_| "ok".into())
+            );
         }
         if let Err(e) = outcome {
             t.failures.push(format!("round {i} [{}] failed: {e} (replay: {replay})", s.name()));
@@ -181,7 +187,8 @@ fn run(o: &Options) -> i32 {
     let left = left_now(&lives);
     let daemons = system::daemons(&run_tag);
     for (round, how, name) in &left {
-        t.failures.push(format!("segment {name} of round {round} left ({how:?} cleanup; replay: --seed {} --start {round} --rounds 1)", o.seed));
+        t.failures
+            .push(format!("segment {name} of round {round} left ({how:?} cleanup; replay: --seed {} --start {round} --rounds 1)", o.seed));
     }
     let fds_after = system::open_fds();
     if fds_after != fds_before {

@@ -273,7 +273,13 @@ impl Round {
         let when = if self.plan.during { "during" } else { "before" };
         match (self.kill.manager, self.kill.participant) {
             (true, _) => format!("manager killed at step {} ({when})", self.plan.at_step),
-            (false, Some(i)) => format!("{} (pid {}) killed at step {} ({when}{})", self.participants[i].role, self.participants[i].child.id(), self.plan.at_step, if self.kill.mid_step { ", mid-step" } else { "" }),
+            (false, Some(i)) => format!(
+                "{} (pid {}) killed at step {} ({when}{})",
+                self.participants[i].role,
+                self.participants[i].child.id(),
+                self.plan.at_step,
+                if self.kill.mid_step { ", mid-step" } else { "" }
+            ),
             (false, None) => format!("no kill ({} steps, kill planned at {})", self.step, self.plan.at_step),
         }
     }

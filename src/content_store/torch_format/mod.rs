@@ -175,8 +175,7 @@ impl<'a> Archive<'a> {
         if !rec.crc_ok(self.file) {
             return Err(corrupt(format!("{} does not match its CRC-32", rec.name)));
         }
-        unpickle::unpickle(&self.file[rec.data.clone()], allow)
-            .map_err(|e| e.context(&rec.name))
+        unpickle::unpickle(&self.file[rec.data.clone()], allow).map_err(|e| e.context(&rec.name))
     }
 }
 
@@ -189,26 +188,14 @@ pub fn storage_data_range(file: &[u8]) -> Result<Range<usize>> {
     let archive = Archive::parse(file)?;
     let storage = match archive.pickle(Allow::StorageFile)? {
         Value::Storage(s) => s,
-        other => {
-            return Err(corrupt(format!(
-                "storage file pickles {}, not a torch.storage.UntypedStorage",
-                other.describe()
-            )))
-        }
+        other => return Err(corrupt(format!("storage file pickles {}, not a torch.storage.UntypedStorage", other.describe()))),
     };
     if storage.key != "0" {
         return Err(corrupt(format!("storage file names storage key {:?}, not \"0\"", storage.key)));
     }
-    let rec = archive
-        .record("data/0")
-        .ok_or_else(|| corrupt(format!("storage file has no {}data/0 record", archive.prefix)))?;
+    let rec = archive.record("data/0").ok_or_else(|| corrupt(format!("storage file has no {}data/0 record", archive.prefix)))?;
     if rec.data.len() as u64 != storage.nbytes {
-        return Err(corrupt(format!(
-            "storage file's pickle says {} bytes but {} holds {}",
-            storage.nbytes,
-            rec.name,
-            rec.data.len()
-        )));
+        return Err(corrupt(format!("storage file's pickle says {} bytes but {} holds {}", storage.nbytes, rec.name, rec.data.len())));
     }
     Ok(rec.data.clone())
 }

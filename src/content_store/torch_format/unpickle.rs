@@ -230,11 +230,7 @@ impl<'a> Machine<'a> {
 
     /// The values above the topmost mark, which is removed.
     fn pop_to_mark(&mut self, at: usize, opname: &str) -> Result<Vec<Value>> {
-        let mark = self
-            .stack
-            .iter()
-            .rposition(|s| matches!(s, Slot::Mark))
-            .ok_or_else(|| bad(at, format!("{opname} without a MARK")))?;
+        let mark = self.stack.iter().rposition(|s| matches!(s, Slot::Mark)).ok_or_else(|| bad(at, format!("{opname} without a MARK")))?;
         let items = self
             .stack
             .drain(mark + 1..)
@@ -365,16 +361,9 @@ impl<'a> Machine<'a> {
             [Value::Str(kind), Value::Global(Global::UntypedStorage), Value::Str(key), Value::Str(location), Value::Int(n)]
                 if &**kind == "storage" && *n >= 0 =>
             {
-                Ok(Value::Storage(Rc::new(StorageRef {
-                    key: key.to_string(),
-                    location: location.to_string(),
-                    nbytes: *n as u64,
-                })))
+                Ok(Value::Storage(Rc::new(StorageRef { key: key.to_string(), location: location.to_string(), nbytes: *n as u64 })))
             }
-            _ => Err(bad(
-                at,
-                "persistent id is not ('storage', torch.storage.UntypedStorage, key, location, nbytes)",
-            )),
+            _ => Err(bad(at, "persistent id is not ('storage', torch.storage.UntypedStorage, key, location, nbytes)")),
         }
     }
 
@@ -491,10 +480,7 @@ impl<'a> Machine<'a> {
                     self.push(at, v)?;
                 }
                 other => {
-                    return Err(bad(
-                        at,
-                        format!("opcode {} (0x{other:02x}) is not allowed in a content-store file", opcode_name(other)),
-                    ))
+                    return Err(bad(at, format!("opcode {} (0x{other:02x}) is not allowed in a content-store file", opcode_name(other))))
                 }
             }
         }

@@ -310,10 +310,7 @@ fn find_directory(file: &[u8]) -> Result<Directory> {
         let size64 = c64.u64(rec + 40)?;
         let offset64 = c64.u64(rec + 48)?;
         // The 32-bit fields must agree where they are not the overflow mark.
-        if (count != 0xFFFF && count != count64)
-            || (size != U32_MARK && size != size64)
-            || (offset != U32_MARK && offset != offset64)
-        {
+        if (count != 0xFFFF && count != count64) || (size != U32_MARK && size != size64) || (offset != U32_MARK && offset != offset64) {
             return Err(corrupt("zip64 end record disagrees with the end record"));
         }
         count = count64;
@@ -412,9 +409,7 @@ fn apply_zip64(name: &str, mut extra: &[u8], size: u64, csize: u64, offset: u64)
     while extra.len() >= 4 {
         let id = u16::from_le_bytes([extra[0], extra[1]]);
         let len = u16::from_le_bytes([extra[2], extra[3]]) as usize;
-        let body = extra
-            .get(4..4 + len)
-            .ok_or_else(|| corrupt(format!("entry {name} has an extra field longer than its extra area")))?;
+        let body = extra.get(4..4 + len).ok_or_else(|| corrupt(format!("entry {name} has an extra field longer than its extra area")))?;
         if id == ZIP64_EXTRA && !found {
             found = true;
             if body.len() < 8 * wanted {
@@ -445,9 +440,8 @@ fn local_zip64(name: &str, mut extra: &[u8]) -> Result<Option<Vec<u64>>> {
     while extra.len() >= 4 {
         let id = u16::from_le_bytes([extra[0], extra[1]]);
         let len = u16::from_le_bytes([extra[2], extra[3]]) as usize;
-        let body = extra
-            .get(4..4 + len)
-            .ok_or_else(|| corrupt(format!("entry {name} has a local extra field longer than its extra area")))?;
+        let body =
+            extra.get(4..4 + len).ok_or_else(|| corrupt(format!("entry {name} has a local extra field longer than its extra area")))?;
         if id == ZIP64_EXTRA && found.is_none() {
             found = Some(body.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect());
         }
@@ -494,11 +488,7 @@ fn local_data(file: &[u8], name: &str, header_offset: u64, size: u64, crc: u32, 
     let end = usize::try_from(size).ok().and_then(|s| start.checked_add(s));
     let end = match end {
         Some(end) if end <= cd_offset => end,
-        _ => {
-            return Err(corrupt(format!(
-                "entry {name} claims {size} bytes at {start}, past the central directory at {cd_offset}"
-            )))
-        }
+        _ => return Err(corrupt(format!("entry {name} claims {size} bytes at {start}, past the central directory at {cd_offset}"))),
     };
     let mismatch = |what: &str| corrupt(format!("entry {name}: the {what} in its local header disagrees with the central directory"));
     // A local size field is the size, or the zip64 mark with the size in
@@ -537,9 +527,9 @@ fn local_data(file: &[u8], name: &str, header_offset: u64, size: u64, crc: u32, 
             (crc_ok && cs == size && us == size).then_some(next)
         };
         let signed = d.u32(end).ok() == Some(DESCRIPTOR_SIG);
-        let found = [zip64.is_some(), zip64.is_none()].into_iter().find_map(|wide| {
-            signed.then(|| fields_at(end + 4, wide)).flatten().or_else(|| fields_at(end, wide))
-        });
+        let found = [zip64.is_some(), zip64.is_none()]
+            .into_iter()
+            .find_map(|wide| signed.then(|| fields_at(end + 4, wide)).flatten().or_else(|| fields_at(end, wide)));
         match found {
             Some(e) => e,
             None => {

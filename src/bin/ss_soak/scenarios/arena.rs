@@ -81,7 +81,8 @@ impl Scenario for ArenaPath {
         // 1. make
         match r.ask(p, &format!("make {seed} {list}"))? {
             Some(l) => {
-                let segs: u64 = l.strip_prefix("ok ").and_then(|v| v.parse().ok()).ok_or_else(|| format!("producer: make answered <{l}>"))?;
+                let segs: u64 =
+                    l.strip_prefix("ok ").and_then(|v| v.parse().ok()).ok_or_else(|| format!("producer: make answered <{l}>"))?;
                 r.created += segs;
             }
             None => return self.consumer_tail(r, c, &sizes, seed, None),
@@ -92,7 +93,10 @@ impl Scenario for ArenaPath {
             let before = r.fired();
             match r.ask(p, "send")? {
                 Some(l) => {
-                    let (k, rest) = l.strip_prefix("sent ").and_then(|v| v.split_once(' ').or(Some((v, "")))).ok_or_else(|| format!("send answered <{l}>"))?;
+                    let (k, rest) = l
+                        .strip_prefix("sent ")
+                        .and_then(|v| v.split_once(' ').or(Some((v, ""))))
+                        .ok_or_else(|| format!("send answered <{l}>"))?;
                     let k: i64 = k.parse().map_err(|_| format!("send answered <{l}>"))?;
                     // Short only when the consumer is gone: a typed error.
                     if (k as usize) < n && !(r.fired() && !r.alive(c) && rest.starts_with("err PeerGone")) {
@@ -118,9 +122,8 @@ impl Scenario for ArenaPath {
                     let err = words.next().unwrap_or("");
                     // Fewer only when the producer died (its socket closed,
                     // or by name its unopened segment removed).
-                    let excused = r.fired()
-                        && !r.alive(p)
-                        && ["err PeerGone ", "err NotFound ", "err Protocol "].iter().any(|k| err.starts_with(k));
+                    let excused =
+                        r.fired() && !r.alive(p) && ["err PeerGone ", "err NotFound ", "err Protocol "].iter().any(|k| err.starts_with(k));
                     if (got < n as i64 && !excused) || err.starts_with("bad") {
                         return Err(format!("consumer: recv answered <{l}>"));
                     }
@@ -190,7 +193,8 @@ impl Scenario for ArenaPath {
             let consumer_alive_before = r.alive(c);
             let before = r.fired();
             if let Some(l) = r.ask(p, "collect")? {
-                let (reclaimed, recycled, deferred) = (parse_field(&l, "reclaimed")?, parse_field(&l, "recycled")?, parse_field(&l, "deferred")?);
+                let (reclaimed, recycled, deferred) =
+                    (parse_field(&l, "reclaimed")?, parse_field(&l, "recycled")?, parse_field(&l, "deferred")?);
                 let out_f = sent.min_with(f);
                 let alive_model = (Span::exact(0), Span::exact(dropped.0.min(f)));
                 let dead_model = (Span((opened.0 - dropped.1).max(0), opened.1 - dropped.0), opened.min_with(f));
@@ -333,7 +337,8 @@ impl Scenario for ArenaPath {
             ("consumer", ["verify", seed, list, from, j, at, b1, b2]) => {
                 let seed: u64 = seed.parse().unwrap();
                 let sizes: Vec<usize> = list.split(',').map(|s| s.parse().unwrap()).collect();
-                let (j, at, b1, b2): (usize, usize, u8, u8) = (j.parse().unwrap(), at.parse().unwrap(), b1.parse().unwrap(), b2.parse().unwrap());
+                let (j, at, b1, b2): (usize, usize, u8, u8) =
+                    (j.parse().unwrap(), at.parse().unwrap(), b1.parse().unwrap(), b2.parse().unwrap());
                 for (i, v) in views.iter().enumerate().skip(from.parse().unwrap()) {
                     let Some(v) = v else { continue };
                     // SAFETY: the view's bytes, mapped while it lives.

@@ -39,7 +39,9 @@ impl Scenario for ByFd {
         if r.alive(p) {
             match r.ask(p, "send")? {
                 // The consumer may be gone already: a typed error, no signal.
-                Some(l) if l != "ok" && !(r.fired() && l.starts_with("err PeerGone")) => return Err(format!("producer: send answered <{l}>")),
+                Some(l) if l != "ok" && !(r.fired() && l.starts_with("err PeerGone")) => {
+                    return Err(format!("producer: send answered <{l}>"))
+                }
                 _ => {}
             }
         }
@@ -104,7 +106,11 @@ impl Scenario for ByFd {
                             drop(fds);
                             let ok = holds_pattern(s.data(), n, seed);
                             held = Some((s, seed));
-                            if ok { "ok".into() } else { "bad bytes".into() }
+                            if ok {
+                                "ok".into()
+                            } else {
+                                "bad bytes".into()
+                            }
                         }
                         Err(e) => err_reply(&e),
                     },
@@ -112,14 +118,21 @@ impl Scenario for ByFd {
                     Err(e) => err_reply(&e),
                 }
             }
-            (_, ["poke", at, byte]) => {
-                held.as_ref().unwrap().0.write_at(at.parse().unwrap(), &[byte.parse().unwrap()]).map_or_else(|e| err_reply(&e), |_| "ok".into())
-            }
+            (_, ["poke", at, byte]) => held
+                .as_ref()
+                .unwrap()
+                .0
+                .write_at(at.parse().unwrap(), &[byte.parse().unwrap()])
+                .map_or_else(|e| err_reply(&e), |_| "ok".into()),
             (_, ["peek", at]) => held.as_ref().unwrap().0.to_vec()[at.parse::<usize>().unwrap()].to_string(),
             (_, ["verify"]) => match &held {
                 None => "none".into(),
                 Some((s, seed)) => {
-                    if holds_pattern(s.data(), s.nbytes(), *seed) { "ok".into() } else { "bad bytes".into() }
+                    if holds_pattern(s.data(), s.nbytes(), *seed) {
+                        "ok".into()
+                    } else {
+                        "bad bytes".into()
+                    }
                 }
             },
             _ => format!("unknown command {w:?} for {role}"),

@@ -120,7 +120,11 @@ impl Scenario for ByName {
                         s.shared_decref().unwrap();
                         let ok = holds_pattern(s.data(), n, seed);
                         held = Some((s, seed));
-                        if ok { "ok".into() } else { "bad bytes at open".into() }
+                        if ok {
+                            "ok".into()
+                        } else {
+                            "bad bytes at open".into()
+                        }
                     }
                     Err(e) => err_reply(&e),
                 }
@@ -128,7 +132,11 @@ impl Scenario for ByName {
             (_, ["count"]) => held.as_ref().unwrap().0.shared_refcount().map_or_else(|e| err_reply(&e), |c| c.to_string()),
             (_, ["verify"]) => {
                 let (s, seed) = held.as_ref().unwrap();
-                if holds_pattern(s.data(), s.nbytes(), *seed) { "ok".into() } else { "bad bytes".into() }
+                if holds_pattern(s.data(), s.nbytes(), *seed) {
+                    "ok".into()
+                } else {
+                    "bad bytes".into()
+                }
             }
             (_, ["close"]) => {
                 held = None;

@@ -71,7 +71,11 @@ fn content(len: usize, seed: u64) -> Vec<u8> {
 }
 
 fn format_of(s: &str) -> Format {
-    if s == "torch" { Format::Torch } else { Format::Native }
+    if s == "torch" {
+        Format::Torch
+    } else {
+        Format::Native
+    }
 }
 
 /// Temporary files anywhere in the store.
@@ -133,7 +137,11 @@ impl ContentStore {
         r.count("unreferenced_storages_removed", done.storages.len() as u64);
         let again = gc(root, true).map_err(|e| fail("second gc", e))?;
         if !again.temp_files.is_empty() || !again.storages.is_empty() {
-            return Err(format!("a second gc still finds {} temporary files and {} storages", again.temp_files.len(), again.storages.len()));
+            return Err(format!(
+                "a second gc still finds {} temporary files and {} storages",
+                again.temp_files.len(),
+                again.storages.len()
+            ));
         }
         // gc removed nothing a tensor needs.
         let reader = Reader::open(root).map_err(|e| fail("reopen the store", e))?;
@@ -187,7 +195,9 @@ impl Scenario for ContentStore {
                 .enumerate()
                 .map(|(w, reply)| match reply {
                     Reply::Line(l) if l == "ok" => Ok(true),
-                    Reply::Line(l) => Err(format!("writer {w}: {what} answered <{l}>{}", if r.fired() { " (a writer was killed)" } else { "" })),
+                    Reply::Line(l) => {
+                        Err(format!("writer {w}: {what} answered <{l}>{}", if r.fired() { " (a writer was killed)" } else { "" }))
+                    }
                     Reply::Killed => Ok(false),
                 })
                 .collect()

@@ -83,7 +83,9 @@ impl Scenario for CudaCounters {
                 drop(f);
                 format!("slot {v}")
             }
-            ("consumer", ["release", name, slot]) => release_slot(name, slot.parse().unwrap()).map_or_else(|e| err_reply(&e), |_| "ok".into()),
+            ("consumer", ["release", name, slot]) => {
+                release_slot(name, slot.parse().unwrap()).map_or_else(|e| err_reply(&e), |_| "ok".into())
+            }
             _ => format!("unknown command {w:?} for {role}"),
         })
     }

@@ -110,14 +110,16 @@ impl Scenario for Refcounted {
     fn participant(&self, _role: &str, _args: &[String]) -> i32 {
         let mut map: Option<RefcountedMapAllocator> = None;
         crate::round::serve(|w| match w {
-            ["create", n] => match RefcountedMapAllocator::open(&new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE, n.parse().unwrap()) {
-                Ok(m) => {
-                    let name = m.filename().to_string();
-                    map = Some(m);
-                    format!("name {name}")
+            ["create", n] => {
+                match RefcountedMapAllocator::open(&new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE, n.parse().unwrap()) {
+                    Ok(m) => {
+                        let name = m.filename().to_string();
+                        map = Some(m);
+                        format!("name {name}")
+                    }
+                    Err(e) => err_reply(&e),
                 }
-                Err(e) => err_reply(&e),
-            },
+            }
             ["open", name, n] => match RefcountedMapAllocator::open(name, SHAREDMEM | NOCREATE, n.parse().unwrap()) {
                 Ok(m) => {
                     map = Some(m);

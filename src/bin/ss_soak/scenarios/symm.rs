@@ -70,7 +70,9 @@ impl Symm {
                     }
                     Answer::Typed(l)
                 }
-                Reply::Line(l) => return Err(format!("rank {rank}: {what} answered <{l}>{}", if r.fired() { " after a kill" } else { "" })),
+                Reply::Line(l) => {
+                    return Err(format!("rank {rank}: {what} answered <{l}>{}", if r.fired() { " after a kill" } else { "" }))
+                }
             });
         }
         Ok(out)
@@ -105,7 +107,9 @@ impl Symm {
                 match a {
                     Answer::Typed(m) if m.contains(&format!("rank(s) {victim} never arrived")) => {}
                     Answer::Typed(m) if server_dead && m.starts_with("err PeerGone ") => {}
-                    Answer::Typed(m) => return Err(format!("rank {}: the rendezvous error does not name the dead rank {victim}: <{m}>", ready[k])),
+                    Answer::Typed(m) => {
+                        return Err(format!("rank {}: the rendezvous error does not name the dead rank {victim}: <{m}>", ready[k]))
+                    }
                     _ => return Err(format!("rank {}: a rendezvous without rank {victim} (killed) did not fail", ready[k])),
                 }
             }
@@ -113,7 +117,8 @@ impl Symm {
         } else if !with_handle.is_empty() && !st.freed {
             // Every byte a rank acknowledged writing is there, the dead
             // rank's included.
-            let list = if st.wrote.is_empty() { "-".to_string() } else { st.wrote.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(",") };
+            let list =
+                if st.wrote.is_empty() { "-".to_string() } else { st.wrote.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(",") };
             let replies = r.collective(&with_handle, |_| format!("check {} {list}", st.seed))?;
             self.judge(r, "check after the kill", &with_handle, replies, false)?;
             r.count("buffers_checked", (with_handle.len() * st.wrote.len()) as u64);
@@ -127,7 +132,9 @@ impl Symm {
             for (k, a) in self.judge(r, "barrier without the victim", &with_handle, replies, true)?.into_iter().enumerate() {
                 match a {
                     Answer::Typed(m) if absent.iter().any(|x| m.contains(&format!("rank {x} "))) => {}
-                    Answer::Typed(m) => return Err(format!("rank {}: the barrier error names none of the absent ranks {absent:?}: <{m}>", with_handle[k])),
+                    Answer::Typed(m) => {
+                        return Err(format!("rank {}: the barrier error names none of the absent ranks {absent:?}: <{m}>", with_handle[k]))
+                    }
                     _ => return Err(format!("rank {}: a barrier with rank {victim} dead did not fail", with_handle[k])),
                 }
             }
@@ -194,11 +201,22 @@ impl Scenario for Symm {
             .collect();
         let tcp = r.rng.one_in(2);
         r.count(if tcp { "rounds_tcp_store" } else { "rounds_file_store" }, 1);
-        let mut st = State { tcp, medium: None, alloc_tried: false, alloc_ok: vec![false; ws], handle: vec![false; ws], rendezvous_tried: false, wrote: Vec::new(), seed, freed: false };
+        let mut st = State {
+            tcp,
+            medium: None,
+            alloc_tried: false,
+            alloc_ok: vec![false; ws],
+            handle: vec![false; ws],
+            rendezvous_tried: false,
+            wrote: Vec::new(),
+            seed,
+            freed: false,
+        };
         if tcp {
             // Rank 0 serves the store first (one step, where the kill may land).
             if let Some(l) = r.ask(ranks[0], "serve")? {
-                let port: u16 = l.strip_prefix("port ").and_then(|p| p.parse().ok()).ok_or_else(|| format!("rank 0: serve answered <{l}>"))?;
+                let port: u16 =
+                    l.strip_prefix("port ").and_then(|p| p.parse().ok()).ok_or_else(|| format!("rank 0: serve answered <{l}>"))?;
                 st.medium = Some(format!("tcp {port}"));
             }
         } else {
@@ -305,7 +323,9 @@ impl Scenario for Symm {
                     ["file", _] => FileStore::open(dir.join("store")).map(|s| Arc::new(s) as StoreRef),
                     // The timeout bounds connecting (retried until then, as
                     // PyTorch's client does) and every reply.
-                    ["tcp", port, t] => TcpStore::open("127.0.0.1", port.parse().unwrap(), false, 0, ms(t)).map(|s| Arc::new(s) as StoreRef),
+                    ["tcp", port, t] => {
+                        TcpStore::open("127.0.0.1", port.parse().unwrap(), false, 0, ms(t)).map(|s| Arc::new(s) as StoreRef)
+                    }
                     _ => return format!("unknown store {medium:?}"),
                 };
                 let store = match store {
@@ -376,7 +396,11 @@ impl Scenario for Symm {
                 let mut got = [0u8; 8];
                 // SAFETY: our own buffer; the previous rank wrote it before its signal.
                 unsafe { std::ptr::copy_nonoverlapping(block.unwrap(), got.as_mut_ptr(), 8) };
-                if got == value(prev) { "ok".into() } else { format!("ring value {got:?} from rank {prev}, expected {:?}", value(prev)) }
+                if got == value(prev) {
+                    "ok".into()
+                } else {
+                    format!("ring value {got:?} from rank {prev}, expected {:?}", value(prev))
+                }
             }
             ["free"] => {
                 mem = None;

@@ -9,9 +9,13 @@ pub mod dir_watch;
 pub mod file;
 pub mod file_key;
 pub mod tcp;
+pub mod torch_file;
+pub mod torch_file_lock;
+pub mod torch_file_log;
 
 pub use file::FileStore;
 pub use tcp::TcpStore;
+pub use torch_file::TorchFileStore;
 
 use crate::error::Result;
 use std::sync::Arc;

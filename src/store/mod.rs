@@ -10,6 +10,7 @@ pub mod file;
 pub mod file_key;
 pub mod tcp;
 pub mod torch_file;
+pub mod torch_file_exit;
 pub mod torch_file_lock;
 pub mod torch_file_log;
 

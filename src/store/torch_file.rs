@@ -8,13 +8,16 @@
 //! appended since its last visit, then appends its own. User keys carry
 //! PyTorch's `/` prefix; `refcount/` counts the stores open and `cleanup/`
 //! the stores closed, and the last store to close removes the file when
-//! `world_size` of them have closed (never with `world_size` -1).
+//! `world_size` of them have closed (never with `world_size` -1). A store
+//! still open when the process exits is counted out then, as PyTorch's
+//! are by their destructors.
 //!
 //! Waits poll (50 µs doubling to 10 ms, PyTorch polls every 10 ms): the
 //! file may live on a shared file system where change notification does
 //! not reach other hosts.
 
 use super::deadline::{deadline, expired, timeout_error, Backoff};
+use super::torch_file_exit::{self, Leave};
 use super::torch_file_lock::{lock, Mode};
 use super::torch_file_log::{encode, Replay, DELETE_MARK};
 use super::{Store, Timeout};
@@ -23,7 +26,8 @@ use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind as IoKind, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 /// Counts the stores that opened the file and have not closed yet.
@@ -35,12 +39,20 @@ const USER_PREFIX: u8 = b'/';
 const POLL_START: Duration = Duration::from_micros(50);
 const POLL_CAP: Duration = Duration::from_millis(10);
 
-/// One process's handle on a PyTorch FileStore file.
-pub struct TorchFileStore {
+/// One process's membership of a PyTorch FileStore file (dropping the last
+/// reference counts it out).
+pub struct TorchFileStore(Arc<Member>);
+
+/// What a [`TorchFileStore`] shares with the exit hook.
+struct Member {
     path: PathBuf,
     world_size: i64,
     timeout: Timeout,
     replay: Mutex<Replay>,
+    /// The process that counted itself in (a forked child must not count
+    /// its parent out).
+    opener: u32,
+    left: AtomicBool,
 }
 
 impl TorchFileStore {
@@ -66,16 +78,28 @@ impl TorchFileStore {
                 format!("FileStore path <{}> is a folder: a PyTorch FileStore is one file", path.display()),
             ));
         }
-        let store = TorchFileStore { path, world_size, timeout, replay: Mutex::new(Replay::default()) };
-        store.add_raw(REFCOUNT_KEY, 1)?;
-        Ok(store)
+        let member = Member {
+            path,
+            world_size,
+            timeout,
+            replay: Mutex::new(Replay::default()),
+            opener: std::process::id(),
+            left: AtomicBool::new(false),
+        };
+        member.add_raw(REFCOUNT_KEY, 1)?;
+        let member = Arc::new(member);
+        let weak: Weak<dyn Leave> = Arc::downgrade(&member) as Weak<dyn Leave>;
+        torch_file_exit::register(weak);
+        Ok(TorchFileStore(member))
     }
 
     /// The file.
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.0.path
     }
+}
 
+impl Member {
     fn state(&self) -> MutexGuard<'_, Replay> {
         self.replay.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -157,7 +181,7 @@ impl TorchFileStore {
 
 /// The exclusive view of the log: reads it and appends to it.
 struct Appender<'a> {
-    store: &'a TorchFileStore,
+    store: &'a Member,
     file: &'a File,
     replay: &'a mut Replay,
 }
@@ -215,11 +239,58 @@ impl Appender<'_> {
     }
 }
 
-impl Drop for TorchFileStore {
-    fn drop(&mut self) {
+impl Leave for Member {
+    fn leave_once(&self) {
+        if std::process::id() != self.opener || self.left.swap(true, Ordering::AcqRel) {
+            return;
+        }
         // Best effort, as PyTorch's: a store that cannot count itself out
         // leaves the file for its other users.
         let _ = self.leave();
+    }
+}
+
+impl Drop for TorchFileStore {
+    fn drop(&mut self) {
+        self.0.leave_once();
+    }
+}
+
+impl Store for TorchFileStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.0.set(key, value)
+    }
+
+    fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>> {
+        self.0.get(key, timeout)
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.0.add(key, delta)
+    }
+
+    fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()> {
+        self.0.wait(keys, timeout)
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        self.0.check(keys)
+    }
+
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        self.0.compare_set(key, expected, desired)
+    }
+
+    fn delete_key(&self, key: &str) -> Result<bool> {
+        self.0.delete_key(key)
+    }
+
+    fn num_keys(&self) -> Result<i64> {
+        self.0.num_keys()
+    }
+
+    fn describe(&self) -> String {
+        self.0.describe()
     }
 }
 
@@ -243,7 +314,7 @@ fn io_error(e: std::io::Error, context: std::fmt::Arguments) -> Error {
     }
 }
 
-impl Store for TorchFileStore {
+impl Store for Member {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let k = user_key(key);
         self.write_view(true, |log| log.append(&k, value))?;

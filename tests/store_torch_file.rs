@@ -362,12 +362,45 @@ fn symm_rank(args: Vec<String>) {
 fn child_role() {
     let Some((role, args)) = my_role() else { return };
     match role.as_str() {
+        "forks_a_child_that_exits" => forks_a_child_that_exits(args),
         "symm_rank" => symm_rank(args),
         other => panic!("unknown role {other}"),
     }
 }
 
 // ------------------------------------------------- without PyTorch: ours
+
+#[test]
+fn a_forked_child_does_not_count_its_parents_store_out() {
+    let dir = test_dir("fork");
+    let path = dir.join("store");
+    let mut cmd = child_command("forks_a_child_that_exits", &[path.to_str().unwrap()]);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    assert_ok(&cmd.output().unwrap(), "forking child");
+    assert!(!path.exists(), "the parent, its only user (world_size 1), closed");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Opens a store (world_size 1), forks a child that exits through libc's
+/// `exit` (running the exit hooks), and checks the file still counts the
+/// parent in.
+fn forks_a_child_that_exits(args: Vec<String>) {
+    let path = PathBuf::from(&args[0]);
+    let store = open(&path, 1);
+    // SAFETY: the child only calls exit, which runs the exit hooks.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: ends the forked child.
+        unsafe { libc::exit(0) };
+    }
+    assert!(pid > 0, "fork failed");
+    let mut status = 0;
+    // SAFETY: waits for the child we forked.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(path.exists(), "the child's exit removed its parent's file");
+    assert_eq!(store.num_keys().unwrap(), 1, "the child's exit counted its parent out (cleanup/ appeared)");
+    drop(store);
+}
 
 #[test]
 fn our_stores_share_the_file_and_the_last_removes_it() {

@@ -363,6 +363,7 @@ fn child_role() {
     let Some((role, args)) = my_role() else { return };
     match role.as_str() {
         "forks_a_child_that_exits" => forks_a_child_that_exits(args),
+        "write_cut_by_a_file_size_limit" => write_cut_by_a_file_size_limit(args),
         "symm_rank" => symm_rank(args),
         other => panic!("unknown role {other}"),
     }
@@ -379,6 +380,41 @@ fn a_forked_child_does_not_count_its_parents_store_out() {
     assert_ok(&cmd.output().unwrap(), "forking child");
     assert!(!path.exists(), "the parent, its only user (world_size 1), closed");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_failed_append_leaves_no_cut_record() {
+    let dir = test_dir("fsize");
+    let path = dir.join("store");
+    let mut cmd = child_command("write_cut_by_a_file_size_limit", &[path.to_str().unwrap()]);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    assert_ok(&cmd.output().unwrap(), "child under a file size limit");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Sets a value the file size limit cuts halfway (the first write lands
+/// in part, the rest fails), then checks the file is whole and usable.
+fn write_cut_by_a_file_size_limit(args: Vec<String>) {
+    let path = PathBuf::from(&args[0]);
+    let store = open(&path, -1);
+    store.set("a", b"1").unwrap();
+    let size = std::fs::metadata(&path).unwrap().len();
+    let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain syscalls on this process's own limits and signal mask.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+        assert_eq!(libc::getrlimit(libc::RLIMIT_FSIZE, &mut old), 0);
+        let cut = libc::rlimit { rlim_cur: size + 10, rlim_max: old.rlim_max };
+        assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &cut), 0);
+    }
+    let e = store.set("big", &[7u8; 100]).unwrap_err();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_FSIZE, &old) }, 0);
+    assert!(e.message().contains(path.to_str().unwrap()), "{}", e.message());
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), size, "a cut record was left behind");
+    assert_eq!(store.get("a", LONG).unwrap(), b"1");
+    store.set("big", &[7u8; 100]).unwrap();
+    assert_eq!(store.get("big", LONG).unwrap(), [7u8; 100]);
 }
 
 /// Opens a store (world_size 1), forks a child that exits through libc's

@@ -195,11 +195,8 @@ impl Appender<'_> {
     /// no reader ever sees half a record.
     fn append(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
         let record = encode(key, value)?;
-        let before = self.file.metadata().map(|m| m.len());
         if let Err(e) = (&*self.file).write_all(&record) {
-            if let Ok(len) = before {
-                let _ = self.file.set_len(len);
-            }
+            let _ = self.file.set_len(self.replay.end());
             return Err(io_error(e, format_args!("unable to append to {}", self.store.describe())));
         }
         self.replay.applied(key, value, record.len());

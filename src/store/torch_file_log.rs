@@ -92,6 +92,12 @@ impl Replay {
         self.pos += record_len as u64;
     }
 
+    /// The offset replayed up to (the end of the file, under a lock, right
+    /// after `catch_up`).
+    pub fn end(&self) -> u64 {
+        self.pos
+    }
+
     /// The value of a record key (with its prefix), if set.
     pub fn value(&self, key: &[u8]) -> Option<&[u8]> {
         self.entries.get(key).map(Vec::as_slice)

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unistd.h>
 
 #include "check.hpp"
 #include "storage_sharing.hpp"
@@ -113,6 +114,19 @@ int main() {
         CHECK(std::string(got.begin(), got.end()) == long_value);
         CHECK(f.num_keys() == before + 1);
         CHECK(f.delete_key("cas") && !f.delete_key("cas"));
+    }
+    {
+        // PyTorch's FileStore file; its only user (world_size 1) removes it.
+        const std::string path = std::string(dir) + "/torch_file_store";
+        {
+            ss::Store t = ss::Store::open_torch_file(path, 1, 10000);
+            exercise(t);
+            CHECK(t.check_keys({"n"}) && !t.check_keys({"missing/7"}));
+            CHECK(t.delete_key("n") && !t.delete_key("n"));
+            CHECK(access(path.c_str(), F_OK) == 0);
+        }
+        CHECK(access(path.c_str(), F_OK) != 0);
+        EXPECT_ERROR(ss::Store::open_torch_file(dir, -1, 1000), SS_ERR_INVALID_ARGUMENT, "folder");
     }
     std::string rm = std::string("rm -rf ") + dir;
     CHECK(std::system(rm.c_str()) == 0);

@@ -1914,6 +1914,31 @@ ss_status ss_share_memory(const void *src, size_t nbytes, ss_map **out);
 ss_status ss_store_file_open(const char *path, ss_store **out);
 
 /**
+ * Opens (creating if missing) the file `path` in PyTorch's own FileStore
+ * format, as `torch.distributed.FileStore(path, world_size)`: ranks using
+ * PyTorch's FileStore (or `init_process_group` with `file://path`) and
+ * ranks using this store see each other's keys, both ways. The store
+ * counts itself in the file's `refcount/` key; when it closes, it counts
+ * itself out, and the last store to close removes the file once
+ * `world_size` stores have closed (`world_size` -1: never removed).
+ * `timeout_ms` (0: forever) bounds each wait for the file's lock. Waits
+ * poll the file (at most 10 ms apart). `num_keys` counts PyTorch's
+ * bookkeeping keys `refcount/` and `cleanup/` too, as PyTorch's does.
+ * Errors: a folder at `path` or `world_size` < -1
+ * `SS_ERR_INVALID_ARGUMENT`; a file that is not a valid FileStore log
+ * (or was cut by a writer killed mid-record) `SS_ERR_CORRUPT`, naming the
+ * offset of the bad record.
+ *
+ * # Safety
+ * `path` is NULL or a NUL-terminated string; `out` is NULL or writable for
+ * one pointer.
+ */
+ss_status ss_store_torch_file_open(const char *path,
+                                   int world_size,
+                                   int64_t timeout_ms,
+                                   ss_store **out);
+
+/**
  * Joins (or, with `is_master`, serves) a PyTorch c10d `TCPStore` at
  * `host:port`, speaking its wire protocol: the client sees the keys of
  * `torch.distributed` ranks of the same job (PyTorch's `/` key prefix is

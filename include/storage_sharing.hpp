@@ -648,6 +648,15 @@ public:
         check(ss_store_file_open(c_string_arg(path, "ss_store_file_open", "path"), &raw), "ss_store_file_open");
         return Store(raw);
     }
+    /* The file `path` in PyTorch's FileStore format, shared with
+     * torch.distributed.FileStore(path, world_size) ranks both ways; the last
+     * of world_size stores to close removes it (-1: never). */
+    static Store open_torch_file(const std::string &path, int world_size, int64_t timeout_ms) {
+        ss_store *raw = nullptr;
+        const char *c_path = c_string_arg(path, "ss_store_torch_file_open", "path");
+        check(ss_store_torch_file_open(c_path, world_size, timeout_ms, &raw), "ss_store_torch_file_open");
+        return Store(raw);
+    }
     /* Joins (or with is_master serves) a PyTorch c10d TCPStore at host:port,
      * as torch.distributed.TCPStore(host, port, world_size, is_master,
      * timeout). Port 0 with is_master picks a free port (tcp_port()). */

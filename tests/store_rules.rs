@@ -115,6 +115,13 @@ fn add_wraps_at_the_ends_of_int64_in_every_store() {
     let (file, dir) = file_store("wrap");
     add_wraps(&file);
     drop(file);
+    // PyTorch's FileStore file, through the same C API.
+    let path = CString::new(dir.join("torch-file").to_str().unwrap()).unwrap();
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut s = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated path and a writable out pointer.
+    ok(unsafe { ss_store_torch_file_open(path.as_ptr(), -1, 10_000, &mut s) }, "torch file open");
+    add_wraps(&Handle(s));
     std::fs::remove_dir_all(dir).unwrap();
 }
 

@@ -119,6 +119,32 @@ func OpenTCPStore(host string, port int, isMaster bool, worldSize int, timeout t
 	return wrapStore(h), nil
 }
 
+// OpenTorchFileStore opens (creating if missing) the file at path in
+// PyTorch's own FileStore format, as torch.distributed.FileStore(path,
+// worldSize): PyTorch ranks and ours share its keys both ways. The last of
+// worldSize stores to close removes the file (-1: never); timeout (0:
+// forever) bounds each wait for the file's lock.
+func OpenTorchFileStore(path string, worldSize int, timeout time.Duration) (*Store, error) {
+	const op = "ss_store_torch_file_open"
+	ms, err := timeoutMs(op, timeout)
+	if err != nil {
+		return nil, err
+	}
+	if worldSize < -1 || worldSize > 1<<30 {
+		return nil, goError(op, ErrInvalidArgument, "world size %d out of range (-1 or 0..2^30)", worldSize)
+	}
+	p, err := cString(op, "path", path)
+	if err != nil {
+		return nil, err
+	}
+	defer freeCString(p)
+	var h *C.ss_store
+	if err := call(op, func() C.ss_status { return C.ss_store_torch_file_open(p, C.int(worldSize), ms, &h) }); err != nil {
+		return nil, err
+	}
+	return wrapStore(h), nil
+}
+
 // Ref returns a second reference to the same store (close both).
 func (s *Store) Ref() (*Store, error) {
 	var h *C.ss_store

@@ -10,6 +10,35 @@ import (
 	"time"
 )
 
+func TestTorchFileStoreRemovedByItsLastUser(t *testing.T) {
+	path := t.TempDir() + "/torch_store"
+	a, err := OpenTorchFileStore(path, 2, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := OpenTorchFileStore(path, 2, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Set("k", []byte("v")); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := b.Get("k", time.Second); err != nil || string(got) != "v" {
+		t.Fatalf("get through the second store: %v, %q", err, got)
+	}
+	a.Close()
+	if _, err := os.Stat(path); err != nil {
+		t.Fatalf("one user left, the file must stay: %v", err)
+	}
+	b.Close()
+	if _, err := os.Stat(path); !os.IsNotExist(err) {
+		t.Fatalf("the last of 2 users closed, the file must be gone: %v", err)
+	}
+	if _, err := OpenTorchFileStore(path, -2, time.Second); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("world size -2: %v", err)
+	}
+}
+
 func TestFileStoreShared(t *testing.T) {
 	dir := t.TempDir() + "/store"
 	a, err := OpenFileStore(dir)

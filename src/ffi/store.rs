@@ -4,7 +4,7 @@ use super::args::{free_handle, handle, out_arg, str_arg, write_out};
 use crate::store::show_key;
 use super::status::ss_status;
 use crate::error::{Error, ErrorKind, Result};
-use crate::store::{FileStore, StoreRef, TcpStore, Timeout};
+use crate::store::{FileStore, StoreRef, TcpStore, Timeout, TorchFileStore};
 use std::os::raw::c_int;
 use std::ffi::{c_void, CStr};
 use std::os::raw::c_char;
@@ -113,6 +113,38 @@ pub unsafe extern "C" fn ss_store_file_open(path: *const c_char, out: *mut *mut 
         // SAFETY: NULL or a NUL-terminated string.
         let path = unsafe { str_arg(path, "path") }?;
         let store: StoreRef = Arc::new(FileStore::open(path)?);
+        // SAFETY: checked above.
+        unsafe { write_store(out, store) };
+        Ok(())
+    })
+}
+
+/// Opens (creating if missing) the file `path` in PyTorch's own FileStore
+/// format, as `torch.distributed.FileStore(path, world_size)`: ranks using
+/// PyTorch's FileStore (or `init_process_group` with `file://path`) and
+/// ranks using this store see each other's keys, both ways. The store
+/// counts itself in the file's `refcount/` key; when it closes, it counts
+/// itself out, and the last store to close removes the file once
+/// `world_size` stores have closed (`world_size` -1: never removed).
+/// `timeout_ms` (0: forever) bounds each wait for the file's lock. Waits
+/// poll the file (at most 10 ms apart). `num_keys` counts PyTorch's
+/// bookkeeping keys `refcount/` and `cleanup/` too, as PyTorch's does.
+/// Errors: a folder at `path` or `world_size` < -1
+/// `SS_ERR_INVALID_ARGUMENT`; a file that is not a valid FileStore log
+/// (or was cut by a writer killed mid-record) `SS_ERR_CORRUPT`, naming the
+/// offset of the bad record.
+///
+/// # Safety
+/// `path` is NULL or a NUL-terminated string; `out` is NULL or writable for
+/// one pointer.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_torch_file_open(path: *const c_char, world_size: c_int, timeout_ms: i64, out: *mut *mut SsStore) -> ss_status {
+    ffi_status!("ss_store_torch_file_open", {
+        out_arg(out, "out")?;
+        // SAFETY: NULL or a NUL-terminated string.
+        let path = unsafe { str_arg(path, "path") }?;
+        let timeout = timeout_arg(timeout_ms)?;
+        let store: StoreRef = Arc::new(TorchFileStore::open(path, i64::from(world_size), timeout)?);
         // SAFETY: checked above.
         unsafe { write_store(out, store) };
         Ok(())

@@ -10,9 +10,14 @@ pub mod file;
 pub mod file_key;
 pub mod shared_watch;
 pub mod tcp;
+pub mod torch_file;
+pub mod torch_file_exit;
+pub mod torch_file_lock;
+pub mod torch_file_log;
 
 pub use file::FileStore;
 pub use tcp::TcpStore;
+pub use torch_file::TorchFileStore;
 
 use crate::error::Result;
 use std::sync::Arc;

@@ -1,13 +1,13 @@
 //! C API of the key-value stores: `ss_store`.
 
 use super::args::{free_handle, handle, out_arg, str_arg, write_out};
-use crate::store::show_key;
 use super::status::ss_status;
 use crate::error::{Error, ErrorKind, Result};
+use crate::store::show_key;
 use crate::store::{FileStore, StoreRef, TcpStore, Timeout, TorchFileStore};
-use std::os::raw::c_int;
 use std::ffi::{c_void, CStr};
 use std::os::raw::c_char;
+use std::os::raw::c_int;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -138,7 +138,12 @@ pub unsafe extern "C" fn ss_store_file_open(path: *const c_char, out: *mut *mut 
 /// `path` is NULL or a NUL-terminated string; `out` is NULL or writable for
 /// one pointer.
 #[no_mangle]
-pub unsafe extern "C" fn ss_store_torch_file_open(path: *const c_char, world_size: c_int, timeout_ms: i64, out: *mut *mut SsStore) -> ss_status {
+pub unsafe extern "C" fn ss_store_torch_file_open(
+    path: *const c_char,
+    world_size: c_int,
+    timeout_ms: i64,
+    out: *mut *mut SsStore,
+) -> ss_status {
     ffi_status!("ss_store_torch_file_open", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a NUL-terminated string.
@@ -180,13 +185,16 @@ pub unsafe extern "C" fn ss_store_tcp_open(
         out_arg(out, "out")?;
         // SAFETY: NULL or a NUL-terminated string.
         let host = unsafe { str_arg(host, "host") }?;
-        let port = u16::try_from(port)
-            .map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("port is {port}: must be 0..65535")))?;
+        let port = u16::try_from(port).map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("port is {port}: must be 0..65535")))?;
         if port == 0 && !is_master {
-            return Err(Error::new(ErrorKind::InvalidArgument, format!("port 0 needs is_master (a client must name the server's port on {host})")));
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("port 0 needs is_master (a client must name the server's port on {host})"),
+            ));
         }
-        let world = u32::try_from(world_size)
-            .map_err(|_| Error::new(ErrorKind::InvalidArgument, format!("world_size is {world_size}: must be >= 0 (0: do not wait for ranks)")))?;
+        let world = u32::try_from(world_size).map_err(|_| {
+            Error::new(ErrorKind::InvalidArgument, format!("world_size is {world_size}: must be >= 0 (0: do not wait for ranks)"))
+        })?;
         let store: StoreRef = Arc::new(TcpStore::open(host, port, is_master, world, timeout_arg(timeout_ms)?)?);
         // SAFETY: checked above.
         unsafe { write_store(out, store) };
@@ -206,9 +214,10 @@ pub unsafe extern "C" fn ss_store_tcp_port(s: *const SsStore, out_port: *mut c_i
         out_arg(out_port, "out_port")?;
         // SAFETY: NULL or a live handle.
         let store = unsafe { handle(s, "store") }?;
-        let port = store.store.tcp_port().ok_or_else(|| {
-            Error::new(ErrorKind::Unsupported, format!("{} is not a TCPStore: it has no port", store.store.describe()))
-        })?;
+        let port = store
+            .store
+            .tcp_port()
+            .ok_or_else(|| Error::new(ErrorKind::Unsupported, format!("{} is not a TCPStore: it has no port", store.store.describe())))?;
         // SAFETY: checked above.
         unsafe { write_out(out_port, c_int::from(port)) };
         Ok(())

@@ -6,10 +6,10 @@
 
 use crate::errors::{invalid, OrRaise};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyString};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use storage_sharing::store::{Store, StoreRef, TcpStore, Timeout};
+use storage_sharing::store::{show_key, Store, StoreRef, TcpStore, Timeout};
 use storage_sharing::symm::{self, DeviceType, SymmetricMemory};
 use storage_sharing::{Error, ErrorKind, Result};
 
@@ -38,39 +38,51 @@ impl PythonStore {
     }
 }
 
+/// A key as the Python store takes it: `str` when it is UTF-8 (c10d keys
+/// are), `bytes` otherwise (pybind11 passes both as `std::string`).
+fn key_object(py: Python<'_>, key: &[u8]) -> PyObject {
+    match std::str::from_utf8(key) {
+        Ok(text) => PyString::new(py, text).into_any().unbind(),
+        Err(_) => PyBytes::new(py, key).into_any().unbind(),
+    }
+}
+
+fn key_objects(py: Python<'_>, keys: &[&[u8]]) -> Vec<PyObject> {
+    keys.iter().map(|k| key_object(py, k)).collect()
+}
+
 impl Store for PythonStore {
-    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.call("set", |py, s| s.call_method1("set", (key, PyBytes::new(py, value))).map(|_| ()))
+    fn set(&self, key: &[u8], value: &[u8]) -> Result<()> {
+        self.call("set", |py, s| s.call_method1("set", (key_object(py, key), PyBytes::new(py, value))).map(|_| ()))
     }
 
-    fn get(&self, key: &str, timeout: Timeout) -> Result<Vec<u8>> {
+    fn get(&self, key: &[u8], timeout: Timeout) -> Result<Vec<u8>> {
         self.wait(&[key], timeout)?;
-        self.call("get", |_, s| s.call_method1("get", (key,))?.extract::<Vec<u8>>())
+        self.call("get", |py, s| s.call_method1("get", (key_object(py, key),))?.extract::<Vec<u8>>())
     }
 
-    fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        self.call("add", |_, s| s.call_method1("add", (key, delta))?.extract::<i64>())
+    fn add(&self, key: &[u8], delta: i64) -> Result<i64> {
+        self.call("add", |py, s| s.call_method1("add", (key_object(py, key), delta))?.extract::<i64>())
     }
 
-    fn wait(&self, keys: &[&str], timeout: Timeout) -> Result<()> {
-        let names: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+    fn wait(&self, keys: &[&[u8]], timeout: Timeout) -> Result<()> {
         match timeout {
             // A zero wait is a look: c10d reads a zero timeout as "none".
             Some(t) if t.is_zero() => {
                 if self.check(keys)? {
                     Ok(())
                 } else {
-                    Err(Error::new(ErrorKind::Timeout, format!("{}: keys {names:?} are not set", self.what)))
+                    let names: Vec<String> = keys.iter().map(|k| show_key(k)).collect();
+                    Err(Error::new(ErrorKind::Timeout, format!("{}: keys {} are not set", self.what, names.join(", "))))
                 }
             }
-            Some(t) => self.call("wait", |py, s| s.call_method1("wait", (names.clone(), timedelta(py, t)?)).map(|_| ())),
-            None => self.call("wait", |_, s| s.call_method1("wait", (names.clone(),)).map(|_| ())),
+            Some(t) => self.call("wait", |py, s| s.call_method1("wait", (key_objects(py, keys), timedelta(py, t)?)).map(|_| ())),
+            None => self.call("wait", |py, s| s.call_method1("wait", (key_objects(py, keys),)).map(|_| ())),
         }
     }
 
-    fn check(&self, keys: &[&str]) -> Result<bool> {
-        let names: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-        self.call("check", |_, s| s.call_method1("check", (names,))?.extract::<bool>())
+    fn check(&self, keys: &[&[u8]]) -> Result<bool> {
+        self.call("check", |py, s| s.call_method1("check", (key_objects(py, keys),))?.extract::<bool>())
     }
 
     fn describe(&self) -> String {

@@ -731,7 +731,7 @@ fn emfile_child() {
         r.rlim_cur = open + 12;
         assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
     }
-    // Each accepted connection costs the server 3 descriptors and us 1:
+    // Each accepted connection costs the server a descriptor and us 1:
     // a few connections exhaust the limit, the rest wait in the backlog.
     let mut clients = Vec::new();
     for _ in 0..8 {

@@ -111,7 +111,12 @@ fn connect(port: u16) -> TcpStream {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_nodelay(true).unwrap();
     s.set_read_timeout(T).unwrap();
-    s.write_all(&Request::Validate(VALIDATION_MAGIC).to_bytes()).unwrap();
+    // As PyTorch's client: VALIDATE, then a PING it waits for (so every
+    // connection is served before the clock starts).
+    s.write_all(&[Request::Validate(VALIDATION_MAGIC).to_bytes(), Request::Ping(7).to_bytes()].concat()).unwrap();
+    let mut echo = [0u8; 4];
+    s.read_exact(&mut echo).unwrap();
+    assert_eq!(u32::from_le_bytes(echo), 7);
     s
 }
 
@@ -163,7 +168,7 @@ fn load(server: &ServerProcess, clients: usize, secs: f64) -> Cell {
         })
         .collect();
     start.wait();
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(Duration::from_millis(500));
     let total = || counters.iter().map(|c| c.load(Ordering::Relaxed)).sum::<u64>();
     measuring.store(true, Ordering::Relaxed);
     let (ops0, cpu0, t0) = (total(), server.cpu(), Instant::now());

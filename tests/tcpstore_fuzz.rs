@@ -301,6 +301,7 @@ fn child_role() {
         "huge_reply" => huge_reply_child(),
         "emfile" => emfile_child(),
         "trickle" => trickle_child(),
+        "idle_flood" => idle_flood_child(),
         other => panic!("unknown role {other}"),
     }
 }
@@ -732,7 +733,7 @@ fn emfile_child() {
         r.rlim_cur = open + 12;
         assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
     }
-    // Each accepted connection costs the server 3 descriptors and us 1:
+    // Each accepted connection costs the server a descriptor and us 1:
     // a few connections exhaust the limit, the rest wait in the backlog.
     let mut clients = Vec::new();
     for _ in 0..8 {
@@ -785,4 +786,42 @@ fn trickle_child() {
     assert_eq!(answer[0], 1, "CHECK of keys nobody set");
     println!("cpu for a trickled CHECK of 1000000 keys in {} pieces: {cpu:?}", bytes.len().div_ceil(4096));
     assert!(cpu < Duration::from_millis(2500), "the server re-parses: {cpu:?} of CPU");
+}
+
+/// An idle flood: hundreds of connections that sent half a request and
+/// stopped. The server had a thread per connection (a task and a stack
+/// each, up to the process's thread limit); one event loop serves them all
+/// now. The child counts its own threads with the connections held open,
+/// and a well-behaved client is answered beside them.
+#[test]
+fn idle_flood_costs_no_thread_per_connection() {
+    let out = run_ok(child_command("idle_flood", &[]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("threads with"), "{text}");
+    println!("{}", text.lines().find(|l| l.contains("threads with")).unwrap());
+}
+
+fn idle_flood_child() {
+    let threads = || std::fs::read_dir("/proc/self/task").unwrap().count();
+    let server = TcpServer::start("127.0.0.1", 0).unwrap();
+    let before = threads();
+    let mut half = Request::Validate(VALIDATION_MAGIC).to_bytes();
+    let set = Request::Set { key: b"/k".to_vec(), value: vec![1; 64] }.to_bytes();
+    half.extend_from_slice(&set[..set.len() / 2]);
+    let idle: Vec<TcpStream> = (0..300)
+        .map(|_| {
+            let mut s = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+            s.write_all(&half).unwrap();
+            s
+        })
+        .collect();
+    // Every connection is accepted and its bytes read once this answers
+    // (connections are served in the order they come).
+    let store = TcpStore::open("127.0.0.1", server.port(), false, 0, Some(Duration::from_secs(30))).unwrap();
+    store.set("after", b"v").unwrap();
+    assert_eq!(store.get("after", None).unwrap(), b"v");
+    let during = threads();
+    println!("threads with {} idle connections: {during} (before them: {before})", idle.len());
+    assert!(during < before + 10, "a thread per idle connection: {before} threads before, {during} with {} idle", idle.len());
+    drop(idle);
 }

@@ -312,8 +312,8 @@ fn main() {
         }));
         for (s, c) in clients.iter().enumerate() {
             ours_rtt[s].push(time_us(n, &mut || {
-                c.set("bench/k", VALUE).unwrap();
-                assert_eq!(c.get("bench/k", T).unwrap().len(), VALUE.len());
+                c.set(b"bench/k", VALUE).unwrap();
+                assert_eq!(c.get(b"bench/k", T).unwrap().len(), VALUE.len());
             }));
             if torch {
                 py_rtt[s].push(python_client_us(procs[s].port, n));

@@ -818,8 +818,8 @@ fn idle_flood_child() {
     // Every connection is accepted and its bytes read once this answers
     // (connections are served in the order they come).
     let store = TcpStore::open("127.0.0.1", server.port(), false, 0, Some(Duration::from_secs(30))).unwrap();
-    store.set("after", b"v").unwrap();
-    assert_eq!(store.get("after", None).unwrap(), b"v");
+    store.set(b"after", b"v").unwrap();
+    assert_eq!(store.get(b"after", None).unwrap(), b"v");
     let during = threads();
     println!("threads with {} idle connections: {during} (before them: {before})", idle.len());
     assert!(during < before + 10, "a thread per idle connection: {before} threads before, {during} with {} idle", idle.len());

@@ -5,9 +5,10 @@
 #  - an out-of-tree CMake project with find_package against the shared and
 #    the static target, and one asking for a version of another major;
 #  - pkg-config (flags, version, Libs.private);
-#  - every README example marked "checked", built and run exactly as written
-#    (CMake, pkg-config, the static link line, C++), and the programs of
-#    examples/ (C, C++, Go) that the README and docs/ link to;
+#  - the README's run command (ssctl demo), and every README example
+#    marked "checked", built and run exactly as written (CMake, pkg-config,
+#    the static link line, C++), and the programs of examples/ (C, C++, Go)
+#    that the README and docs/ link to;
 #  - the Go package's tests with cgo pointer checks and forced GC.
 # Each consumer shares a buffer between two processes; no segment may be
 # left in /dev/shm.
@@ -87,6 +88,13 @@ cc -std=c11 -Wall -Wextra -Werror "$root/tests/packaging/consumer/consumer.c" $(
 "$work/consumer_pc" || fail "pkg-config consumer"
 private="$(pkg-config --static --libs storage_sharing | tr ' ' '\n' | grep '^-l' | grep -v '^-lstorage_sharing$' | sort | tr '\n' ' ')"
 [ -n "$private" ] || fail "no Libs.private"
+
+step "README's run command (ssctl demo; scripts/test.sh has built the executables)"
+grep -q '^cargo build --release --bins && target/release/ssctl demo ' "$root/README.md" \
+    || fail "README's run command is not 'cargo build --release --bins && target/release/ssctl demo'"
+grep -q '^bash scripts/test.sh ' "$root/README.md" || fail "README's test command is not 'bash scripts/test.sh'"
+timeout 300 "$artifacts/ssctl" demo >"$work/demo.log" 2>&1 || { cat "$work/demo.log"; fail "ssctl demo"; }
+tail -n 3 "$work/demo.log"
 
 step "README examples and examples/"
 readme="$work/readme"

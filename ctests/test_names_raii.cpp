@@ -1,4 +1,4 @@
-// Issue 8, items 1 and 5, from C++: a name with a NUL inside is refused
+// From C++: a name with a NUL inside is refused
 // (never cut short at the NUL), and SHARED with SHAREDMEM is refused
 // without touching the user's file.
 #include <cstdio>

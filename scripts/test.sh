@@ -85,7 +85,7 @@ done
 bash scripts/check_sanitizers.sh "$target/ctests-asan"
 part_done "C and C++ tests"
 
-echo "== packaging: install to a temp prefix; SONAME; find_package (shared, static), pkg-config, README examples; go test"
+echo "== packaging: install to a temp prefix; SONAME; find_package (shared, static), pkg-config, README examples, examples/; go test"
 bash tests/packaging/run.sh "$target/release"
 part_done "packaging, Go"
 

@@ -1,4 +1,4 @@
-//! Regression tests of issue 8, items 1, 2, 6 and 7, through the C API as
+//! Regression tests of the map and fd-passing rules, through the C API as
 //! a C user calls it: contradictory flags never delete a user's file, a
 //! failed create removes only what it made, an unreadable source is an
 //! invalid argument, and a cut datagram is reported.

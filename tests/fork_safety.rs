@@ -1,4 +1,4 @@
-//! Issue 8, item 4: a child forked while other threads of the parent are
+//! A child forked while other threads of the parent are
 //! inside the library (opening and closing maps, sharing by name through
 //! the manager) can use the library and exit; it never hangs on a lock a
 //! vanished thread held. The main thread forks many times; each child

@@ -1,4 +1,4 @@
-//! Issue 8, item 3: a process killed with SIGKILL while it creates an
+//! A process killed with SIGKILL while it creates an
 //! fd-backed segment (share_memory, new_shm_fd_storage, storage share_fd,
 //! storage new_using_fd) leaves nothing in /dev/shm. A child makes 64 MiB
 //! segments in a loop through the C API; the parent kills it at varied

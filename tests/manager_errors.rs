@@ -1,4 +1,4 @@
-//! Issue 8, item 8: a manager that answers garbage, or hangs up, noticed
+//! A manager that answers garbage, or hangs up, noticed
 //! while a segment is freed (a call with no one to tell), is reported by
 //! the next call on that manager instead of being dropped. The fake
 //! manager is a socket served by a thread of this test.

@@ -27,7 +27,7 @@ fn child_role() {
     let e = share_memory(&vec![7u8; ASK]).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
     println!("share_memory: {e}");
-    // The storage and CUDA-IPC creating functions (issue 12: every one).
+    // Every storage and CUDA-IPC function that creates a segment.
     use_built_manager();
     let e = storage_sharing::storage::Storage::new_using_fd(ASK).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NoSpace, "new_using_fd: {e}");

@@ -1,4 +1,4 @@
-//! Issue 8, item 9: a started manager that prints a socket path nobody can
+//! A started manager that prints a socket path nobody can
 //! use (missing, not a socket, 108 bytes or more) is killed and reaped by
 //! the failed start, never left running. Fake managers are shell scripts
 //! that write their pid to a file and then keep running.

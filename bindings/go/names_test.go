@@ -5,7 +5,7 @@ import (
 	"testing"
 )
 
-// Issue 8, item 5: a name with a NUL inside is refused, never cut short at
+// A name with a NUL inside is refused, never cut short at
 // the NUL (which would open or create the segment named by the prefix).
 func TestOpenRefusesEmbeddedNUL(t *testing.T) {
 	prefix := newName(t)

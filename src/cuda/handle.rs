@@ -1,5 +1,5 @@
 //! What a producer sends for one CUDA storage: PyTorch's 8-field tuple,
-//! with the memory handle in PyTorch's byte format (ATEN_COMPAT §5, §6).
+//! with the memory handle in PyTorch's byte format (docs/pytorch-compat.md, "CUDA IPC").
 
 use crate::error::{Error, ErrorKind, Result};
 

@@ -1,5 +1,5 @@
 //! The send/receive protocol with cross-process reference counts
-//! (ATEN_COMPAT §7.3), independent of the device behind [`IpcBackend`].
+//! (docs/pytorch-compat.md, "CUDA IPC"), independent of the device behind [`IpcBackend`].
 //!
 //! Producer: each send takes a counter slot set to 1 and keeps the
 //! allocation; the consumer decrements the slot when done; the producer's

@@ -1,5 +1,5 @@
 //! CUDA IPC with cross-process reference counts, compatible with PyTorch's
-//! `torch.multiprocessing` sharing of CUDA storages (ATEN_COMPAT §5–§8).
+//! `torch.multiprocessing` sharing of CUDA storages (docs/pytorch-compat.md).
 //!
 //! A producer shares device memory as PyTorch's 8-field tuple
 //! ([`IpcHandle`]); a consumer in another process (ours or PyTorch) opens

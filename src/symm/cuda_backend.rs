@@ -1,5 +1,5 @@
 //! The CUDA backend of symmetric memory (PyTorch's `CUDASymmetricMemory`,
-//! ATEN_COMPAT 9.3–9.5), on the driver API loaded at run time:
+//! docs/pytorch-compat.md), on the driver API loaded at run time:
 //!
 //! - a block is one `cuMemCreate` allocation (pinned, on the device,
 //!   shareable as a POSIX file descriptor), its size rounded up to the
@@ -845,7 +845,7 @@ impl CudaBlock {
         check(unsafe { sys::cuMemSetAccess(mc.va, size, &access, 1) }, || "cuMemSetAccess of the multicast mapping".to_string())
     }
 
-    /// PyTorch's multicast set-up (§9.4 step 7), run by every rank when the
+    /// PyTorch's multicast set-up (docs/pytorch-compat.md, multicast), run by every rank when the
     /// gathered requests allow it: rank 0 creates and exports the object,
     /// broadcasts the descriptor, every rank imports it and adds its device,
     /// then (all added) binds its block and maps the object. After each step

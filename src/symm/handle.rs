@@ -1,6 +1,6 @@
 //! The symmetric-memory object a rendezvous gives: every rank's buffer and
 //! signal pad, and the synchronisation calls, with PyTorch's argument
-//! checks and messages (ATEN_COMPAT 9.5) before the backend runs.
+//! checks and messages (docs/pytorch-compat.md) before the backend runs.
 
 use super::backend::{Layout, PeerAccess};
 use crate::error::{Error, ErrorKind, Result};

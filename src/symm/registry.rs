@@ -1,5 +1,5 @@
 //! The allocator registry: one allocator per device type and backend name,
-//! with PyTorch's selection rules and messages (ATEN_COMPAT 9.2).
+//! with PyTorch's selection rules and messages (docs/pytorch-compat.md).
 //!
 //! - `set_backend(name)` picks a backend by name, before any allocation;
 //!   afterwards it fails with "Backend can not be changed after use.".

@@ -1,4 +1,4 @@
-//! Rendezvous of one block over one group (ATEN_COMPAT 9.4): open the
+//! Rendezvous of one block over one group (docs/pytorch-compat.md): open the
 //! descriptor socket, all-gather the request (with this library's pad size
 //! and socket name beside it) through the store, check every rank's pad and
 //! sizes against rank 0's, pass the block descriptors round the ring, map

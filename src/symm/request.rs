@@ -1,5 +1,5 @@
 //! The request every rank all-gathers at rendezvous: PyTorch's newest
-//! `RendezvousRequest` (ATEN_COMPAT 9.4), sent as the raw bytes of a C
+//! `RendezvousRequest` (docs/pytorch-compat.md), sent as the raw bytes of a C
 //! struct, native-endian, padding zeroed.
 
 use super::backend::Layout;

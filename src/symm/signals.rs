@@ -1,4 +1,4 @@
-//! Signals between ranks through the signal pads (ATEN_COMPAT 9.5).
+//! Signals between ranks through the signal pads (docs/pytorch-compat.md, "Symmetric memory").
 //!
 //! The slot for (channel c, source s) in rank d's pad is the u32 at index
 //! `world_size * c + s`. A put compare-and-swaps the slot 0 -> 1 in the

@@ -5,8 +5,10 @@
 #  - an out-of-tree CMake project with find_package against the shared and
 #    the static target, and one asking for a version of another major;
 #  - pkg-config (flags, version, Libs.private);
-#  - every README example marked "checked", built and run exactly as written
-#    (CMake, pkg-config, the static link line, C++, Go);
+#  - the README's run command (ssctl demo), and every README example
+#    marked "checked", built and run exactly as written (CMake, pkg-config,
+#    the static link line, C++), and the programs of examples/ (C, C++, Go)
+#    that the README and docs/ link to;
 #  - the Go package's tests with cgo pointer checks and forced GC.
 # Each consumer shares a buffer between two processes; no segment may be
 # left in /dev/shm.
@@ -87,7 +89,14 @@ cc -std=c11 -Wall -Wextra -Werror "$root/tests/packaging/consumer/consumer.c" $(
 private="$(pkg-config --static --libs storage_sharing | tr ' ' '\n' | grep '^-l' | grep -v '^-lstorage_sharing$' | sort | tr '\n' ' ')"
 [ -n "$private" ] || fail "no Libs.private"
 
-step "README examples"
+step "README's run command (ssctl demo; scripts/test.sh has built the executables)"
+grep -q '^cargo build --release --bins && target/release/ssctl demo ' "$root/README.md" \
+    || fail "README's run command is not 'cargo build --release --bins && target/release/ssctl demo'"
+grep -q '^bash scripts/test.sh ' "$root/README.md" || fail "README's test command is not 'bash scripts/test.sh'"
+timeout 300 "$artifacts/ssctl" demo >"$work/demo.log" 2>&1 || { cat "$work/demo.log"; fail "ssctl demo"; }
+tail -n 3 "$work/demo.log"
+
+step "README examples and examples/"
 readme="$work/readme"
 mkdir -p "$readme"
 # Writes each fenced block that follows a "<!-- checked: FILE -->" line to FILE.
@@ -96,43 +105,43 @@ awk -v dir="$readme" '
     file != "" && /^```/ { if (inblock) { inblock = 0; file = "" } else { inblock = 1; printf "" > file }; next }
     inblock { print >> file }
 ' "$root/README.md"
-for f in app.c CMakeLists.txt pkg-config.sh static-link.sh app.cpp cpp.sh go.mod main.go; do
+for f in app.c CMakeLists.txt pkg-config.sh static-link.sh cpp.sh; do
     [ -s "$readme/$f" ] || fail "README has no checked block $f"
 done
+# The README's C program is examples/c/app.c; its C++ line builds examples/cpp/app.cpp.
+cmp -s "$readme/app.c" "$root/examples/c/app.c" || fail "README's app.c differs from examples/c/app.c"
+cp "$root/examples/cpp/app.cpp" "$readme/app.cpp"
 readme_libs="$(grep -o ' -l[a-z_0-9]*' "$readme/static-link.sh" | tr -d ' ' | sort | tr '\n' ' ')"
 [ "$readme_libs" = "$private" ] || fail "README static line links '$readme_libs', Libs.private says '$private'"
 run_and_check_segment "README static link line" bash -c 'cd "$1" && PREFIX="$2" bash -eu static-link.sh' _ "$readme" "$prefix"
 if readelf -d "$readme/app" | grep -q "NEEDED.*libstorage_sharing"; then fail "README static app is not static"; fi
 run_and_check_segment "README pkg-config example" bash -c 'cd "$1" && rm -f app && PREFIX="$2" bash -eu pkg-config.sh' _ "$readme" "$prefix"
-# The content store's C example (the same text as ctests/test_content_store_example.c).
-[ -s "$readme/content_store.c" ] || fail "README has no checked block content_store.c"
-# shellcheck disable=SC2046 # word splitting of the flags is intended
-cc -std=c11 -Wall -Wextra -Werror "$readme/content_store.c" $(pkg-config --cflags --libs storage_sharing) \
-    -Wl,-rpath,"$lib" -o "$readme/content_store" || fail "README content store example does not build"
-"$readme/content_store" || fail "README content store example"
-cmp -s "$readme/content_store.c" "$root/ctests/test_content_store_example.c" \
-    || fail "README content store example differs from ctests/test_content_store_example.c"
-run_and_check_segment "README C++ example" bash -c 'cd "$1" && PREFIX="$2" bash -eu cpp.sh' _ "$readme" "$prefix"
+run_and_check_segment "README C++ example (examples/cpp/app.cpp)" bash -c 'cd "$1" && PREFIX="$2" bash -eu cpp.sh' _ "$readme" "$prefix"
 cmake -S "$readme" -B "$readme/build" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$readme/build" >/dev/null
 run_and_check_segment "README CMake example" "$readme/build/app"
 
-step "README symmetric-memory example (the same file as ctests/test_symm.c)"
-[ -s "$readme/symm.c" ] || fail "README has no checked block symm.c"
-cmp -s "$readme/symm.c" "$root/ctests/test_symm.c" || fail "README's symm.c differs from ctests/test_symm.c"
-# shellcheck disable=SC2046 # word splitting of the flags is intended
-cc -std=c11 -Wall -Wextra -Wpedantic -Werror "$readme/symm.c" $(pkg-config --cflags --libs storage_sharing) \
-    -Wl,-rpath,"$lib" -o "$readme/symm"
-"$readme/symm" || fail "README symmetric-memory example"
+# The C programs of examples/c against the installed prefix, through
+# pkg-config (CTest also runs them, plain and under the sanitizers).
+for src in "$root"/examples/c/*.c; do
+    exe="$readme/example_$(basename "$src" .c)"
+    # shellcheck disable=SC2046 # word splitting of the flags is intended
+    cc -std=c11 -Wall -Wextra -Wpedantic -Werror "$src" $(pkg-config --cflags --libs storage_sharing) \
+        -Wl,-rpath,"$lib" -o "$exe" || fail "examples/c/$(basename "$src") does not build"
+    "$exe" || fail "examples/c/$(basename "$src")"
+done
 
 if command -v go >/dev/null; then
-    step "Go: README example and go test"
+    step "Go: examples/go and go test"
     export CGO_LDFLAGS="-Wl,-rpath,$lib"
     export GOFLAGS=-mod=mod GOTOOLCHAIN=local
     export GOCACHE="${GOCACHE:-$artifacts/go-build-cache}"
-    mkdir "$readme/go" && mv "$readme/go.mod" "$readme/main.go" "$readme/go/"
-    sed -i "s#/path/to/storage-sharing#$root#" "$readme/go/go.mod"
-    run_and_check_segment "README Go example" bash -c 'cd "$1" && go run .' _ "$readme/go"
+    # A copy, with the module's relative replace made absolute: go run writes
+    # nothing into the checkout.
+    cp -r "$root/examples/go" "$readme/go"
+    sed -i "s#=> \.\./\.\./bindings/go#=> $root/bindings/go#" "$readme/go/go.mod"
+    grep -q "=> $root/bindings/go" "$readme/go/go.mod" || fail "examples/go/go.mod has no replace of ../../bindings/go"
+    run_and_check_segment "examples/go" bash -c 'cd "$1" && go run .' _ "$readme/go"
     # Pointer checks: the default level, then the full one (GOEXPERIMENT
     # from Go 1.21, GODEBUG before).
     (cd "$root/bindings/go" && GODEBUG=cgocheck=1 go test -count=1 .) || fail "go test (cgocheck=1)"
@@ -146,4 +155,4 @@ else
     fail "go is not installed (scripts/test.sh installs golang-go)"
 fi
 
-echo "packaging: all checks passed (install, SONAME, find_package shared/static, pkg-config, README examples, Go)"
+echo "packaging: all checks passed (install, SONAME, find_package shared/static, pkg-config, README examples, examples/, Go)"

@@ -60,7 +60,7 @@ part_done "cargo build"
 echo "== cargo test"
 export SS_TORCH_TESTS_LOG="$target/torch-interop-tests.txt"
 rm -f "$SS_TORCH_TESTS_LOG"
-cargo test --release
+cargo test --release --no-fail-fast
 torch_tests=$(sort -u "$SS_TORCH_TESTS_LOG" 2>/dev/null | wc -l)
 echo "== PyTorch interop tests run against $SS_TEST_PYTHON: $torch_tests"
 if [ -n "${CI:-}" ] && [ "$torch_tests" -eq 0 ]; then

@@ -27,7 +27,7 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        cuda_share, sent_counter, cuda_open, cuda_release_ipc_counter, cuda_ipc_collect, cuda_limbo_size,
        cuda_ipc_teardown, cuda_pointer_base, cuda_malloc, cuda_free, cuda_ipc_handle_to_text,
        cuda_ipc_handle_from_text,
-       KVStore, store_file_open, store_tcp_open, store_tcp_port, store_ref, store_set, store_get, store_add,
+       KVStore, store_file_open, store_torch_file_open, store_tcp_open, store_tcp_port, store_ref, store_set, store_get, store_add,
        store_wait, store_check, store_compare_set, store_delete_key, store_num_keys, StoreCallbacks, store_from_callbacks,
        SymmMem, symm_set_group_info, symm_get_group_info, symm_set_backend, symm_alloc, symm_alloc_persistent,
        symm_get_alloc_size, symm_free, symm_rendezvous, symm_rank, symm_world_size, symm_buffer_size,

@@ -1,7 +1,6 @@
 //! Shared-memory allocators with ATen's names, flags and layouts.
 
 pub mod flags;
-pub mod managed;
 pub mod map;
 pub mod mapping;
 pub mod names;
@@ -10,7 +9,6 @@ pub mod registry;
 pub mod reserve;
 pub mod storage_utils;
 
-pub use managed::ManagedMapAllocator;
 pub use map::MapAllocator;
 pub use mapping::Mapping;
 pub use names::new_process_wide_shm_handle;

@@ -9,6 +9,7 @@ pub mod arena;
 pub mod content_store;
 pub mod cuda;
 pub mod error;
+pub mod fdpass;
 pub mod ffi;
 pub mod fork_safe;
 pub mod manager;

@@ -14,7 +14,6 @@ pub mod ffi;
 pub mod fork_safe;
 pub mod manager;
 pub mod shm;
-pub mod ssctl;
 pub mod storage;
 pub mod store;
 pub mod symm;

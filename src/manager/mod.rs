@@ -4,10 +4,12 @@
 //! daemon itself uses, so the two do not depend on each other).
 
 pub mod client;
+pub mod gc;
 pub mod managed;
 pub mod protocol;
 pub mod reclaim;
 pub mod segment_users;
+pub mod segments;
 pub mod server;
 pub mod spawn;
 

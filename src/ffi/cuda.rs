@@ -129,11 +129,12 @@ struct CDeleter {
 // its context may be used from whichever thread frees the block.
 unsafe impl Send for CDeleter {}
 
-/// Ends this process's part in CUDA IPC: warns on stderr if consumers still
-/// hold blocks this producer freed, and removes the names of its ref-counter
-/// files so nothing is left in /dev/shm (consumers releasing later get
-/// `SS_ERR_PEER_GONE`). Runs by itself at exit once any CUDA IPC function
-/// was used; does nothing in a forked child. Later sends start afresh.
+/// Ends this process's part in CUDA IPC: warns (see `ss_set_log_callback`)
+/// if consumers still hold blocks this producer freed, and removes the
+/// names of its ref-counter files so nothing is left in /dev/shm
+/// (consumers releasing later get `SS_ERR_PEER_GONE`). Runs by itself at
+/// exit once any CUDA IPC function was used; does nothing in a forked
+/// child. Later sends start afresh.
 #[no_mangle]
 pub extern "C" fn ss_cuda_ipc_teardown() {
     ffi_value!("ss_cuda_ipc_teardown", (), {

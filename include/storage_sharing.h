@@ -119,6 +119,17 @@
 #define SS_CUDA_HANDLE_TEXT_MAX 512
 
 /**
+ * Level of a warning: something the host should act on (say, CUDA memory
+ * that consumer processes still hold when the producer exits).
+ */
+#define SS_LOG_WARNING 1
+
+/**
+ * Level of an informational message (the manager daemon's log, when on).
+ */
+#define SS_LOG_INFO 2
+
+/**
  * `open(2)` a regular file read-write, MAP_SHARED.
  */
 #define SS_MAPPED_SHARED 1
@@ -524,6 +535,13 @@ typedef struct {
    */
   bool event_sync_required;
 } ss_cuda_ipc_handle;
+
+/**
+ * Receives one message of the library: its level (`SS_LOG_WARNING`,
+ * `SS_LOG_INFO`), the text (NUL-terminated, valid only during the call, no
+ * trailing newline) and the `user_data` given to `ss_set_log_callback`.
+ */
+typedef void (*ss_log_fn)(int level, const char *message, void *user_data);
 
 /**
  * Sets `key` to the `len` bytes at `value`. Returns an `ss_status` code
@@ -1186,11 +1204,12 @@ const char *ss_content_list_get(const ss_content_list *l, size_t i);
 void ss_content_list_free(ss_content_list *l);
 
 /**
- * Ends this process's part in CUDA IPC: warns on stderr if consumers still
- * hold blocks this producer freed, and removes the names of its ref-counter
- * files so nothing is left in /dev/shm (consumers releasing later get
- * `SS_ERR_PEER_GONE`). Runs by itself at exit once any CUDA IPC function
- * was used; does nothing in a forked child. Later sends start afresh.
+ * Ends this process's part in CUDA IPC: warns (see `ss_set_log_callback`)
+ * if consumers still hold blocks this producer freed, and removes the
+ * names of its ref-counter files so nothing is left in /dev/shm
+ * (consumers releasing later get `SS_ERR_PEER_GONE`). Runs by itself at
+ * exit once any CUDA IPC function was used; does nothing in a forked
+ * child. Later sends start afresh.
  */
 void ss_cuda_ipc_teardown(void);
 
@@ -1471,6 +1490,20 @@ void ss_atfork_parent(void);
  * opens its own connection instead of sharing its parent's).
  */
 void ss_atfork_child(void);
+
+/**
+ * Sends the library's messages (warnings, and the manager daemon's log)
+ * to `cb` instead of stderr. By default, and after a call with `cb` NULL,
+ * they go to stderr. To silence them, install a callback that does nothing.
+ * Applies to the whole process; the last call wins.
+ *
+ * # Safety
+ * `cb` is NULL or a function that may be called from any thread, at any
+ * time until it is replaced (also during process exit), with `user_data`;
+ * it must not unwind and must not call into this library. `user_data` must
+ * stay valid for as long as `cb` is installed.
+ */
+void ss_set_log_callback(ss_log_fn cb, void *user_data);
 
 /**
  * Uses the daemon binary at `path` when a manager must be started

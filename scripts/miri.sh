@@ -10,4 +10,4 @@ cd "$(dirname "$0")/.."
 cargo +nightly miri --version >/dev/null 2>&1 || { echo "miri not installed for the nightly toolchain"; exit 2; }
 cargo +nightly miri test --lib -- \
     manager::protocol cuda::handle shm::names shm::flags shm::registry \
-    content_store::dtype ssctl::segments::tests::naming "$@"
+    content_store::dtype manager::segments::tests::naming "$@"

@@ -6,7 +6,7 @@
 //! programs fork from threaded parents all the time. So every process-wide
 //! lock of the library is a [`ForkSafeMutex`], registered once it is
 //! reachable for the rest of the process: handlers installed with
-//! pthread_atfork (see `ffi::fork`) take all registered locks before the
+//! pthread_atfork (installed here on first use) take all registered locks before the
 //! fork, so no other thread is inside one and what they guard is whole,
 //! and release them right after it, in the parent and in the child.
 //!
@@ -149,8 +149,27 @@ pub fn fork_generation() -> u64 {
 
 fn install_handlers() {
     if !HANDLERS_INSTALLED.load(Ordering::Acquire) && !HANDLERS_INSTALLED.swap(true, Ordering::AcqRel) {
-        crate::ffi::fork::install_fork_handlers();
+        // SAFETY: pthread_atfork only stores the pointers to three
+        // functions that take and return nothing and never unwind.
+        unsafe {
+            libc::pthread_atfork(Some(prepare_hook), Some(parent_hook), Some(child_hook));
+        }
     }
+}
+
+// The pthread_atfork callbacks. A panic is caught in each because it must
+// not unwind into the C library that calls them.
+
+extern "C" fn prepare_hook() {
+    let _ = std::panic::catch_unwind(before_fork);
+}
+
+extern "C" fn parent_hook() {
+    let _ = std::panic::catch_unwind(after_fork);
+}
+
+extern "C" fn child_hook() {
+    let _ = std::panic::catch_unwind(after_fork_in_child);
 }
 
 /// pthread_atfork "child": counts the fork, then releases the locks.

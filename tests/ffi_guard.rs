@@ -1,6 +1,9 @@
-//! Every exported C function runs its body through `ffi_status!` or
-//! `ffi_value!` (named after itself), so no panic can cross the boundary.
-//! Checked on the source text, so a new export without the guard fails here.
+//! Every exported C function (`#[no_mangle]`) lives in `src/ffi/` and runs
+//! its body through `ffi_status!` or `ffi_value!` (named after itself), so
+//! no panic can cross the boundary. The core may own plain `extern "C"`
+//! callbacks that it registers with atexit/pthread_atfork; those are not
+//! exported and catch panics themselves. Checked on the source text, so a
+//! new export without the guard fails here.
 
 use std::path::{Path, PathBuf};
 
@@ -15,18 +18,34 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// (name, text after the opening brace of the body) for each `extern "C" fn`.
-fn exports(src: &str) -> Vec<(String, String)> {
+/// A function defined as `extern "C" fn`.
+struct CFn {
+    name: String,
+    /// The text after the opening brace of its body.
+    body: String,
+    /// Whether `#[no_mangle]` is on the line above: the symbol is exported.
+    exported: bool,
+}
+
+fn c_functions(src: &str) -> Vec<CFn> {
     let mut found = Vec::new();
-    let mut rest = src;
-    while let Some(at) = rest.find("extern \"C\" fn ") {
-        let after = &rest[at + "extern \"C\" fn ".len()..];
+    let mut offset = 0;
+    while let Some(at) = src[offset..].find("extern \"C\" fn ") {
+        let at = offset + at;
+        let line_start = src[..at].rfind('\n').map_or(0, |i| i + 1);
+        let line_above = src[..line_start.saturating_sub(1)].rsplit('\n').next().unwrap_or("");
+        let after = &src[at + "extern \"C\" fn ".len()..];
         let name: String = after.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
         let body_start = after.find('{').expect("function body");
-        found.push((name, after[body_start + 1..].trim_start().to_string()));
-        rest = &after[body_start..];
+        found.push(CFn { name, body: after[body_start + 1..].trim_start().to_string(), exported: line_above.trim() == "#[no_mangle]" });
+        offset = src.len() - after.len() + body_start;
     }
     found
+}
+
+/// The exported C functions of a file.
+fn exports(src: &str) -> Vec<(String, String)> {
+    c_functions(src).into_iter().filter(|f| f.exported).map(|f| (f.name, f.body)).collect()
 }
 
 #[test]
@@ -38,6 +57,7 @@ fn every_export_is_guarded() {
     for file in files {
         let text = std::fs::read_to_string(&file).unwrap();
         let in_ffi = file.starts_with(root.join("ffi"));
+        assert!(in_ffi || !text.contains("#[no_mangle]"), "{}: #[no_mangle] outside src/ffi", file.display());
         for (name, body) in exports(&text) {
             assert!(in_ffi, "{}: extern \"C\" fn {name} outside src/ffi", file.display());
             let guarded = body.starts_with(&format!("ffi_status!(\"{name}\",")) || body.starts_with(&format!("ffi_value!(\"{name}\","));
@@ -52,6 +72,27 @@ fn every_export_is_guarded() {
         }
     }
     assert!(count >= 20, "found only {count} exports: the scan is broken");
+}
+
+#[test]
+fn process_hooks_are_private_and_catch_panics() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&root, &mut files);
+    let mut hooks = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for f in c_functions(&text).into_iter().filter(|f| !f.exported) {
+            let name = &f.name;
+            assert!(!text.contains(&format!("pub extern \"C\" fn {name}(")), "{}: {name} is pub but not exported", file.display());
+            assert!(f.body.starts_with("let _ = std::panic::catch_unwind("), "{}: {name} must catch panics", file.display());
+            hooks.push(name.clone());
+        }
+    }
+    // The core registers its own process hooks (atexit, pthread_atfork).
+    for expected in ["teardown_at_exit", "finalize_at_exit", "prepare_hook", "parent_hook", "child_hook"] {
+        assert!(hooks.iter().any(|h| h == expected), "hook {expected} not found: the scan is broken");
+    }
 }
 
 #[test]

@@ -8,8 +8,9 @@ use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::time::Duration;
 use storage_sharing::manager::protocol::ALLOC_INFO_SIZE;
+use storage_sharing::manager::ManagedMapAllocator;
 use storage_sharing::shm::flags::{EXCLUSIVE, SHAREDMEM};
-use storage_sharing::shm::{new_process_wide_shm_handle, ManagedMapAllocator};
+use storage_sharing::shm::new_process_wide_shm_handle;
 use storage_sharing::ErrorKind;
 
 /// A fake manager at a fresh socket: reads one registration per

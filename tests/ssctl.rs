@@ -6,9 +6,9 @@ mod common;
 use common::{child_main, shm_exists, Parent, Peer};
 use std::ffi::CString;
 use std::process::Command;
+use storage_sharing::manager::{gc, segments};
 use storage_sharing::shm::flags::{NOCREATE, SHAREDMEM};
 use storage_sharing::shm::{new_process_wide_shm_handle, RefcountedMapAllocator};
-use storage_sharing::ssctl::{gc, segments};
 
 const ENTRY: &str = "child_entry";
 

@@ -7,8 +7,8 @@ use super::allocator::Arena;
 use super::handle::{ArenaHandle, Strategy, WIRE_SIZE};
 use super::remote::{has_segment, import_segment_fd, open_remote, RemoteView};
 use crate::error::{Error, ErrorKind, Result};
+use crate::fdpass::{recv_fds, send_fds};
 use crate::fork_safe::ForkSafeMutex;
-use crate::storage::{recv_fds, send_fds};
 use std::collections::HashSet;
 use std::os::fd::RawFd;
 

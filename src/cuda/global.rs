@@ -5,6 +5,7 @@ use super::cuda_backend::CudaBackend;
 use super::ipc::{CudaIpc, TeardownReport};
 use crate::error::{ErrorKind, Result};
 use once_cell::sync::Lazy;
+use std::sync::Once;
 
 /// The process that made the state: a child made by fork() inherits the
 /// state but owns none of its counter files, so it must not remove them.
@@ -12,9 +13,8 @@ static OWNER_PID: Lazy<u32> = Lazy::new(std::process::id);
 
 static GLOBAL: Lazy<CudaIpc<CudaBackend>> = Lazy::new(|| {
     Lazy::force(&OWNER_PID);
-    // Statics are never dropped: have `teardown` run at exit. The exit
-    // hook is an `extern "C"` function, so it lives in the C API module.
-    crate::ffi::cuda::teardown_at_exit();
+    // Statics are never dropped: have `teardown` run at exit instead.
+    register_teardown_at_exit();
     CudaIpc::new(CudaBackend)
 });
 
@@ -24,6 +24,22 @@ static GLOBAL: Lazy<CudaIpc<CudaBackend>> = Lazy::new(|| {
 pub fn teardown() -> Option<TeardownReport> {
     let ipc = Lazy::get(&GLOBAL)?;
     (std::process::id() == *OWNER_PID).then(|| ipc.teardown())
+}
+
+/// The atexit callback: runs [`teardown`]. A panic is caught here because
+/// it must not unwind into the C runtime that calls this.
+extern "C" fn teardown_at_exit() {
+    let _ = std::panic::catch_unwind(teardown);
+}
+
+/// Registers [`teardown_at_exit`] with atexit, once per process.
+fn register_teardown_at_exit() {
+    static REGISTER: Once = Once::new();
+    // SAFETY: atexit only stores the pointer to a function that takes and
+    // returns nothing and never unwinds.
+    REGISTER.call_once(|| unsafe {
+        libc::atexit(teardown_at_exit);
+    });
 }
 
 /// This process's CUDA IPC state.

@@ -319,19 +319,19 @@ impl<B: IpcBackend> CudaIpc<B> {
         self.received.len()
     }
 
-    /// At the end of the producer's life: reports (once, on stderr) blocks
-    /// that consumers still hold, and removes the names of all counter
-    /// files, so nothing stays in /dev/shm; consumers releasing later get
+    /// At the end of the producer's life: reports (once, through
+    /// `crate::log`) blocks that consumers still hold, and removes the names
+    /// of all counter files, so nothing stays in /dev/shm; consumers releasing later get
     /// `PeerGone`. Makes no device call (the driver frees the memory at
     /// exit) and runs no deleter.
     pub fn teardown(&self) -> TeardownReport {
         let blocks = self.limbo.take_all();
         let still_referenced = blocks.iter().filter(|b| !b.released()).count();
         if still_referenced > 0 && !self.teardown_warned.swap(true, Ordering::Relaxed) {
-            eprintln!(
+            crate::log::warn(&format!(
                 "storage-sharing warning: this producer is ending while consumer processes still hold {still_referenced} \
                  of its CUDA blocks; their memory goes away with this process."
-            );
+            ));
         }
         let mut names = self.counters().names();
         names.extend(blocks.iter().map(|b| b.counter_name().to_string()));

@@ -36,11 +36,11 @@ impl Limbo {
             blocks.len()
         };
         if n > WARN_AFTER_BLOCKS_IN_LIMBO && !self.warned.swap(true, Ordering::Relaxed) {
-            eprintln!(
+            crate::log::warn(&format!(
                 "storage-sharing warning: more than {WARN_AFTER_BLOCKS_IN_LIMBO} CUDA blocks freed by this producer are still \
                  referenced by consumer processes; each collection now scans them all. Consumers should release \
                  shared CUDA memory as soon as they are done with it."
-            );
+            ));
         }
     }
 

@@ -8,7 +8,6 @@ use crate::cuda::{self, IpcBackend, IpcHandle, Received, SentData};
 use crate::error::{Error, ErrorKind, Result};
 use std::ffi::c_void;
 use std::os::raw::c_char;
-use std::sync::Once;
 
 /// Bytes of `ss_cuda_ipc_handle.mem_handle`: version byte, 'c', and the
 /// 64-byte `cudaIpcMemHandle_t` (PyTorch's format).
@@ -130,21 +129,12 @@ struct CDeleter {
 // its context may be used from whichever thread frees the block.
 unsafe impl Send for CDeleter {}
 
-/// Runs `ss_cuda_ipc_teardown` at exit; called when the process's CUDA IPC
-/// state is first used (from Rust or C).
-pub(crate) fn teardown_at_exit() {
-    static REGISTER: Once = Once::new();
-    // SAFETY: registers a plain function taking and returning nothing.
-    REGISTER.call_once(|| unsafe {
-        libc::atexit(ss_cuda_ipc_teardown);
-    });
-}
-
-/// Ends this process's part in CUDA IPC: warns on stderr if consumers still
-/// hold blocks this producer freed, and removes the names of its ref-counter
-/// files so nothing is left in /dev/shm (consumers releasing later get
-/// `SS_ERR_PEER_GONE`). Runs by itself at exit once any CUDA IPC function
-/// was used; does nothing in a forked child. Later sends start afresh.
+/// Ends this process's part in CUDA IPC: warns (see `ss_set_log_callback`)
+/// if consumers still hold blocks this producer freed, and removes the
+/// names of its ref-counter files so nothing is left in /dev/shm
+/// (consumers releasing later get `SS_ERR_PEER_GONE`). Runs by itself at
+/// exit once any CUDA IPC function was used; does nothing in a forked
+/// child. Later sends start afresh.
 #[no_mangle]
 pub extern "C" fn ss_cuda_ipc_teardown() {
     ffi_value!("ss_cuda_ipc_teardown", (), {

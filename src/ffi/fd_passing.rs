@@ -3,7 +3,7 @@
 use super::args::{null, out_arg, write_out};
 use super::status::ss_status;
 use crate::error::{Error, ErrorKind};
-use crate::storage::{recv_fds, send_fds};
+use crate::fdpass::{recv_fds, send_fds};
 use std::ffi::c_void;
 use std::os::fd::IntoRawFd;
 use std::os::raw::c_int;

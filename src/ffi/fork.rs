@@ -1,8 +1,7 @@
-//! C API of fork safety: the pthread_atfork handlers that keep the
+//! C API of fork safety: what the pthread_atfork handlers do that keep the
 //! library's process-wide locks from being inherited held by a child (see
-//! `fork_safe`). The library installs them itself on first use; they are
-//! exported for programs that fork with a raw clone(2), which runs no
-//! atfork handlers.
+//! `fork_safe`, which installs those handlers itself on first use). Exported
+//! for programs that fork with a raw clone(2), which runs no atfork handlers.
 
 use crate::fork_safe;
 
@@ -28,12 +27,4 @@ pub extern "C" fn ss_atfork_parent() {
 #[no_mangle]
 pub extern "C" fn ss_atfork_child() {
     ffi_value!("ss_atfork_child", (), { fork_safe::after_fork_in_child() })
-}
-
-/// Registers the three handlers above with pthread_atfork (called once).
-pub(crate) fn install_fork_handlers() {
-    // SAFETY: registers plain functions taking and returning nothing.
-    unsafe {
-        libc::pthread_atfork(Some(ss_atfork_prepare), Some(ss_atfork_parent), Some(ss_atfork_child));
-    }
 }

@@ -2,8 +2,8 @@
 
 use super::args::{free_handle, handle, handle_mut, out_arg, str_arg, write_out};
 use super::status::ss_status;
-use crate::error::{Error, ErrorKind, Result};
-use crate::shm::{registry, MapAllocator, RefcountedMapAllocator};
+use crate::error::Result;
+use crate::shm::{registry, MapAllocator, Mapping, RefcountedMapAllocator};
 use std::ffi::{c_void, CString};
 use std::os::raw::{c_char, c_int};
 
@@ -36,65 +36,31 @@ pub struct SsMap {
     filename: CString,
 }
 
-pub(crate) enum Mapping {
-    Plain(MapAllocator),
-    Refcounted(RefcountedMapAllocator),
-}
-
 impl SsMap {
-    /// Boxes a mapping and records its data range for `ss_map_from_data`.
+    /// Boxes a mapping and registers the handle as the owner of its data,
+    /// for `ss_map_from_data`.
     pub(crate) fn into_raw(mapping: Mapping) -> *mut SsMap {
-        let filename = CString::new(match &mapping {
-            Mapping::Plain(m) => m.filename(),
-            Mapping::Refcounted(m) => m.filename(),
-        })
-        .unwrap_or_default();
+        let filename = CString::new(mapping.filename()).unwrap_or_default();
         let raw = Box::into_raw(Box::new(SsMap { mapping, filename }));
         // SAFETY: just created.
-        let this = unsafe { &*raw };
-        registry::register(this.data() as usize, this.size(), raw as usize);
+        unsafe { &*raw }.mapping.register_owner(raw as usize);
         raw
     }
 
     fn data(&self) -> *mut u8 {
-        match &self.mapping {
-            Mapping::Plain(m) => m.data(),
-            Mapping::Refcounted(m) => m.data(),
-        }
+        self.mapping.data()
     }
 
     fn size(&self) -> usize {
-        match &self.mapping {
-            Mapping::Plain(m) => m.len(),
-            Mapping::Refcounted(m) => m.len(),
-        }
+        self.mapping.len()
     }
 
     fn refcounted(&self) -> Result<&RefcountedMapAllocator> {
-        match &self.mapping {
-            Mapping::Refcounted(m) => Ok(m),
-            Mapping::Plain(m) => Err(Error::new(
-                ErrorKind::Unsupported,
-                format!("<{}> is a plain mapping: reference counts need ss_refcounted_map_open", m.filename()),
-            )),
-        }
+        self.mapping.refcounted()
     }
 
     fn close(&mut self) -> Result<()> {
-        let data = self.data();
-        if !data.is_null() {
-            registry::unregister(data as usize);
-        }
-        match &mut self.mapping {
-            Mapping::Plain(m) => m.close(),
-            Mapping::Refcounted(m) => m.close(),
-        }
-    }
-}
-
-impl Drop for SsMap {
-    fn drop(&mut self) {
-        let _ = self.close();
+        self.mapping.close()
     }
 }
 

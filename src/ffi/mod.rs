@@ -12,6 +12,7 @@ pub mod cuda;
 pub mod errors;
 pub mod fd_passing;
 pub mod fork;
+pub mod log;
 pub mod manager;
 pub mod map;
 pub mod status;

@@ -8,7 +8,6 @@ use crate::error::Result;
 use crate::symm::{self, group, registry, DeviceType, SymmetricMemory};
 use std::ffi::c_void;
 use std::os::raw::{c_char, c_int};
-use std::sync::Once;
 
 /// Device type of a CPU block (the library's own multi-process backend).
 pub const SS_DEVICE_CPU: c_int = 0;
@@ -522,14 +521,4 @@ pub extern "C" fn ss_symm_finalize() {
     ffi_value!("ss_symm_finalize", (), {
         registry::begin_finalizing();
     })
-}
-
-/// Registers `ss_symm_finalize` to run at exit (once); called when the
-/// allocator registry is first used (from Rust or C).
-pub(crate) fn finalize_at_exit() {
-    static REGISTER: Once = Once::new();
-    // SAFETY: registers a plain function taking and returning nothing.
-    REGISTER.call_once(|| unsafe {
-        libc::atexit(ss_symm_finalize);
-    });
 }

@@ -194,7 +194,7 @@ impl Server {
 
     fn note(&self, text: impl AsRef<str>) {
         if self.log {
-            eprintln!("ss_shm_manager[{}]: {}", std::process::id(), text.as_ref());
+            crate::log::log(crate::log::Level::Info, &format!("ss_shm_manager[{}]: {}", std::process::id(), text.as_ref()));
         }
     }
 
@@ -553,7 +553,7 @@ pub fn daemon_main() -> i32 {
     match server.run() {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("ss_shm_manager: {e}");
+            crate::log::warn(&format!("ss_shm_manager: {e}"));
             1
         }
     }

@@ -5,7 +5,8 @@
 use super::heap::HeapBuf;
 use crate::arena::Arena;
 use crate::error::{Error, ErrorKind, Result};
-use crate::shm::{ManagedMapAllocator, MapAllocator};
+use crate::manager::ManagedMapAllocator;
+use crate::shm::MapAllocator;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
 /// What holds a storage's bytes.

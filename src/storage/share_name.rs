@@ -10,8 +10,9 @@
 
 use super::object::{Allocation, Storage};
 use crate::error::{Error, ErrorKind, Result};
+use crate::manager::ManagedMapAllocator;
 use crate::shm::flags::{EXCLUSIVE, NOCREATE, SHAREDMEM};
-use crate::shm::{new_process_wide_shm_handle, ManagedMapAllocator};
+use crate::shm::new_process_wide_shm_handle;
 
 /// What a receiver needs to open a storage shared by name.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -60,7 +60,7 @@ pub struct FileStore {
 
 /// This process's descriptor use, for messages.
 fn fd_limit_text() -> String {
-    crate::storage::fd_passing::fd_limit_text()
+    crate::fdpass::fd_limit_text()
 }
 
 fn io_error(e: std::io::Error, context: impl std::fmt::Display) -> Error {

@@ -28,9 +28,13 @@ pub fn register(member: Weak<dyn Leave>) {
     open.push(member);
 }
 
+/// The atexit callback. A panic is caught because it must not unwind into
+/// the C runtime that calls this.
 extern "C" fn leave_all() {
-    let open = std::mem::take(&mut *OPEN.lock().unwrap_or_else(|p| p.into_inner()));
-    for member in open.iter().filter_map(Weak::upgrade) {
-        member.leave_once();
-    }
+    let _ = std::panic::catch_unwind(|| {
+        let open = std::mem::take(&mut *OPEN.lock().unwrap_or_else(|p| p.into_inner()));
+        for member in open.iter().filter_map(Weak::upgrade) {
+            member.leave_once();
+        }
+    });
 }

@@ -17,7 +17,7 @@
 use super::abstract_socket;
 use super::exchange::vec_for;
 use crate::error::{Error, ErrorKind, Result};
-use crate::storage::{recv_fds, send_fds};
+use crate::fdpass::{recv_fds, send_fds};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 

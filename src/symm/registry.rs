@@ -19,7 +19,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::fork_safe::ForkSafeMutex;
 use once_cell::sync::Lazy;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 
 /// The backend names `TORCH_SYMMMEM` may hold, as in PyTorch.
 pub const TORCH_SYMMMEM_CHOICES: [&str; 3] = ["CUDA", "NVSHMEM", "NCCL"];
@@ -33,13 +33,28 @@ struct Registry {
 }
 
 static REGISTRY: Lazy<ForkSafeMutex<Registry>> = Lazy::new(|| {
-    // Statics are never dropped: mark finalizing at exit instead. The exit
-    // hook is an `extern "C"` function, so it lives in the C API module.
-    crate::ffi::symm::finalize_at_exit();
+    // Statics are never dropped: mark finalizing at exit instead.
+    register_finalize_at_exit();
     ForkSafeMutex::new(Registry { allocators: vec![Arc::new(CpuAllocator), Arc::new(CudaSymmAllocator)], chosen: None, used: false })
 });
 
 static FINALIZING: AtomicBool = AtomicBool::new(false);
+
+/// The atexit callback: [`begin_finalizing`] (it cannot panic; the catch
+/// only keeps that true if it changes, as nothing may unwind into libc).
+extern "C" fn finalize_at_exit() {
+    let _ = std::panic::catch_unwind(begin_finalizing);
+}
+
+/// Registers [`finalize_at_exit`] with atexit, once per process.
+fn register_finalize_at_exit() {
+    static REGISTER: Once = Once::new();
+    // SAFETY: atexit only stores the pointer to a function that takes and
+    // returns nothing and never unwinds.
+    REGISTER.call_once(|| unsafe {
+        libc::atexit(finalize_at_exit);
+    });
+}
 
 /// PyTorch's newest default signal pad: 32 channels x 72 ranks x 4 bytes.
 pub const DEFAULT_SIGNAL_PAD_SIZE: usize = 32 * 72 * 4;

@@ -16,7 +16,7 @@ pub fn our_segments() -> Vec<(String, i32, f64)> {
     dir.flatten()
         .filter_map(|e| {
             let file = e.file_name().into_string().ok()?;
-            let pid = storage_sharing::ssctl::segments::creator_pid(&file)?;
+            let pid = storage_sharing::manager::segments::creator_pid(&file)?;
             let meta = e.metadata().ok()?;
             Some((format!("/{file}"), pid, meta.mtime() as f64 + meta.mtime_nsec() as f64 * 1e-9))
         })
@@ -40,7 +40,7 @@ pub fn segments_of(pids: &HashSet<i32>, from: f64, to: f64) -> Vec<String> {
 /// gc` removes); returns how many.
 pub fn gc(pids: &HashSet<i32>, from: f64, to: f64) -> u64 {
     let mut removed = 0;
-    for s in storage_sharing::ssctl::segments::scan("torch_") {
+    for s in storage_sharing::manager::segments::scan("torch_") {
         if owned_by(s.pid, s.created, pids, from, to) && s.collectable() {
             let c = std::ffi::CString::new(s.name).expect("no NUL in a listed name");
             // SAFETY: shm_unlink with a valid C string.

@@ -3,7 +3,9 @@
 mod demo;
 mod demo_symm;
 
-use storage_sharing::ssctl;
+mod gc;
+mod ls;
+mod store;
 
 const USAGE: &str = "usage: ssctl <command> [args]\ncommands:\n  demo [MiB]  share a buffer with a second process and show what happened and how fast\n  demo symm [KiB]  two ranks exchange data through symmetric memory (file store rendezvous)\n  ls          list segments in /dev/shm named like ours or PyTorch's\n  gc          remove those whose creator is dead and that nobody maps (--dry-run)\n  store ls|show|verify|gc PATH  look into, check or clean a content store";
 
@@ -14,9 +16,9 @@ fn main() {
         Some("demo") => demo::run(&args[1..]),
         Some(demo_symm::CHILD_COMMAND) => demo_symm::child(&args[1..]),
         Some(demo::CHILD_COMMAND) => demo::child(&args[1..]),
-        Some("ls") => ssctl::ls::run(&args[1..]),
-        Some("gc") => ssctl::gc::run(&args[1..]),
-        Some("store") => ssctl::store::run(&args[1..]),
+        Some("ls") => ls::run(&args[1..]),
+        Some("gc") => gc::run(&args[1..]),
+        Some("store") => store::run(&args[1..]),
         Some("-h" | "--help") => {
             println!("{USAGE}");
             0

@@ -1,7 +1,7 @@
 //! `ssctl ls [--prefix P]`: the segments that look like ours or PyTorch's.
 
-use super::segments::{scan, Segment};
 use std::io::Write;
+use storage_sharing::manager::segments::{scan, Segment};
 
 /// The table `ssctl ls` prints.
 pub fn render(segments: &[Segment]) -> String {

@@ -3,9 +3,9 @@
 //! or opened, and reported freed after it is closed, so the manager can
 //! remove it if this process dies holding it.
 
-use super::refcounted::RefcountedMapAllocator;
+use super::{client_for, default_client, Client};
 use crate::error::Result;
-use crate::manager::{client_for, default_client, Client};
+use crate::shm::RefcountedMapAllocator;
 use std::sync::Arc;
 
 /// A refcounted segment known to a manager. Dropping it closes it.
@@ -32,8 +32,8 @@ impl ManagedMapAllocator {
     }
 
     fn register_then(manager_handle: &str, name: &str, map: impl FnOnce() -> Result<RefcountedMapAllocator>) -> Result<Self> {
-        super::names::validate_shm_name(name)?;
-        crate::manager::protocol::check_filename(name)?;
+        crate::shm::names::validate_shm_name(name)?;
+        super::protocol::check_filename(name)?;
         let client = if manager_handle.is_empty() { default_client()? } else { client_for(manager_handle)? };
         client.register(name)?;
         match map() {

@@ -1,9 +1,9 @@
 //! `ssctl store ls|show|verify|gc PATH`: look into a content store, check
 //! it, and drop storages no tensor refers to.
 
-use crate::content_store::{self, Reader};
 use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::path::Path;
+use storage_sharing::content_store::{self, Reader};
 
 const USAGE: &str = "usage: ssctl store <command> PATH
 commands:
@@ -45,7 +45,7 @@ pub fn run(args: &[String]) -> i32 {
     report(cmd, result)
 }
 
-fn report(cmd: &str, result: crate::Result<()>) -> i32 {
+fn report(cmd: &str, result: storage_sharing::Result<()>) -> i32 {
     match result {
         Ok(()) => 0,
         Err(e) => {
@@ -79,7 +79,7 @@ fn shape_text(v: &[i64]) -> String {
     format!("[{}]", v.iter().map(i64::to_string).collect::<Vec<_>>().join(", "))
 }
 
-fn ls(path: &Path) -> crate::Result<()> {
+fn ls(path: &Path) -> storage_sharing::Result<()> {
     let r = Reader::open(path)?;
     let sizes: std::collections::HashMap<String, u64> = r.list_storages()?.into_iter().collect();
     println!("{:<40} {:<10} {:<20} {:<34} {:>10}", "TENSOR", "DTYPE", "SHAPE", "STORAGE", "SIZE");
@@ -101,7 +101,7 @@ fn ls(path: &Path) -> crate::Result<()> {
     Ok(())
 }
 
-fn show(path: &Path, names: &[String]) -> crate::Result<()> {
+fn show(path: &Path, names: &[String]) -> storage_sharing::Result<()> {
     let r = Reader::open(path)?;
     if names.is_empty() {
         let storages = r.list_storages()?;
@@ -183,7 +183,7 @@ fn verify(path: &Path) -> i32 {
     1
 }
 
-fn gc(path: &Path, dry_run: bool) -> crate::Result<()> {
+fn gc(path: &Path, dry_run: bool) -> storage_sharing::Result<()> {
     let report = content_store::gc(path, dry_run)?;
     let verb = if dry_run { "would remove" } else { "removed" };
     for (hash, size) in &report.storages {

@@ -3,7 +3,7 @@
 //! segments `ss_arena_<pid>_<id>_<hex>`), with what
 //! `ssctl ls` shows and `ssctl gc` decides on.
 
-use crate::manager::segment_users::{creator_alive, names_in_use, SHM_DIR};
+use super::segment_users::{creator_alive, names_in_use, SHM_DIR};
 use crate::shm::HEADER_SIZE;
 use std::collections::HashSet;
 use std::os::unix::fs::{FileExt, MetadataExt};

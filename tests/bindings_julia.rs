@@ -134,7 +134,8 @@ fn parse_header(text: &str) -> (BTreeMap<String, Prototype>, Vec<String>) {
             }
             continue;
         }
-        if stmt.starts_with("typedef") || !stmt.contains('(') {
+        // Deprecated aliases of renamed functions: the module uses the new names.
+        if stmt.starts_with("typedef") || stmt.starts_with("SS_DEPRECATED(") || !stmt.contains('(') {
             continue;
         }
         let open = stmt.find('(').unwrap();
@@ -242,7 +243,7 @@ fn julia_types_for(c: &str, opaque: &[String]) -> Result<Vec<String>, String> {
         b if opaque.iter().any(|o| o == b) => vec!["Cvoid".into()],
         // The struct's Julia mirror; julia_structs_match_the_header checks its fields.
         "ss_cuda_ipc_handle" => vec!["CudaIpcHandle".into()],
-        // The callback table of ss_store_from_callbacks (its Julia mirror).
+        // The callback table of ss_store_callbacks_open (its Julia mirror).
         "ss_store_callbacks" => vec!["StoreCallbacks".into()],
         "ss_arena_options" => vec!["ArenaOptions".into()],
         "ss_arena_handle" => vec!["ArenaHandle".into()],

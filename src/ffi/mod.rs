@@ -8,6 +8,7 @@ pub mod guard;
 pub mod arena;
 pub mod args;
 pub mod content_store;
+pub mod deprecated;
 pub mod cuda;
 pub mod errors;
 pub mod fd_passing;
@@ -19,6 +20,7 @@ pub mod storage;
 pub mod storage_utils;
 pub mod store;
 pub mod store_callbacks;
+pub mod struct_size;
 pub mod symm;
 
 pub use status::ss_status;

@@ -152,7 +152,7 @@ pub extern "C" fn ss_symm_set_signal_pad_size(size: usize) -> ss_status {
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_alloc(
     device_type: c_int,
-    device_idx: c_int,
+    device_idx: i32,
     size: usize,
     group: *const c_char,
     out: *mut *mut c_void,
@@ -181,7 +181,7 @@ pub unsafe extern "C" fn ss_symm_alloc(
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_alloc_persistent(
     device_type: c_int,
-    device_idx: c_int,
+    device_idx: i32,
     size: usize,
     group: *const c_char,
     alloc_id: u64,

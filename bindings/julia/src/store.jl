@@ -194,12 +194,16 @@ The table of `ss_store_callbacks`: C function pointers (from `@cfunction`,
 in `storage_sharing.h`. Each returns an `ss_status` code as a `Cint`.
 """
 struct StoreCallbacks
+    struct_size::Csize_t
     set::Ptr{Cvoid}
     get::Ptr{Cvoid}
     add::Ptr{Cvoid}
     wait::Ptr{Cvoid}
     free_ctx::Ptr{Cvoid}
 end
+
+StoreCallbacks(set, get, add, wait, free_ctx) =
+    StoreCallbacks(Csize_t(sizeof(StoreCallbacks)), set, get, add, wait, free_ctx)
 
 """
     store_from_callbacks(cb::StoreCallbacks, ctx::Ptr{Cvoid}) -> KVStore
@@ -211,8 +215,8 @@ from any thread: keep them to code that is safe there.
 function store_from_callbacks(cb::StoreCallbacks, ctx::Ptr{Cvoid})
     out = Ref{Ptr{Cvoid}}(C_NULL)
     table = Ref(cb)
-    st = ccall((:ss_store_from_callbacks, libstorage_sharing()), Cint,
+    st = ccall((:ss_store_callbacks_open, libstorage_sharing()), Cint,
                (Ptr{StoreCallbacks}, Ptr{Cvoid}, Ptr{Ptr{Cvoid}}), table, ctx, out)
-    check("ss_store_from_callbacks", st)
+    check("ss_store_callbacks_open", st)
     return KVStore(out[])
 end

@@ -1470,7 +1470,7 @@ ss_map *ss_map_from_data(const void *ptr);
  * # Safety
  * As `ss_store_callbacks_open`.
  */
-SS_DEPRECATED("renamed to ss_store_callbacks_open; initialize the table with SS_STORE_CALLBACKS_INIT")
+SS_DEPRECATED("renamed to ss_store_callbacks_open (initialize the table with SS_STORE_CALLBACKS_INIT)")
 ss_status ss_store_from_callbacks(const ss_store_callbacks *cb,
                                   void *ctx,
                                   ss_store **out);

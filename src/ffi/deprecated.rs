@@ -296,7 +296,7 @@ pub unsafe extern "C" fn ss_map_from_data(ptr: *const c_void) -> *mut SsMap {
 ///
 /// # Safety
 /// As `ss_store_callbacks_open`.
-#[deprecated(note = "renamed to ss_store_callbacks_open; initialize the table with SS_STORE_CALLBACKS_INIT")]
+#[deprecated(note = "renamed to ss_store_callbacks_open (initialize the table with SS_STORE_CALLBACKS_INIT)")]
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_from_callbacks(cb: *const SsStoreCallbacks, ctx: *mut c_void, out: *mut *mut SsStore) -> ss_status {
     ffi_value!("ss_store_from_callbacks", ss_status::SS_ERR_PANIC, {

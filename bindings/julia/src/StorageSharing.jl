@@ -29,6 +29,7 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        cuda_ipc_handle_from_text,
        KVStore, store_file_open, store_tcp_open, store_tcp_port, store_ref, store_set, store_get, store_add,
        store_wait, store_check, store_compare_set, store_delete_key, store_num_keys, StoreCallbacks, store_from_callbacks,
+       store_torch_file_open,
        SymmMem, symm_set_group_info, symm_get_group_info, symm_set_backend, symm_alloc, symm_alloc_persistent,
        symm_get_alloc_size, symm_free, symm_rendezvous, symm_rank, symm_world_size, symm_buffer_size,
        symm_signal_pad_size, symm_buffer_ptr, symm_signal_pad_ptr, symm_get_buffer, symm_barrier, symm_put_signal,

@@ -46,6 +46,21 @@ function store_file_open(path::AbstractString)
     return KVStore(out[])
 end
 
+"""
+    store_torch_file_open(path, world_size, timeout_ms) -> KVStore
+
+A store over PyTorch's `FileStore` file at `path`, shared with
+`torch.distributed.FileStore(path, world_size)` of the same host
+(`world_size` -1: the file is never removed; `timeout_ms` 0: wait forever).
+"""
+function store_torch_file_open(path::AbstractString, world_size::Integer, timeout_ms::Integer)
+    out = Ref{Ptr{Cvoid}}(C_NULL)
+    st = ccall((:ss_store_torch_file_open, libstorage_sharing()), Cint, (Cstring, Cint, Int64, Ptr{Ptr{Cvoid}}),
+               path, world_size, timeout_ms, out)
+    check("ss_store_torch_file_open", st)
+    return KVStore(out[])
+end
+
 """A second reference to the same store (close both)."""
 function store_ref(s::KVStore)
     out = Ref{Ptr{Cvoid}}(C_NULL)

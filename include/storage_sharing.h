@@ -500,6 +500,13 @@ typedef struct {
 } ss_arena_stats;
 
 /**
+ * Called when shared memory is no longer used by anyone: gets back the
+ * `deleter_ctx` given to `ss_cuda_share` and the device pointer. Runs on
+ * whichever thread frees or collects; it may call `ss_cuda_free`.
+ */
+typedef void (*ss_cuda_deleter)(void *ctx, void *device_ptr);
+
+/**
  * The eight fields of PyTorch's `storage._share_cuda_()` tuple, in its
  * order, as a plain struct that may be copied byte for byte between
  * processes (pipes, sockets, shared memory).
@@ -604,13 +611,6 @@ typedef struct {
   ss_store_wait_fn wait;
   ss_store_free_ctx_fn free_ctx;
 } ss_store_callbacks;
-
-/**
- * Called when shared memory is no longer used by anyone: gets back the
- * `deleter_ctx` given to `ss_cuda_share` and the device pointer. Runs on
- * whichever thread frees or collects; it may call `ss_cuda_free`.
- */
-typedef void (*ss_cuda_deleter)(void *ctx, void *device_ptr);
 
 #ifdef __cplusplus
 extern "C" {
@@ -1226,6 +1226,219 @@ const char *ss_content_list_get(const ss_content_list *l, size_t i);
 void ss_content_list_free(ss_content_list *l);
 
 /**
+ * Ends this process's part in CUDA IPC: warns on stderr if consumers still
+ * hold blocks this producer freed, and removes the names of its ref-counter
+ * files so nothing is left in /dev/shm (consumers releasing later get
+ * `SS_ERR_PEER_GONE`). Runs by itself at exit once any CUDA IPC function
+ * was used; does nothing in a forked child. Later sends start afresh.
+ */
+void ss_cuda_ipc_teardown(void);
+
+/**
+ * Whether CUDA can be used here: the driver library loads, is new enough,
+ * and a device is visible. When false, `ss_last_error_message()` says why.
+ */
+bool ss_cuda_available(void);
+
+/**
+ * The driver's CUDA version (1000 × major + 10 × minor) and the number of
+ * visible devices. `SS_ERR_CUDA_UNAVAILABLE` (with the reason) otherwise.
+ *
+ * # Safety
+ * `out_version` and `out_device_count` are NULL or point to a writable
+ * `int32_t`.
+ */
+ss_status ss_cuda_driver_info(int32_t *out_version, int32_t *out_device_count);
+
+/**
+ * Shares `nbytes` of device memory at `device_ptr` (inside a cudaMalloc
+ * allocation of `device`) with another process. Work queued on `stream`
+ * (a `cudaStream_t`; NULL = the default stream) before this call is
+ * visible to the consumer: an interprocess event is recorded there (or,
+ * with 1000 events alive, the stream is synchronised).
+ *
+ * Writes the tuple to send into `*out_handle` and the producer's record
+ * into `*out_sent`; release that with `ss_cuda_sent_free` when the
+ * producer is done with the memory. Once the consumer has released it too,
+ * `deleter(deleter_ctx, device_ptr)` gives the memory back (NULL deleter:
+ * nothing is called). Memory received from another process cannot be sent
+ * on (`SS_ERR_UNSUPPORTED`: clone it first). A NULL `device_ptr` with
+ * `nbytes` 0 gives the tuple of a storage without data and `*out_sent` NULL.
+ *
+ * # Safety
+ * `device_ptr` is a device address (never read on the host); `stream` is
+ * NULL or a live `cudaStream_t` of `device`'s context. `deleter`, if not
+ * NULL, must be safe to call once, from any thread, with `deleter_ctx`.
+ * `out_handle` is NULL or points to a writable `ss_cuda_ipc_handle`;
+ * `out_sent` is NULL or points to a writable `ss_cuda_sent*`.
+ */
+ss_status ss_cuda_share(const void *device_ptr,
+                        size_t nbytes,
+                        int32_t device,
+                        void *stream,
+                        ss_cuda_deleter deleter,
+                        void *deleter_ctx,
+                        ss_cuda_ipc_handle *out_handle,
+                        ss_cuda_sent **out_sent);
+
+/**
+ * The consumer count of a send: 1 while the consumer holds it, 0 once it
+ * released it.
+ *
+ * # Safety
+ * `sent` is NULL or a live `ss_cuda_sent` that no other thread is using;
+ * `out` is NULL or points to a writable `int64_t`.
+ */
+ss_status ss_cuda_sent_counter(const ss_cuda_sent *sent, int64_t *out);
+
+/**
+ * The producer's release of a send (the handle is freed). If no consumer
+ * refers to the memory any more it is given back (the deleter runs) now;
+ * else it waits in limbo until a collection finds its counter at 0, and
+ * `*out_in_limbo` (may be NULL) is set to true. Also frees the limbo
+ * blocks already released. NULL `sent` is a no-op.
+ *
+ * # Safety
+ * `sent` is NULL or a live `ss_cuda_sent` that no other thread is using; it
+ * must not be used after the call. `out_in_limbo` is NULL or points to a
+ * writable `bool`.
+ */
+ss_status ss_cuda_sent_free(ss_cuda_sent *sent, bool *out_in_limbo);
+
+/**
+ * Opens a tuple from another process (ours or PyTorch's `_share_cuda_()`):
+ * maps the memory (once per allocation in this process) and makes
+ * `stream` (NULL = default stream) wait for the producer's event. Use the
+ * data with work on that stream; release with `ss_cuda_received_free`.
+ * `SS_ERR_PEER_GONE` when the producer has exited; `SS_ERR_BAD_REFCOUNT`
+ * when the tuple was already released.
+ *
+ * # Safety
+ * `ipc_handle` is NULL or points to a readable `ss_cuda_ipc_handle` whose
+ * `event_sync_required` byte is 0 or 1; `stream` is NULL or a live
+ * `cudaStream_t` of the handle's device; `out` is NULL or points to a
+ * writable `ss_cuda_received*`.
+ */
+ss_status ss_cuda_received_open(const ss_cuda_ipc_handle *ipc_handle,
+                                void *stream,
+                                ss_cuda_received **out);
+
+/**
+ * Device address of a received storage's first byte (NULL for NULL or a
+ * storage without data).
+ *
+ * # Safety
+ * `received` is NULL or a live `ss_cuda_received` that no other thread is
+ * using. The address is valid until the handle is freed.
+ */
+void *ss_cuda_received_data(const ss_cuda_received *received);
+
+/**
+ * Bytes of a received storage (0 for NULL).
+ *
+ * # Safety
+ * `received` is NULL or a live `ss_cuda_received` that no other thread is
+ * using.
+ */
+size_t ss_cuda_received_size(const ss_cuda_received *received);
+
+/**
+ * The consumer's release (the handle is freed whatever the result): waits
+ * for the work queued on the stream given to `ss_cuda_received_open`, unmaps the
+ * memory if this was its last user here, and decrements the producer's
+ * counter slot atomically. `SS_ERR_PEER_GONE` when the producer is gone.
+ * NULL is a no-op.
+ *
+ * # Safety
+ * `received` is NULL or a live `ss_cuda_received` that no other thread is
+ * using; neither it nor its device address may be used after the call.
+ */
+ss_status ss_cuda_received_free(ss_cuda_received *received);
+
+/**
+ * Decrements slot `slot` of the ref-counter file `counter_name` by one,
+ * atomically, as PyTorch's `_release_ipc_counter_cuda` does (non-atomically).
+ * For a consumer that drops a duplicate tuple without opening it. Needs
+ * no GPU. `SS_ERR_PEER_GONE` when the file is gone, `SS_ERR_BAD_REFCOUNT`
+ * when the slot is already 0.
+ *
+ * # Safety
+ * `counter_name` is NULL or a NUL-terminated string.
+ */
+ss_status ss_cuda_ipc_counter_release(const char *counter_name, uint64_t slot);
+
+/**
+ * Gives back every block in limbo that no consumer refers to any more
+ * (running their deleters); `*out_freed` (may be NULL) gets how many.
+ * With limbo then empty, also closes the current ref-counter file if no
+ * send uses it. Call it when device memory runs short (`ss_cuda_alloc`
+ * does), as `torch.cuda.ipc_collect()`.
+ *
+ * # Safety
+ * `out_freed` is NULL or points to a writable `size_t`.
+ */
+ss_status ss_cuda_ipc_collect(size_t *out_freed);
+
+/**
+ * Blocks freed by this producer that consumers still refer to.
+ */
+size_t ss_cuda_limbo_size(void);
+
+/**
+ * Base address and size of the cudaMalloc allocation of `device` that
+ * holds `device_ptr` (what the tuple's offset is measured from).
+ *
+ * # Safety
+ * `device_ptr` may be any value (it is only looked up); `out_base` is NULL
+ * or points to a writable `void*`; `out_size` is NULL or points to a
+ * writable `size_t`.
+ */
+ss_status ss_cuda_pointer_base(const void *device_ptr,
+                               int32_t device,
+                               void **out_base,
+                               size_t *out_size);
+
+/**
+ * Allocates `nbytes` of device memory on `device` (cuMemAlloc, shareable
+ * with `ss_cuda_share`). When the device is full, collects limbo and, if
+ * that gave any block back, tries once more; else `SS_ERR_NO_SPACE`.
+ *
+ * # Safety
+ * `out` is NULL or points to a writable `void*`.
+ */
+ss_status ss_cuda_alloc(int32_t device, size_t nbytes, void **out);
+
+/**
+ * Frees memory from `ss_cuda_alloc`. NULL is a no-op.
+ *
+ * # Safety
+ * `device_ptr` is NULL or memory from `ss_cuda_alloc` on `device` that is
+ * not freed yet; it must not be used after the call.
+ */
+ss_status ss_cuda_free(int32_t device, void *device_ptr);
+
+/**
+ * Writes the tuple as one line of text (eight space-separated fields,
+ * byte strings in hex, `-` for an empty one) into `buf` of `len` bytes
+ * (`SS_CUDA_HANDLE_TEXT_MAX` is always enough): for pipes, argv, Python.
+ *
+ * # Safety
+ * `ipc_handle` is NULL or points to a readable `ss_cuda_ipc_handle` whose
+ * `event_sync_required` byte is 0 or 1; `buf` is NULL or writable for `len`
+ * bytes.
+ */
+ss_status ss_cuda_ipc_handle_to_text(const ss_cuda_ipc_handle *ipc_handle, char *buf, size_t len);
+
+/**
+ * Parses `ss_cuda_ipc_handle_to_text`'s form into `*out`.
+ *
+ * # Safety
+ * `text` is NULL or a NUL-terminated string; `out` is NULL or points to a
+ * writable `ss_cuda_ipc_handle`.
+ */
+ss_status ss_cuda_ipc_handle_from_text(const char *text, ss_cuda_ipc_handle *out);
+
+/**
  * Deprecated alias of `ss_arena_dealloc` (the old name, kept for one release).
  *
  * # Safety
@@ -1476,217 +1689,18 @@ ss_status ss_store_from_callbacks(const ss_store_callbacks *cb,
                                   ss_store **out);
 
 /**
- * Ends this process's part in CUDA IPC: warns on stderr if consumers still
- * hold blocks this producer freed, and removes the names of its ref-counter
- * files so nothing is left in /dev/shm (consumers releasing later get
- * `SS_ERR_PEER_GONE`). Runs by itself at exit once any CUDA IPC function
- * was used; does nothing in a forked child. Later sends start afresh.
- */
-void ss_cuda_ipc_teardown(void);
-
-/**
- * Whether CUDA can be used here: the driver library loads, is new enough,
- * and a device is visible. When false, `ss_last_error_message()` says why.
- */
-bool ss_cuda_available(void);
-
-/**
- * The driver's CUDA version (1000 × major + 10 × minor) and the number of
- * visible devices. `SS_ERR_CUDA_UNAVAILABLE` (with the reason) otherwise.
+ * Deprecated alias of `ss_symm_mem_rendezvous`, which writes the same
+ * borrowed object through a `const` out-parameter.
  *
  * # Safety
- * `out_version` and `out_device_count` are NULL or point to a writable
- * `int32_t`.
+ * As `ss_symm_mem_rendezvous`; `out` is NULL or points to a writable
+ * `ss_symm_mem*`.
  */
-ss_status ss_cuda_driver_info(int32_t *out_version, int32_t *out_device_count);
-
-/**
- * Shares `nbytes` of device memory at `device_ptr` (inside a cudaMalloc
- * allocation of `device`) with another process. Work queued on `stream`
- * (a `cudaStream_t`; NULL = the default stream) before this call is
- * visible to the consumer: an interprocess event is recorded there (or,
- * with 1000 events alive, the stream is synchronised).
- *
- * Writes the tuple to send into `*out_handle` and the producer's record
- * into `*out_sent`; release that with `ss_cuda_sent_free` when the
- * producer is done with the memory. Once the consumer has released it too,
- * `deleter(deleter_ctx, device_ptr)` gives the memory back (NULL deleter:
- * nothing is called). Memory received from another process cannot be sent
- * on (`SS_ERR_UNSUPPORTED`: clone it first). A NULL `device_ptr` with
- * `nbytes` 0 gives the tuple of a storage without data and `*out_sent` NULL.
- *
- * # Safety
- * `device_ptr` is a device address (never read on the host); `stream` is
- * NULL or a live `cudaStream_t` of `device`'s context. `deleter`, if not
- * NULL, must be safe to call once, from any thread, with `deleter_ctx`.
- * `out_handle` is NULL or points to a writable `ss_cuda_ipc_handle`;
- * `out_sent` is NULL or points to a writable `ss_cuda_sent*`.
- */
-ss_status ss_cuda_share(const void *device_ptr,
-                        size_t nbytes,
-                        int32_t device,
-                        void *stream,
-                        ss_cuda_deleter deleter,
-                        void *deleter_ctx,
-                        ss_cuda_ipc_handle *out_handle,
-                        ss_cuda_sent **out_sent);
-
-/**
- * The consumer count of a send: 1 while the consumer holds it, 0 once it
- * released it.
- *
- * # Safety
- * `sent` is NULL or a live `ss_cuda_sent` that no other thread is using;
- * `out` is NULL or points to a writable `int64_t`.
- */
-ss_status ss_cuda_sent_counter(const ss_cuda_sent *sent, int64_t *out);
-
-/**
- * The producer's release of a send (the handle is freed). If no consumer
- * refers to the memory any more it is given back (the deleter runs) now;
- * else it waits in limbo until a collection finds its counter at 0, and
- * `*out_in_limbo` (may be NULL) is set to true. Also frees the limbo
- * blocks already released. NULL `sent` is a no-op.
- *
- * # Safety
- * `sent` is NULL or a live `ss_cuda_sent` that no other thread is using; it
- * must not be used after the call. `out_in_limbo` is NULL or points to a
- * writable `bool`.
- */
-ss_status ss_cuda_sent_free(ss_cuda_sent *sent, bool *out_in_limbo);
-
-/**
- * Opens a tuple from another process (ours or PyTorch's `_share_cuda_()`):
- * maps the memory (once per allocation in this process) and makes
- * `stream` (NULL = default stream) wait for the producer's event. Use the
- * data with work on that stream; release with `ss_cuda_received_free`.
- * `SS_ERR_PEER_GONE` when the producer has exited; `SS_ERR_BAD_REFCOUNT`
- * when the tuple was already released.
- *
- * # Safety
- * `ipc_handle` is NULL or points to a readable `ss_cuda_ipc_handle` whose
- * `event_sync_required` byte is 0 or 1; `stream` is NULL or a live
- * `cudaStream_t` of the handle's device; `out` is NULL or points to a
- * writable `ss_cuda_received*`.
- */
-ss_status ss_cuda_received_open(const ss_cuda_ipc_handle *ipc_handle,
-                                void *stream,
-                                ss_cuda_received **out);
-
-/**
- * Device address of a received storage's first byte (NULL for NULL or a
- * storage without data).
- *
- * # Safety
- * `received` is NULL or a live `ss_cuda_received` that no other thread is
- * using. The address is valid until the handle is freed.
- */
-void *ss_cuda_received_data(const ss_cuda_received *received);
-
-/**
- * Bytes of a received storage (0 for NULL).
- *
- * # Safety
- * `received` is NULL or a live `ss_cuda_received` that no other thread is
- * using.
- */
-size_t ss_cuda_received_size(const ss_cuda_received *received);
-
-/**
- * The consumer's release (the handle is freed whatever the result): waits
- * for the work queued on the stream given to `ss_cuda_received_open`, unmaps the
- * memory if this was its last user here, and decrements the producer's
- * counter slot atomically. `SS_ERR_PEER_GONE` when the producer is gone.
- * NULL is a no-op.
- *
- * # Safety
- * `received` is NULL or a live `ss_cuda_received` that no other thread is
- * using; neither it nor its device address may be used after the call.
- */
-ss_status ss_cuda_received_free(ss_cuda_received *received);
-
-/**
- * Decrements slot `slot` of the ref-counter file `counter_name` by one,
- * atomically, as PyTorch's `_release_ipc_counter_cuda` does (non-atomically).
- * For a consumer that drops a duplicate tuple without opening it. Needs
- * no GPU. `SS_ERR_PEER_GONE` when the file is gone, `SS_ERR_BAD_REFCOUNT`
- * when the slot is already 0.
- *
- * # Safety
- * `counter_name` is NULL or a NUL-terminated string.
- */
-ss_status ss_cuda_ipc_counter_release(const char *counter_name, uint64_t slot);
-
-/**
- * Gives back every block in limbo that no consumer refers to any more
- * (running their deleters); `*out_freed` (may be NULL) gets how many.
- * With limbo then empty, also closes the current ref-counter file if no
- * send uses it. Call it when device memory runs short (`ss_cuda_alloc`
- * does), as `torch.cuda.ipc_collect()`.
- *
- * # Safety
- * `out_freed` is NULL or points to a writable `size_t`.
- */
-ss_status ss_cuda_ipc_collect(size_t *out_freed);
-
-/**
- * Blocks freed by this producer that consumers still refer to.
- */
-size_t ss_cuda_limbo_size(void);
-
-/**
- * Base address and size of the cudaMalloc allocation of `device` that
- * holds `device_ptr` (what the tuple's offset is measured from).
- *
- * # Safety
- * `device_ptr` may be any value (it is only looked up); `out_base` is NULL
- * or points to a writable `void*`; `out_size` is NULL or points to a
- * writable `size_t`.
- */
-ss_status ss_cuda_pointer_base(const void *device_ptr,
-                               int32_t device,
-                               void **out_base,
-                               size_t *out_size);
-
-/**
- * Allocates `nbytes` of device memory on `device` (cuMemAlloc, shareable
- * with `ss_cuda_share`). When the device is full, collects limbo and, if
- * that gave any block back, tries once more; else `SS_ERR_NO_SPACE`.
- *
- * # Safety
- * `out` is NULL or points to a writable `void*`.
- */
-ss_status ss_cuda_alloc(int32_t device, size_t nbytes, void **out);
-
-/**
- * Frees memory from `ss_cuda_alloc`. NULL is a no-op.
- *
- * # Safety
- * `device_ptr` is NULL or memory from `ss_cuda_alloc` on `device` that is
- * not freed yet; it must not be used after the call.
- */
-ss_status ss_cuda_free(int32_t device, void *device_ptr);
-
-/**
- * Writes the tuple as one line of text (eight space-separated fields,
- * byte strings in hex, `-` for an empty one) into `buf` of `len` bytes
- * (`SS_CUDA_HANDLE_TEXT_MAX` is always enough): for pipes, argv, Python.
- *
- * # Safety
- * `ipc_handle` is NULL or points to a readable `ss_cuda_ipc_handle` whose
- * `event_sync_required` byte is 0 or 1; `buf` is NULL or writable for `len`
- * bytes.
- */
-ss_status ss_cuda_ipc_handle_to_text(const ss_cuda_ipc_handle *ipc_handle, char *buf, size_t len);
-
-/**
- * Parses `ss_cuda_ipc_handle_to_text`'s form into `*out`.
- *
- * # Safety
- * `text` is NULL or a NUL-terminated string; `out` is NULL or points to a
- * writable `ss_cuda_ipc_handle`.
- */
-ss_status ss_cuda_ipc_handle_from_text(const char *text, ss_cuda_ipc_handle *out);
+SS_DEPRECATED("renamed to ss_symm_mem_rendezvous, whose out-parameter is const (the block owns the object)")
+ss_status ss_symm_rendezvous(void *ptr,
+                             const char *group,
+                             int64_t timeout_ms,
+                             ss_symm_mem **out);
 
 /**
  * The detail of the last failure on the calling thread ("" if none yet):
@@ -2555,14 +2569,18 @@ ss_status ss_symm_free(void *ptr);
  * in TMPDIR), checked with `SO_PEERCRED` to be the peer ranks' processes
  * (pid from their rendezvous requests, same uid): ranks must share a pid
  * and network namespace. A second call for the same block and group
- * returns the same object. `*out` is owned by the block.
+ * returns the same object. `*out` is borrowed (hence `const`): the block
+ * owns it, and `ss_symm_free` of the block releases it.
  *
  * # Safety
  * `ptr` may be any value (it is only looked up); `group` is NULL or a
  * NUL-terminated string; `out` is NULL or points to a writable
- * `ss_symm_mem*`.
+ * `const ss_symm_mem*`.
  */
-ss_status ss_symm_rendezvous(void *ptr, const char *group, int64_t timeout_ms, ss_symm_mem **out);
+ss_status ss_symm_mem_rendezvous(void *ptr,
+                                 const char *group,
+                                 int64_t timeout_ms,
+                                 const ss_symm_mem **out);
 
 /**
  * This process's rank in the object's group; -1 for NULL.

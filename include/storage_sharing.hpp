@@ -1001,9 +1001,9 @@ public:
     }
     /* Meets the other ranks of `group` ("" for the allocation's group). */
     SymmMem rendezvous(const std::string &group = "", std::int64_t timeout_ms = 0) const {
-        ss_symm_mem *h = nullptr;
-        const char *c_group = group.empty() ? nullptr : c_string_arg(group, "ss_symm_rendezvous", "group");
-        check(ss_symm_rendezvous(ptr_, c_group, timeout_ms, &h), "ss_symm_rendezvous");
+        const ss_symm_mem *h = nullptr;
+        const char *c_group = group.empty() ? nullptr : c_string_arg(group, "ss_symm_mem_rendezvous", "group");
+        check(ss_symm_mem_rendezvous(ptr_, c_group, timeout_ms, &h), "ss_symm_mem_rendezvous");
         return SymmMem(h);
     }
     /* Frees now, reporting errors (the destructor ignores them). */

@@ -14,7 +14,7 @@ use std::time::Duration;
 use storage_sharing::ffi::map::{ss_map_free, SsMap};
 use storage_sharing::ffi::status::ss_status;
 use storage_sharing::ffi::storage::*;
-use storage_sharing::ffi::storage_utils::{ss_map_new_shm_fd, ss_map_new_copy};
+use storage_sharing::ffi::storage_utils::{ss_map_new_copy, ss_map_new_shm_fd};
 
 const SIZE: usize = 64 << 20;
 const KILLS: usize = 40;

@@ -200,7 +200,7 @@ type SymmMem struct {
 // group); every rank calls it with a block of the same size. timeout 0
 // waits forever; ranks that do not come give ErrTimeout naming them.
 func (b *SymmBlock) Rendezvous(group string, timeout time.Duration) (*SymmMem, error) {
-	const op = "ss_symm_rendezvous"
+	const op = "ss_symm_mem_rendezvous"
 	ms, err := timeoutMS(op, timeout)
 	if err != nil {
 		return nil, err
@@ -211,7 +211,7 @@ func (b *SymmBlock) Rendezvous(group string, timeout time.Duration) (*SymmMem, e
 	}
 	defer freeCString(g)
 	var h *C.ss_symm_mem
-	if err := call(op, func() C.ss_status { return C.ss_symm_rendezvous(b.ptr, g, ms, &h) }); err != nil {
+	if err := call(op, func() C.ss_status { return C.ss_symm_mem_rendezvous(b.ptr, g, ms, &h) }); err != nil {
 		return nil, err
 	}
 	return &SymmMem{h: h}, nil

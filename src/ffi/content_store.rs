@@ -123,7 +123,13 @@ fn c_string(s: String) -> CString {
 /// `data` is NULL or readable for `nbytes` bytes, not written by another
 /// thread during the call; `buf` is NULL or writable for `buf_len` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_hash_bytes(data: *const c_void, nbytes: usize, mode: c_int, buf: *mut c_char, buf_len: usize) -> ss_status {
+pub unsafe extern "C" fn ss_content_hash_bytes(
+    data: *const c_void,
+    nbytes: usize,
+    mode: c_int,
+    buf: *mut c_char,
+    buf_len: usize,
+) -> ss_status {
     ffi_status!("ss_content_hash_bytes", {
         let mode = HashMode::from_code(mode)?;
         // SAFETY: the caller passes NULL or nbytes readable bytes.

@@ -312,7 +312,11 @@ pub unsafe extern "C" fn ss_cuda_sent_free(sent: *mut SsCudaSent, out_in_limbo: 
 /// `cudaStream_t` of the handle's device; `out` is NULL or points to a
 /// writable `ss_cuda_received*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_cuda_received_open(ipc_handle: *const SsCudaIpcHandle, stream: *mut c_void, out: *mut *mut SsCudaReceived) -> ss_status {
+pub unsafe extern "C" fn ss_cuda_received_open(
+    ipc_handle: *const SsCudaIpcHandle,
+    stream: *mut c_void,
+    out: *mut *mut SsCudaReceived,
+) -> ss_status {
     ffi_status!("ss_cuda_received_open", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a readable struct.

@@ -11,6 +11,7 @@ use super::map::SsMap;
 use super::status::ss_status;
 use super::store::SsStore;
 use super::store_callbacks::SsStoreCallbacks;
+use super::symm::SsSymmMem;
 use super::*;
 use std::ffi::c_void;
 use std::os::raw::{c_char, c_int};
@@ -60,7 +61,13 @@ pub unsafe extern "C" fn ss_arena_trim_remote_cache(out_released: *mut usize) ->
 /// As `ss_content_writer_write_storage`.
 #[deprecated(note = "renamed to ss_content_writer_write_storage")]
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_write_storage(w: *const SsContentWriter, data: *const c_void, nbytes: usize, buf: *mut c_char, buf_len: usize) -> ss_status {
+pub unsafe extern "C" fn ss_content_write_storage(
+    w: *const SsContentWriter,
+    data: *const c_void,
+    nbytes: usize,
+    buf: *mut c_char,
+    buf_len: usize,
+) -> ss_status {
     ffi_value!("ss_content_write_storage", ss_status::SS_ERR_PANIC, {
         // SAFETY: the caller keeps the contract of the replacement.
         unsafe { content_store::ss_content_writer_write_storage(w, data, nbytes, buf, buf_len) }
@@ -73,7 +80,17 @@ pub unsafe extern "C" fn ss_content_write_storage(w: *const SsContentWriter, dat
 /// As `ss_content_writer_write_tensor`.
 #[deprecated(note = "renamed to ss_content_writer_write_tensor")]
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_write_tensor(w: *const SsContentWriter, name: *const c_char, data: *const c_void, nbytes: usize, dtype: c_int, offset: i64, ndim: usize, shape: *const i64, stride: *const i64) -> ss_status {
+pub unsafe extern "C" fn ss_content_write_tensor(
+    w: *const SsContentWriter,
+    name: *const c_char,
+    data: *const c_void,
+    nbytes: usize,
+    dtype: c_int,
+    offset: i64,
+    ndim: usize,
+    shape: *const i64,
+    stride: *const i64,
+) -> ss_status {
     ffi_value!("ss_content_write_tensor", ss_status::SS_ERR_PANIC, {
         // SAFETY: the caller keeps the contract of the replacement.
         unsafe { content_store::ss_content_writer_write_tensor(w, name, data, nbytes, dtype, offset, ndim, shape, stride) }
@@ -86,7 +103,11 @@ pub unsafe extern "C" fn ss_content_write_tensor(w: *const SsContentWriter, name
 /// As `ss_content_reader_read_tensor`.
 #[deprecated(note = "renamed to ss_content_reader_read_tensor")]
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_read_tensor(r: *const SsContentReader, name: *const c_char, out: *mut *mut SsContentTensor) -> ss_status {
+pub unsafe extern "C" fn ss_content_read_tensor(
+    r: *const SsContentReader,
+    name: *const c_char,
+    out: *mut *mut SsContentTensor,
+) -> ss_status {
     ffi_value!("ss_content_read_tensor", ss_status::SS_ERR_PANIC, {
         // SAFETY: the caller keeps the contract of the replacement.
         unsafe { content_store::ss_content_reader_read_tensor(r, name, out) }
@@ -99,7 +120,11 @@ pub unsafe extern "C" fn ss_content_read_tensor(r: *const SsContentReader, name:
 /// As `ss_content_reader_read_storage`.
 #[deprecated(note = "renamed to ss_content_reader_read_storage")]
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_read_storage(r: *const SsContentReader, hash: *const c_char, out: *mut *mut SsContentStorage) -> ss_status {
+pub unsafe extern "C" fn ss_content_read_storage(
+    r: *const SsContentReader,
+    hash: *const c_char,
+    out: *mut *mut SsContentStorage,
+) -> ss_status {
     ffi_value!("ss_content_read_storage", ss_status::SS_ERR_PANIC, {
         // SAFETY: the caller keeps the contract of the replacement.
         unsafe { content_store::ss_content_reader_read_storage(r, hash, out) }
@@ -138,7 +163,11 @@ pub unsafe extern "C" fn ss_content_list_storages(r: *const SsContentReader, out
 /// As `ss_content_reader_verify`.
 #[deprecated(note = "renamed to ss_content_reader_verify")]
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_verify(r: *const SsContentReader, out_checked: *mut u64, out_problems: *mut *mut SsContentList) -> ss_status {
+pub unsafe extern "C" fn ss_content_verify(
+    r: *const SsContentReader,
+    out_checked: *mut u64,
+    out_problems: *mut *mut SsContentList,
+) -> ss_status {
     ffi_value!("ss_content_verify", ss_status::SS_ERR_PANIC, {
         // SAFETY: the caller keeps the contract of the replacement.
         unsafe { content_store::ss_content_reader_verify(r, out_checked, out_problems) }
@@ -216,7 +245,15 @@ pub unsafe extern "C" fn ss_send_fds(sock: c_int, payload: *const c_void, len: u
 /// As `ss_fds_recv`.
 #[deprecated(note = "renamed to ss_fds_recv")]
 #[no_mangle]
-pub unsafe extern "C" fn ss_recv_fds(sock: c_int, buf: *mut c_void, len: usize, out_len: *mut usize, fds: *mut c_int, max_fds: usize, out_nfds: *mut usize) -> ss_status {
+pub unsafe extern "C" fn ss_recv_fds(
+    sock: c_int,
+    buf: *mut c_void,
+    len: usize,
+    out_len: *mut usize,
+    fds: *mut c_int,
+    max_fds: usize,
+    out_nfds: *mut usize,
+) -> ss_status {
     ffi_value!("ss_recv_fds", ss_status::SS_ERR_PANIC, {
         // SAFETY: the caller keeps the contract of the replacement.
         unsafe { fd_passing::ss_fds_recv(sock, buf, len, out_len, fds, max_fds, out_nfds) }
@@ -311,5 +348,25 @@ pub unsafe extern "C" fn ss_store_from_callbacks(cb: *const SsStoreCallbacks, ct
         }
         // SAFETY: a readable local copy of the caller's table.
         unsafe { store_callbacks::ss_store_callbacks_open(&table, ctx, out) }
+    })
+}
+
+/// Deprecated alias of `ss_symm_mem_rendezvous`, which writes the same
+/// borrowed object through a `const` out-parameter.
+///
+/// # Safety
+/// As `ss_symm_mem_rendezvous`; `out` is NULL or points to a writable
+/// `ss_symm_mem*`.
+#[deprecated(note = "renamed to ss_symm_mem_rendezvous, whose out-parameter is const (the block owns the object)")]
+#[no_mangle]
+pub unsafe extern "C" fn ss_symm_rendezvous(
+    ptr: *mut c_void,
+    group: *const c_char,
+    timeout_ms: i64,
+    out: *mut *mut SsSymmMem,
+) -> ss_status {
+    ffi_value!("ss_symm_rendezvous", ss_status::SS_ERR_PANIC, {
+        // SAFETY: a `*mut SsSymmMem` slot holds a `*const SsSymmMem` alike.
+        unsafe { symm::ss_symm_mem_rendezvous(ptr, group, timeout_ms, out.cast()) }
     })
 }

@@ -131,9 +131,9 @@ rank calls it with a block of the same size. `timeout_ms` 0 waits forever.
 function symm_rendezvous(ptr::Ptr{Cvoid}; group::Union{Nothing,AbstractString}=nothing, timeout_ms::Integer=0)
     g = group_arg(group)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = GC.@preserve g ccall((:ss_symm_rendezvous, libstorage_sharing()), Cint,
+    st = GC.@preserve g ccall((:ss_symm_mem_rendezvous, libstorage_sharing()), Cint,
                               (Ptr{Cvoid}, Ptr{UInt8}, Int64, Ptr{Ptr{Cvoid}}), ptr, cptr(g), timeout_ms, out)
-    check("ss_symm_rendezvous", st)
+    check("ss_symm_mem_rendezvous", st)
     return SymmMem(out[])
 end
 

@@ -54,21 +54,37 @@ pub mod query {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request {
     Validate(u32),
-    Set { key: Vec<u8>, value: Vec<u8> },
-    CompareSet { key: Vec<u8>, expected: Vec<u8>, desired: Vec<u8> },
+    Set {
+        key: Vec<u8>,
+        value: Vec<u8>,
+    },
+    CompareSet {
+        key: Vec<u8>,
+        expected: Vec<u8>,
+        desired: Vec<u8>,
+    },
     Get(Vec<u8>),
-    Add { key: Vec<u8>, delta: i64 },
+    Add {
+        key: Vec<u8>,
+        delta: i64,
+    },
     Check(Vec<Vec<u8>>),
     Wait(Vec<Vec<u8>>),
     GetNumKeys,
     DeleteKey(Vec<u8>),
-    Append { key: Vec<u8>, value: Vec<u8> },
+    Append {
+        key: Vec<u8>,
+        value: Vec<u8>,
+    },
     MultiGet(Vec<Vec<u8>>),
     MultiSet(Vec<(Vec<u8>, Vec<u8>)>),
     CancelWait,
     Ping(u32),
     /// Appends `value` to the queue `key` (no reply).
-    QueuePush { key: Vec<u8>, value: Vec<u8> },
+    QueuePush {
+        key: Vec<u8>,
+        value: Vec<u8>,
+    },
     /// Takes the oldest value of queue `key`: replies the queue's length
     /// before the pop (`u64`), then the value when that length is not 0.
     QueuePop(Vec<u8>),
@@ -78,7 +94,10 @@ pub enum Request {
     ListKeys,
     /// Adds 1 to the counter `key`; replies `u8 0` once it reaches
     /// `world_size` (at once if it already has).
-    Barrier { key: Vec<u8>, world_size: i64 },
+    Barrier {
+        key: Vec<u8>,
+        world_size: i64,
+    },
 }
 
 fn put_u64(out: &mut Vec<u8>, v: u64) {

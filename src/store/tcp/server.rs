@@ -156,10 +156,9 @@ impl TcpServer {
             }
         }
         let listener = listener.ok_or_else(|| match last {
-            Some(e) if e.raw_os_error() == Some(libc::EADDRINUSE) => Error::new(
-                ErrorKind::Busy,
-                format!("cannot serve a TCPStore on {name}: the port is in use by another server"),
-            ),
+            Some(e) if e.raw_os_error() == Some(libc::EADDRINUSE) => {
+                Error::new(ErrorKind::Busy, format!("cannot serve a TCPStore on {name}: the port is in use by another server"))
+            }
             Some(e) => {
                 let kind = e.raw_os_error().map_or(ErrorKind::Io, crate::error::kind_of_errno);
                 Error::new(kind, format!("cannot serve a TCPStore on {name}: {e}"))
@@ -228,9 +227,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             id
         };
         let s2 = shared.clone();
-        let spawned = std::thread::Builder::new()
-            .name("ss-tcpstore-conn".into())
-            .spawn(move || serve(stream, Outbox::new(out), id, &s2));
+        let spawned = std::thread::Builder::new().name("ss-tcpstore-conn".into()).spawn(move || serve(stream, Outbox::new(out), id, &s2));
         if spawned.is_err() {
             shared.lock().conns.remove(&id);
         }

@@ -30,7 +30,7 @@ pub struct SsSymmMem {
 /// The object behind a handle.
 ///
 /// # Safety
-/// `h` is NULL or a handle from `ss_symm_rendezvous` whose block is live.
+/// `h` is NULL or a handle from `ss_symm_mem_rendezvous` whose block is live.
 unsafe fn symm_mem<'a>(h: *const SsSymmMem) -> Result<&'a SymmetricMemory> {
     // SAFETY: per the contract above; handles are SymmetricMemory addresses.
     unsafe { handle(h.cast::<SymmetricMemory>(), "symm_mem") }

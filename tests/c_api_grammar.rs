@@ -372,6 +372,23 @@ fn one_integer_type_per_meaning() {
     assert!(timeouts >= 8, "found only {timeouts} timeout parameters");
 }
 
+/// Out-parameters (`out`, `out_<what>`) come last; the one exception is
+/// `ss_fds_recv`'s `out_len`, which follows the buffer it measures.
+#[test]
+fn out_parameters_come_last() {
+    let fns = functions(&header());
+    for (name, f) in &fns {
+        let is_out = |p: &String| {
+            let n = p.rsplit([' ', '*']).next().unwrap();
+            n == "out" || n.starts_with("out_")
+        };
+        let first_out = f.params.iter().position(is_out).unwrap_or(f.params.len());
+        let misplaced: Vec<&String> = f.params[first_out..].iter().filter(|p| !is_out(p)).collect();
+        let allowed = ["ss_fds_recv", "ss_recv_fds"].contains(&name.as_str());
+        assert!(misplaced.is_empty() || allowed, "{name}: {misplaced:?} after an out-parameter");
+    }
+}
+
 #[test]
 fn grammar_checker_rejects_bad_names() {
     assert!(grammar_problem("ss_map_open").is_none());

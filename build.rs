@@ -14,8 +14,11 @@ fn main() {
     println!("cargo:rerun-if-changed=cbindgen.toml");
 
     let mut config = cbindgen::Config::from_file(dir.join("cbindgen.toml")).expect("cbindgen.toml");
+    // cbindgen.toml's own after_includes (the deprecation and initializer
+    // macros) follow the version macros.
+    let macros = config.after_includes.take().unwrap_or_default();
     config.after_includes = Some(format!(
-        "\n#define SS_VERSION_MAJOR {major}\n#define SS_VERSION_MINOR {minor}\n#define SS_VERSION_PATCH {patch}\n#define SS_VERSION_STRING \"{major}.{minor}.{patch}\""
+        "\n#define SS_VERSION_MAJOR {major}\n#define SS_VERSION_MINOR {minor}\n#define SS_VERSION_PATCH {patch}\n#define SS_VERSION_STRING \"{major}.{minor}.{patch}\"\n{macros}"
     ));
     let header = cbindgen::Builder::new()
         // Only the C boundary goes into the header.

@@ -1,4 +1,4 @@
-//! The shareable CPU arena beside `ss_share_memory` and PyTorch, printed
+//! The shareable CPU arena beside `ss_map_new_copy` and PyTorch, printed
 //! as tables:
 //!  1. making a 4 KiB, 1 MiB, 256 MiB and 1 GiB tensor shareable;
 //!  2. sending 100,000 tensors of 4-64 KiB to another process with
@@ -191,7 +191,7 @@ fn section_share(torch: Option<&str>) {
         None => vec![None; sizes.len()],
     };
     println!("\n## Making a CPU tensor shareable (median)\n");
-    println!("| size | arena share | arena alloc (birth, pages reserved) | ss_share_memory (copy) | PyTorch share_memory_() | share_memory / arena | PyTorch / arena |");
+    println!("| size | arena share | arena alloc (birth, pages reserved) | ss_map_new_copy (copy) | PyTorch share_memory_() | share_memory / arena | PyTorch / arena |");
     println!("|---|---|---|---|---|---|---|");
     let arena = Arena::new(ArenaOptions::default()).unwrap();
     for (i, &n) in sizes.iter().enumerate() {
@@ -242,7 +242,7 @@ fn section_share(torch: Option<&str>) {
         };
         println!("| {} | {} | {} | {} | {} | {:.0}x | {} |", size_name(n), human(share), human(alloc), human(ssm), pt_s, ssm / share, pt_r);
     }
-    println!("\nThe arena's tensor is born in shared memory: sharing it writes one hold slot (no copy, no syscall), so its time does not grow with the size. Its birth (alloc) reserves the pages (posix_fallocate) as any first touch must; ss_share_memory and share_memory_() copy an existing heap tensor into a new segment. PyTorch: torch.set_num_threads(2), same run.");
+    println!("\nThe arena's tensor is born in shared memory: sharing it writes one hold slot (no copy, no syscall), so its time does not grow with the size. Its birth (alloc) reserves the pages (posix_fallocate) as any first touch must; ss_map_new_copy and share_memory_() copy an existing heap tensor into a new segment. PyTorch: torch.set_num_threads(2), same run.");
 }
 
 fn floor_messages(n: usize) -> f64 {
@@ -415,7 +415,7 @@ fn section_big(want_gib: usize, torch: Option<&str>) {
                 child.wait().unwrap();
             },
         );
-        println!("| heap tensor + ss_share_memory (copy) | {} | {:.3} |", gb(peak), peak as f64 / n as f64);
+        println!("| heap tensor + ss_map_new_copy (copy) | {} | {:.3} |", gb(peak), peak as f64 / n as f64);
     }
     match torch.and_then(|py| run_torch(py, &["big".into(), gib.to_string()])) {
         Some(text) => {

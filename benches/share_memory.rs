@@ -171,7 +171,7 @@ fn main() {
     let torch = if args.iter().any(|a| a == "--torch") { torch_python().and_then(|py| torch_figures(&py, &sizes)) } else { None };
 
     println!("## share_memory (median; {} cores)\n", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    println!("| size | ss_share_memory | memcpy (warm) | floor: shm_open+ftruncate+mmap+copy | MAP_POPULATE+copy | fallocate+copy | pwrite+mmap | ours / floor | PyTorch share_memory_() | PyTorch / ours |");
+    println!("| size | ss_map_new_copy | memcpy (warm) | floor: shm_open+ftruncate+mmap+copy | MAP_POPULATE+copy | fallocate+copy | pwrite+mmap | ours / floor | PyTorch share_memory_() | PyTorch / ours |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for (i, &len) in sizes.iter().enumerate() {
         let src = vec![1u8; len];

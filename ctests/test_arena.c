@@ -56,7 +56,7 @@ static void test_send_to_child(uint32_t strategy) {
         if (h.strategy == SS_ARENA_BY_FD) {
             /* This segment came with the ss_arena_send messages already. */
             ss_arena_view *v = NULL;
-            CHECK_OK(ss_arena_open_remote(&h, &v));
+            CHECK_OK(ss_arena_view_open(&h, &v));
             CHECK(matches(ss_arena_view_data(v), 100, 77));
             CHECK(write(sv[1], "k", 1) == 1);
             char c;
@@ -64,9 +64,9 @@ static void test_send_to_child(uint32_t strategy) {
             ss_arena_view_free(v);
         } else {
             ss_arena_view *v = NULL;
-            CHECK_OK(ss_arena_open_remote(&h, &v));
+            CHECK_OK(ss_arena_view_open(&h, &v));
             CHECK(matches(ss_arena_view_data(v), 100, 77));
-            CHECK_STATUS(ss_arena_open_remote(&h, &v), SS_ERR_INVALID_ARGUMENT);
+            CHECK_STATUS(ss_arena_view_open(&h, &v), SS_ERR_INVALID_ARGUMENT);
             CHECK(write(sv[1], "k", 1) == 1);
             char c;
             CHECK(read(sv[1], &c, 1) == 1);
@@ -82,7 +82,7 @@ static void test_send_to_child(uint32_t strategy) {
         CHECK_OK(ss_arena_alloc(a, 5000, 64, &p));
         fill(p, 5000, i);
         CHECK_OK(ss_arena_send(a, sv[0], p));
-        CHECK_OK(ss_arena_free(a, p));
+        CHECK_OK(ss_arena_dealloc(a, p));
     }
     void *p = NULL;
     CHECK_OK(ss_arena_alloc(a, 100, 8, &p));
@@ -105,7 +105,7 @@ static void test_send_to_child(uint32_t strategy) {
     /* The ten sent blocks are released by now: reuse them. */
     CHECK_OK(ss_arena_collect(a, NULL, NULL));
     /* Held by the child: freed here, not reused. */
-    CHECK_OK(ss_arena_free(a, p));
+    CHECK_OK(ss_arena_dealloc(a, p));
     ss_arena_stats st;
     CHECK_OK(ss_arena_stats_get(a, &st));
     CHECK(st.deferred_blocks == 1);
@@ -137,19 +137,19 @@ static void test_errors(void) {
     ss_arena_handle bad = h;
     bad.strategy = 9;
     ss_arena_view *v = NULL;
-    CHECK_STATUS(ss_arena_open_remote(&bad, &v), SS_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(ss_arena_view_open(&bad, &v), SS_ERR_INVALID_ARGUMENT);
     bad = h;
     bad.offset = bad.segment_size;
-    CHECK_STATUS(ss_arena_open_remote(&bad, &v), SS_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(ss_arena_view_open(&bad, &v), SS_ERR_INVALID_ARGUMENT);
     /* By fd, the segment must be imported first. */
-    CHECK_STATUS(ss_arena_open_remote(&h, &v), SS_ERR_NOT_FOUND);
+    CHECK_STATUS(ss_arena_view_open(&h, &v), SS_ERR_NOT_FOUND);
     CHECK_STATUS(ss_arena_import_segment_fd(&h, -1), SS_ERR_INVALID_ARGUMENT);
     CHECK_OK(ss_arena_unshare(a, &h));
     CHECK_STATUS(ss_arena_unshare(a, &h), SS_ERR_INVALID_ARGUMENT);
-    CHECK_OK(ss_arena_free(a, p));
-    CHECK_STATUS(ss_arena_free(a, p), SS_ERR_INVALID_ARGUMENT);
+    CHECK_OK(ss_arena_dealloc(a, p));
+    CHECK_STATUS(ss_arena_dealloc(a, p), SS_ERR_INVALID_ARGUMENT);
     int local = 0;
-    CHECK_STATUS(ss_arena_free(a, &local), SS_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(ss_arena_dealloc(a, &local), SS_ERR_INVALID_ARGUMENT);
     CHECK(strstr(ss_last_error_message(), "foreign") != NULL);
     ss_storage *s = NULL;
     CHECK_OK(ss_storage_new_in_arena(a, (size_t)2 << 20, &s));
@@ -203,7 +203,7 @@ static void test_altered_handles(uint32_t strategy) {
         default: h.producer_start += 1; break;
         }
         ss_arena_view *v = NULL;
-        ss_status st = ss_arena_open_remote(&h, &v);
+        ss_status st = ss_arena_view_open(&h, &v);
         if (st == SS_OK) {
             fprintf(stderr, "altered handle %d (offset %llu, size %llu, slot %u) opened\n", i,
                     (unsigned long long)h.offset, (unsigned long long)h.size, h.hold_slot);
@@ -216,8 +216,8 @@ static void test_altered_handles(uint32_t strategy) {
         CHECK(ss_arena_unshare(a, &h) != SS_OK);
     }
     ss_arena_view *v = NULL, *w = NULL;
-    CHECK_OK(ss_arena_open_remote(&good, &v));
-    CHECK_OK(ss_arena_open_remote(&neighbour, &w));
+    CHECK_OK(ss_arena_view_open(&good, &v));
+    CHECK_OK(ss_arena_view_open(&neighbour, &w));
     CHECK(ss_arena_view_size(v) == 4096);
     CHECK(*(unsigned char *)ss_arena_view_data(v) == 1 && *(unsigned char *)ss_arena_view_data(w) == 2);
     ss_arena_view_free(v);
@@ -245,6 +245,28 @@ static void test_segment_size_alone(void) {
     CHECK(strstr(ss_last_error_message(), "large_threshold") != NULL);
 }
 
+/* The initializer macro gives the defaults; an options struct whose
+ * struct_size was never set, or is larger than this library knows, is
+ * refused by name. */
+static void test_options_struct_size(void) {
+    ss_arena_options init = SS_ARENA_OPTIONS_INIT, def;
+    CHECK_OK(ss_arena_options_default(&def));
+    CHECK(init.struct_size == sizeof(ss_arena_options) && def.struct_size == sizeof(ss_arena_options));
+    CHECK(init.segment_size == def.segment_size && init.strategy == def.strategy);
+    CHECK(init.max_holds == def.max_holds && init.large_threshold == def.large_threshold);
+    ss_arena *a = NULL;
+    CHECK_OK(ss_arena_open(&init, &a));
+    ss_arena_close(a);
+    a = NULL;
+    ss_arena_options bad = init;
+    bad.struct_size = 0;
+    CHECK_STATUS(ss_arena_open(&bad, &a), SS_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(ss_last_error_message(), "SS_ARENA_OPTIONS_INIT") != NULL);
+    bad.struct_size = sizeof bad + 8;
+    CHECK_STATUS(ss_arena_open(&bad, &a), SS_ERR_UNSUPPORTED);
+    CHECK(a == NULL);
+}
+
 int main(void) {
     test_send_to_child(SS_ARENA_BY_FD);
     test_send_to_child(SS_ARENA_BY_NAME);
@@ -252,6 +274,7 @@ int main(void) {
     test_altered_handles(SS_ARENA_BY_FD);
     test_altered_handles(SS_ARENA_BY_NAME);
     test_segment_size_alone();
+    test_options_struct_size();
     puts("test_arena: ok");
     return 0;
 }

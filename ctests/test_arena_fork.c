@@ -79,7 +79,7 @@ static void opens_in_this_process(ss_arena *a, const ss_arena_handle *h, ss_aren
         CHECK_OK(ss_arena_segment_fd(a, h->segment_id, &fd));
         CHECK_OK(ss_arena_import_segment_fd(h, dup(fd)));
     }
-    CHECK_OK(ss_arena_open_remote(h, v));
+    CHECK_OK(ss_arena_view_open(h, v));
 }
 
 static void test_child_refuses(uint32_t strategy) {
@@ -105,7 +105,7 @@ static void test_child_refuses(uint32_t strategy) {
         void *p = NULL;
         check_refused(ss_arena_alloc(a, 1000, 64, &p));
         CHECK(p == NULL);
-        check_refused(ss_arena_free(a, block));
+        check_refused(ss_arena_dealloc(a, block));
         ss_arena_handle h;
         check_refused(ss_arena_share(a, block, &h));
         check_refused(ss_arena_unshare(a, &in_flight));
@@ -123,7 +123,7 @@ static void test_child_refuses(uint32_t strategy) {
         void *q = NULL;
         CHECK_OK(ss_arena_alloc(own, 1000, 64, &q));
         fill(q, 1000, 9);
-        CHECK_OK(ss_arena_free(own, q));
+        CHECK_OK(ss_arena_dealloc(own, q));
         ss_arena_close(own);
         /* Neither releases anything of the parent's. */
         ss_arena_view_free(view);
@@ -148,7 +148,7 @@ static void test_child_refuses(uint32_t strategy) {
     /* The share the child could not cancel is still in flight. */
     CHECK_OK(ss_arena_unshare(a, &in_flight));
     /* Our view still holds its block: freed, the block waits. */
-    CHECK_OK(ss_arena_free(a, held));
+    CHECK_OK(ss_arena_dealloc(a, held));
     CHECK_OK(ss_arena_collect(a, NULL, NULL));
     CHECK_OK(ss_arena_stats_get(a, &st));
     CHECK(st.deferred_blocks == 1);
@@ -159,11 +159,11 @@ static void test_child_refuses(uint32_t strategy) {
     CHECK_OK(ss_arena_share(a, block, &again));
     if (strategy == SS_ARENA_BY_NAME) CHECK(name_exists(&again));
     ss_arena_view *v2 = NULL;
-    CHECK_OK(ss_arena_open_remote(&again, &v2));
+    CHECK_OK(ss_arena_view_open(&again, &v2));
     CHECK(matches(ss_arena_view_data(v2), 1000, 5));
     ss_arena_view_free(v2);
-    CHECK_OK(ss_arena_free(a, block));
-    CHECK_OK(ss_arena_free(a, next));
+    CHECK_OK(ss_arena_dealloc(a, block));
+    CHECK_OK(ss_arena_dealloc(a, next));
     ss_arena_close(a);
 }
 
@@ -180,7 +180,7 @@ static void *churn(void *arg) {
         ss_arena_handle h;
         CHECK_OK(ss_arena_share(b->arena, p, &h));
         CHECK_OK(ss_arena_unshare(b->arena, &h));
-        CHECK_OK(ss_arena_free(b->arena, p));
+        CHECK_OK(ss_arena_dealloc(b->arena, p));
     }
     return NULL;
 }
@@ -201,7 +201,7 @@ static void test_fork_from_threaded_parent(uint32_t strategy) {
             alarm(30);
             void *p = NULL;
             check_refused(ss_arena_alloc(b.arena, 3000, 64, &p));
-            check_refused(ss_arena_free(b.arena, p));
+            check_refused(ss_arena_dealloc(b.arena, p));
             ss_arena_close(b.arena);
             _exit(0);
         }
@@ -214,7 +214,7 @@ static void test_fork_from_threaded_parent(uint32_t strategy) {
     CHECK(st.live_blocks == 0);
     void *p = NULL;
     CHECK_OK(ss_arena_alloc(b.arena, 3000, 64, &p));
-    CHECK_OK(ss_arena_free(b.arena, p));
+    CHECK_OK(ss_arena_dealloc(b.arena, p));
     ss_arena_close(b.arena);
 }
 

@@ -62,21 +62,21 @@ static void test_release_counter(void) {
     char name[64];
     make_name(name, sizeof name, "rc");
     ss_map *m = NULL;
-    CHECK_OK(ss_refcounted_map_open(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_EXCLUSIVE,
+    CHECK_OK(ss_map_open_refcounted(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_EXCLUSIVE,
                                     SS_CUDA_COUNTER_SLOTS * sizeof(int64_t), &m));
     int64_t *slots = (int64_t *)ss_map_data(m);
     slots[5] = 2;
-    CHECK_OK(ss_cuda_release_ipc_counter(name, 5));
+    CHECK_OK(ss_cuda_ipc_counter_release(name, 5));
     CHECK(slots[5] == 1);
-    CHECK_OK(ss_cuda_release_ipc_counter(name, 5));
+    CHECK_OK(ss_cuda_ipc_counter_release(name, 5));
     CHECK(slots[5] == 0);
-    CHECK_STATUS(ss_cuda_release_ipc_counter(name, 5), SS_ERR_BAD_REFCOUNT);
+    CHECK_STATUS(ss_cuda_ipc_counter_release(name, 5), SS_ERR_BAD_REFCOUNT);
     CHECK(slots[5] == 0);
-    CHECK_STATUS(ss_cuda_release_ipc_counter(name, SS_CUDA_COUNTER_SLOTS), SS_ERR_INVALID_ARGUMENT);
-    CHECK_STATUS(ss_cuda_release_ipc_counter(NULL, 0), SS_ERR_NULL_POINTER);
+    CHECK_STATUS(ss_cuda_ipc_counter_release(name, SS_CUDA_COUNTER_SLOTS), SS_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(ss_cuda_ipc_counter_release(NULL, 0), SS_ERR_NULL_POINTER);
     ss_map_free(m);
     CHECK(!shm_exists(name));
-    CHECK_STATUS(ss_cuda_release_ipc_counter(name, 0), SS_ERR_PEER_GONE);
+    CHECK_STATUS(ss_cuda_ipc_counter_release(name, 0), SS_ERR_PEER_GONE);
     CHECK(strstr(ss_last_error_message(), name) != NULL);
 }
 
@@ -92,12 +92,12 @@ static void test_unavailable(void) {
     CHECK(sent == NULL);
     memset(&h, 0, sizeof h);
     ss_cuda_received *r = NULL;
-    CHECK_STATUS(ss_cuda_open(&h, NULL, &r), SS_ERR_CUDA_UNAVAILABLE);
+    CHECK_STATUS(ss_cuda_received_open(&h, NULL, &r), SS_ERR_CUDA_UNAVAILABLE);
     CHECK(r == NULL);
     void *p = NULL;
     size_t size = 0;
     int32_t version = 0, count = 0;
-    CHECK_STATUS(ss_cuda_malloc(0, 64, &p), SS_ERR_CUDA_UNAVAILABLE);
+    CHECK_STATUS(ss_cuda_alloc(0, 64, &p), SS_ERR_CUDA_UNAVAILABLE);
     CHECK_STATUS(ss_cuda_free(0, &dummy), SS_ERR_CUDA_UNAVAILABLE);
     CHECK_STATUS(ss_cuda_pointer_base(&dummy, 0, &p, &size), SS_ERR_CUDA_UNAVAILABLE);
     CHECK_STATUS(ss_cuda_driver_info(&version, &count), SS_ERR_CUDA_UNAVAILABLE);
@@ -111,7 +111,7 @@ static void test_unavailable(void) {
     ss_cuda_ipc_teardown();
     /* Argument checks come first. */
     CHECK_STATUS(ss_cuda_share(&dummy, 4, 0, NULL, NULL, NULL, NULL, &sent), SS_ERR_NULL_POINTER);
-    CHECK_STATUS(ss_cuda_open(NULL, NULL, &r), SS_ERR_NULL_POINTER);
+    CHECK_STATUS(ss_cuda_received_open(NULL, NULL, &r), SS_ERR_NULL_POINTER);
 }
 
 struct freeing {
@@ -146,7 +146,7 @@ static void consumer(int in, int out) {
     char ack = 'k';
     for (int i = 0; i < 2; i++) {
         read_all(in, &h[i], sizeof h[i]);
-        CHECK_OK(ss_cuda_open(&h[i], NULL, &r[i]));
+        CHECK_OK(ss_cuda_received_open(&h[i], NULL, &r[i]));
         CHECK(ss_cuda_received_size(r[i]) == h[i].size_bytes);
         void *base = NULL;
         size_t size = 0;
@@ -173,7 +173,7 @@ static void test_gpu(void) {
     CHECK_OK(ss_cuda_driver_info(&version, &count));
     printf("CUDA driver %d, %d device(s)\n", version, count);
     struct freeing f = {0, NULL};
-    CHECK_OK(ss_cuda_malloc(0, SZ, &f.base));
+    CHECK_OK(ss_cuda_alloc(0, SZ, &f.base));
     ss_cuda_ipc_handle h[2];
     ss_cuda_sent *sent[2];
     char ack;

@@ -16,7 +16,7 @@ static int shm_exists(const char *name) {
     return 1;
 }
 
-static void new_name(char *buf, size_t len) { CHECK_OK(ss_new_process_wide_shm_handle(buf, len)); }
+static void new_name(char *buf, size_t len) { CHECK_OK(ss_shm_name_new(buf, len)); }
 
 static void test_plain_create_open_close(void) {
     char name[64];
@@ -39,12 +39,12 @@ static void test_plain_create_open_close(void) {
     CHECK(((unsigned char *)ss_map_data(b))[100] == 0xab);
 
     /* fromDataPtr: start and interior pointers find their own map. */
-    CHECK(ss_map_from_data(pa) == a);
-    CHECK(ss_map_from_data(pa + 8191) == a);
-    CHECK(ss_map_from_data(ss_map_data(b)) == b);
+    CHECK(ss_map_lookup(pa) == a);
+    CHECK(ss_map_lookup(pa + 8191) == a);
+    CHECK(ss_map_lookup(ss_map_data(b)) == b);
     int local = 0;
-    CHECK(ss_map_from_data(&local) == NULL);
-    CHECK(ss_map_from_data(NULL) == NULL);
+    CHECK(ss_map_lookup(&local) == NULL);
+    CHECK(ss_map_lookup(NULL) == NULL);
 
     /* Plain maps have no count. */
     int32_t count = 0;
@@ -55,7 +55,7 @@ static void test_plain_create_open_close(void) {
     CHECK_OK(ss_map_close(a));
     CHECK_OK(ss_map_close(a)); /* idempotent */
     CHECK(ss_map_data(a) == NULL);
-    CHECK(ss_map_from_data(pa) == NULL);
+    CHECK(ss_map_lookup(pa) == NULL);
     CHECK(!shm_exists(name)); /* plain SHAREDMEM close unlinks, as ATen */
     ss_map_free(a);
     ss_map_free(b);
@@ -64,7 +64,7 @@ static void test_plain_create_open_close(void) {
 
 static void test_fd_storage_and_open_fd(void) {
     ss_map *s = NULL, *r = NULL;
-    CHECK_OK(ss_new_shm_fd_storage(4096, &s));
+    CHECK_OK(ss_map_new_shm_fd(4096, &s));
     CHECK(ss_map_flags(s) == 86);
     CHECK(!shm_exists(ss_map_filename(s)));
     int fd = ss_map_fd(s);
@@ -99,14 +99,14 @@ static void test_share_memory(void) {
     CHECK(src != NULL);
     for (size_t i = 0; i < n; i++) src[i] = (unsigned char)(i * 7);
     ss_map *m = NULL;
-    CHECK_OK(ss_share_memory(src, n, &m));
+    CHECK_OK(ss_map_new_copy(src, n, &m));
     CHECK(ss_map_size(m) == n);
     CHECK(memcmp(ss_map_data(m), src, n) == 0);
     CHECK(ss_map_fd(m) >= 0);
     ss_map_free(m);
-    CHECK_STATUS(ss_share_memory(NULL, 10, &m), SS_ERR_NULL_POINTER);
-    CHECK_STATUS(ss_share_memory(src, 0, &m), SS_ERR_INVALID_ARGUMENT);
-    CHECK_STATUS(ss_share_memory(src, 10, NULL), SS_ERR_NULL_POINTER);
+    CHECK_STATUS(ss_map_new_copy(NULL, 10, &m), SS_ERR_NULL_POINTER);
+    CHECK_STATUS(ss_map_new_copy(src, 0, &m), SS_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(ss_map_new_copy(src, 10, NULL), SS_ERR_NULL_POINTER);
     free(src);
 }
 
@@ -114,7 +114,7 @@ static void test_refcounted_across_processes(void) {
     char name[64];
     new_name(name, sizeof name);
     ss_map *a = NULL;
-    CHECK_OK(ss_refcounted_map_open(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_EXCLUSIVE, 1000, &a));
+    CHECK_OK(ss_map_open_refcounted(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_EXCLUSIVE, 1000, &a));
     CHECK(ss_map_is_refcounted(a));
     CHECK(ss_map_size(a) == 1000);
     struct stat st;
@@ -130,7 +130,7 @@ static void test_refcounted_across_processes(void) {
     CHECK(child >= 0);
     if (child == 0) {
         ss_map *b = NULL;
-        if (ss_refcounted_map_open(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_NOCREATE, 1000, &b) != SS_OK) _exit(2);
+        if (ss_map_open_refcounted(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_NOCREATE, 1000, &b) != SS_OK) _exit(2);
         unsigned char *p = ss_map_data(b);
         if (p[999] != 0x5a) _exit(3);
         p[0] = 0x77;
@@ -160,11 +160,11 @@ static void test_refcount_bad_header(void) {
     char name[64];
     new_name(name, sizeof name);
     ss_map *a = NULL, *b = NULL;
-    CHECK_OK(ss_refcounted_map_open(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_EXCLUSIVE, 10, &a));
+    CHECK_OK(ss_map_open_refcounted(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_EXCLUSIVE, 10, &a));
     bool zero = false;
     CHECK_OK(ss_map_decref(a, &zero));
     CHECK(zero);
-    CHECK_STATUS(ss_refcounted_map_open(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_NOCREATE, 10, &b), SS_ERR_BAD_REFCOUNT);
+    CHECK_STATUS(ss_map_open_refcounted(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_NOCREATE, 10, &b), SS_ERR_BAD_REFCOUNT);
     CHECK(strstr(ss_last_error_message(), "count 0") != NULL);
     CHECK_OK(ss_map_incref(a));
     ss_map_free(a);
@@ -190,10 +190,10 @@ static void test_errors(void) {
     CHECK_STATUS(ss_map_open(name, SS_MAPPED_EXCLUSIVE, 10, &m), SS_ERR_INVALID_ARGUMENT);
     CHECK_STATUS(ss_map_open(name, 1 << 10, 10, &m), SS_ERR_INVALID_ARGUMENT);
     CHECK_STATUS(ss_map_open(name, SS_MAPPED_SHAREDMEM, SIZE_MAX, &m), SS_ERR_INVALID_ARGUMENT);
-    CHECK_STATUS(ss_refcounted_map_open(name, SS_MAPPED_SHAREDMEM, SIZE_MAX - 8, &m), SS_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(ss_map_open_refcounted(name, SS_MAPPED_SHAREDMEM, SIZE_MAX - 8, &m), SS_ERR_INVALID_ARGUMENT);
     CHECK(strstr(ss_last_error_message(), "header") != NULL);
-    CHECK_STATUS(ss_refcounted_map_open(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_KEEPFD, 10, &m), SS_ERR_UNSUPPORTED);
-    CHECK_STATUS(ss_refcounted_map_open(name, SS_MAPPED_SHARED, 10, &m), SS_ERR_UNSUPPORTED);
+    CHECK_STATUS(ss_map_open_refcounted(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_KEEPFD, 10, &m), SS_ERR_UNSUPPORTED);
+    CHECK_STATUS(ss_map_open_refcounted(name, SS_MAPPED_SHARED, 10, &m), SS_ERR_UNSUPPORTED);
     CHECK(m == NULL);
     /* A file smaller than asked with NOCREATE. */
     CHECK_OK(ss_map_open(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_EXCLUSIVE, 100, &m));
@@ -211,10 +211,10 @@ static void test_errors(void) {
     int32_t c;
     CHECK_STATUS(ss_map_refcount(NULL, &c), SS_ERR_NULL_POINTER);
     char tiny[8];
-    CHECK_STATUS(ss_new_process_wide_shm_handle(tiny, sizeof tiny), SS_ERR_BUFFER_TOO_SMALL);
-    CHECK_STATUS(ss_new_process_wide_shm_handle(NULL, 64), SS_ERR_NULL_POINTER);
-    CHECK_STATUS(ss_new_shm_fd_storage(0, &m), SS_ERR_INVALID_ARGUMENT);
-    CHECK_STATUS(ss_new_shm_fd_storage(10, NULL), SS_ERR_NULL_POINTER);
+    CHECK_STATUS(ss_shm_name_new(tiny, sizeof tiny), SS_ERR_BUFFER_TOO_SMALL);
+    CHECK_STATUS(ss_shm_name_new(NULL, 64), SS_ERR_NULL_POINTER);
+    CHECK_STATUS(ss_map_new_shm_fd(0, &m), SS_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(ss_map_new_shm_fd(10, NULL), SS_ERR_NULL_POINTER);
     CHECK(strcmp(ss_status_str(SS_OK), "ok") == 0);
     CHECK(strcmp(ss_status_str(SS_ERR_NO_SPACE), "no space") == 0);
     CHECK(strcmp(ss_status_str(9999), "unknown status") == 0);

@@ -145,7 +145,7 @@ static void test_unique_handle() {
     using H = ss::unique_handle<ss_map, ss_map_free>;
     static_assert(!std::is_copy_constructible_v<H> && std::is_nothrow_move_constructible_v<H>, "move-only");
     ss_map *raw = nullptr;
-    CHECK_OK(ss_new_shm_fd_storage(128, &raw));
+    CHECK_OK(ss_map_new_shm_fd(128, &raw));
     H h(raw);
     H g = std::move(h);
     CHECK(!h && g.get() == raw);

@@ -90,8 +90,8 @@ static void test_null_and_bad_arguments(void) {
     CHECK_STATUS(ss_storage_new_shared_filename("/nonexistent/manager.sock", "/torch_1_2_3", 10, &s), SS_ERR_NOT_FOUND);
     CHECK(strstr(ss_last_error_message(), "/nonexistent/manager.sock") != NULL);
     CHECK(s == NULL);
-    CHECK_STATUS(ss_send_fds(-1, "x", 1, NULL, 0), SS_ERR_CLOSED);
-    CHECK_STATUS(ss_send_fds(0, NULL, 1, NULL, 0), SS_ERR_NULL_POINTER);
+    CHECK_STATUS(ss_fds_send(-1, "x", 1, NULL, 0), SS_ERR_CLOSED);
+    CHECK_STATUS(ss_fds_send(0, NULL, 1, NULL, 0), SS_ERR_NULL_POINTER);
 
     CHECK_OK(ss_storage_new(10, &s));
     CHECK_STATUS(ss_storage_shared_incref(s), SS_ERR_UNSUPPORTED);
@@ -104,7 +104,7 @@ static void fd_child(int sock) {
     char buf[32] = {0};
     int fds[2];
     size_t len = 0, nfds = 0;
-    CHECK_OK(ss_recv_fds(sock, buf, sizeof buf - 1, &len, fds, 2, &nfds));
+    CHECK_OK(ss_fds_recv(sock, buf, sizeof buf - 1, &len, fds, 2, &nfds));
     CHECK(nfds == 1);
     size_t nbytes = (size_t)strtoull(buf, NULL, 10);
     ss_storage *s = NULL;
@@ -146,7 +146,7 @@ static void test_share_fd_to_child(void) {
     close(sv[1]);
     char msg[32];
     int len = snprintf(msg, sizeof msg, "%zu", n);
-    CHECK_OK(ss_send_fds(sv[0], msg, (size_t)len, &fd, 1));
+    CHECK_OK(ss_fds_send(sv[0], msg, (size_t)len, &fd, 1));
     char ack;
     CHECK(read(sv[0], &ack, 1) == 1);
     wait_child_ok(pid);

@@ -302,7 +302,7 @@ static void test_cuda_text_and_counter() {
         ss::cuda_release_ipc_counter(name, 5);
         CHECK(slots[5] == 0);
         ss::Error e = expect_error([&] { ss::cuda_release_ipc_counter(name, 5); }, SS_ERR_BAD_REFCOUNT);
-        CHECK(std::string(e.what()).rfind("ss_cuda_release_ipc_counter: ", 0) == 0);
+        CHECK(std::string(e.what()).rfind("ss_cuda_ipc_counter_release: ", 0) == 0);
         expect_error([&] { ss::cuda_release_ipc_counter(name, SS_CUDA_COUNTER_SLOTS); }, SS_ERR_INVALID_ARGUMENT);
     }
     CHECK(!shm_exists(name));

@@ -1,5 +1,5 @@
 /* Stores through the C API: a store implemented here in C and used through
- * ss_store_from_callbacks (set, get with a value longer than the library's
+ * ss_store_callbacks_open (set, get with a value longer than the library's
  * first buffer, add, wait, timeouts, free_ctx once after the last
  * reference), the file store, and a TCPStore master with a client thread. */
 #include <errno.h>
@@ -235,9 +235,14 @@ static void exercise_more(const ss_store *s, int64_t base) {
 
 static void test_callbacks(void) {
     static struct host_store h = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {{0}}, 0, 0, 0};
-    ss_store_callbacks cb = {cb_set, cb_get, cb_add, cb_wait, cb_free};
+    ss_store_callbacks cb = SS_STORE_CALLBACKS_INIT;
+    cb.set = cb_set;
+    cb.get = cb_get;
+    cb.add = cb_add;
+    cb.wait = cb_wait;
+    cb.free_ctx = cb_free;
     ss_store *s = NULL;
-    CHECK_OK(ss_store_from_callbacks(&cb, &h, &s));
+    CHECK_OK(ss_store_callbacks_open(&cb, &h, &s));
     exercise(s);
     /* The 1000-byte value did not fit the first buffer: asked again. */
     CHECK(h.get_calls >= 2);
@@ -254,7 +259,7 @@ static void test_callbacks(void) {
     CHECK(h.frees == 1);
 
     /* Callbacks cover set/get/add/wait only: the rest is refused by name. */
-    CHECK_OK(ss_store_from_callbacks(&cb, &h, &s));
+    CHECK_OK(ss_store_callbacks_open(&cb, &h, &s));
     bool all = false;
     CHECK_STATUS(ss_store_check(s, NULL, 0, &all), SS_ERR_UNSUPPORTED);
     CHECK(strstr(ss_last_error_message(), "check") != NULL);
@@ -266,12 +271,23 @@ static void test_callbacks(void) {
     CHECK(h.frees == 2);
 
     /* A table without a required function is refused, ctx untouched. */
-    ss_store_callbacks partial = {cb_set, NULL, cb_add, cb_wait, cb_free};
+    ss_store_callbacks partial = cb;
+    partial.get = NULL;
     s = NULL;
-    CHECK_STATUS(ss_store_from_callbacks(&partial, &h, &s), SS_ERR_NULL_POINTER);
+    CHECK_STATUS(ss_store_callbacks_open(&partial, &h, &s), SS_ERR_NULL_POINTER);
     CHECK(s == NULL && h.frees == 2);
     CHECK(strstr(ss_last_error_message(), "cb->get") != NULL);
-    CHECK_STATUS(ss_store_from_callbacks(NULL, &h, &s), SS_ERR_NULL_POINTER);
+    CHECK_STATUS(ss_store_callbacks_open(NULL, &h, &s), SS_ERR_NULL_POINTER);
+
+    /* A table whose struct_size was never set, or comes from a newer
+     * header, is refused by name; ctx stays the caller's. */
+    ss_store_callbacks unsized = cb;
+    unsized.struct_size = 0;
+    CHECK_STATUS(ss_store_callbacks_open(&unsized, &h, &s), SS_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(ss_last_error_message(), "SS_STORE_CALLBACKS_INIT") != NULL);
+    unsized.struct_size = sizeof cb + 8;
+    CHECK_STATUS(ss_store_callbacks_open(&unsized, &h, &s), SS_ERR_UNSUPPORTED);
+    CHECK(s == NULL && h.frees == 2);
 }
 
 static void test_file_store(void) {

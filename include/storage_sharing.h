@@ -12,6 +12,25 @@
 #define SS_VERSION_MINOR 1
 #define SS_VERSION_PATCH 0
 #define SS_VERSION_STRING "0.1.0"
+/* Marks the deprecated aliases of renamed functions (docs/c-api.md). */
+#if defined(__GNUC__) || defined(__clang__)
+#define SS_DEPRECATED(note) __attribute__((deprecated(note)))
+#else
+#define SS_DEPRECATED(note)
+#endif
+
+/**
+ * Initializer of an `ss_arena_options`: `struct_size` and the defaults
+ * (the same values as `ss_arena_options_default`).
+ */
+#define SS_ARENA_OPTIONS_INIT { sizeof(ss_arena_options), (size_t)64 << 20, SS_ARENA_BY_FD, 4096, 0 }
+
+/**
+ * Initializer of an `ss_store_callbacks`: `struct_size` set, every
+ * function NULL; fill in the functions before `ss_store_callbacks_open`.
+ */
+#define SS_STORE_CALLBACKS_INIT { sizeof(ss_store_callbacks), NULL, NULL, NULL, NULL, NULL }
+
 
 /**
  * Arena segments are anonymous memfds; their descriptors travel by
@@ -42,7 +61,7 @@
 #define SS_HASH_STABLE 1
 
 /**
- * Longest digest `ss_hash_bytes` writes, with its NUL.
+ * Longest digest `ss_content_hash_bytes` writes, with its NUL.
  */
 #define SS_HASH_HEX_MAX 41
 
@@ -402,10 +421,17 @@ typedef struct ss_symm_mem ss_symm_mem;
 typedef struct ss_weak ss_weak;
 
 /**
- * How `ss_arena_open` sets up an arena. Start from
- * `ss_arena_options_default`.
+ * How `ss_arena_open` sets up an arena. Start from `SS_ARENA_OPTIONS_INIT`
+ * or `ss_arena_options_default`, which set `struct_size` and the defaults.
  */
 typedef struct {
+  /**
+   * `sizeof(ss_arena_options)` as the caller was built: 0 is refused
+   * (`SS_ERR_INVALID_ARGUMENT`), a size larger than this library knows
+   * is `SS_ERR_UNSUPPORTED`; fields past an older, smaller size take
+   * their defaults.
+   */
+  size_t struct_size;
   /**
    * Bytes of data in each segment of small blocks (default 64 MiB).
    */
@@ -429,7 +455,7 @@ typedef struct {
 } ss_arena_options;
 
 /**
- * A shared block: what a consumer passes to `ss_arena_open_remote`.
+ * A shared block: what a consumer passes to `ss_arena_view_open`.
  * Plain bytes: send it over any channel. Each handle carries one hold
  * and opens once.
  */
@@ -537,13 +563,6 @@ typedef struct {
 } ss_cuda_ipc_handle;
 
 /**
- * Receives one message of the library: its level (`SS_LOG_WARNING`,
- * `SS_LOG_INFO`), the text (NUL-terminated, valid only during the call, no
- * trailing newline) and the `user_data` given to `ss_set_log_callback`.
- */
-typedef void (*ss_log_fn)(int level, const char *message, void *user_data);
-
-/**
  * Sets `key` to the `len` bytes at `value`. Returns an `ss_status` code
  * (`SS_OK` = 0).
  */
@@ -587,15 +606,29 @@ typedef void (*ss_store_free_ctx_fn)(void *ctx);
  * threads at once (a rendezvous runs on the caller's thread, a group may
  * live on others), must not unwind (no C++ exception may escape them),
  * and report failures as `ss_status` codes; the library adds the keys to
- * the message.
+ * the message. Start from `SS_STORE_CALLBACKS_INIT`.
  */
 typedef struct {
+  /**
+   * `sizeof(ss_store_callbacks)` as the caller was built (set by
+   * `SS_STORE_CALLBACKS_INIT`): 0 is refused (`SS_ERR_INVALID_ARGUMENT`),
+   * a size larger than this library knows is `SS_ERR_UNSUPPORTED`;
+   * functions past an older, smaller size are absent.
+   */
+  size_t struct_size;
   ss_store_set_fn set;
   ss_store_get_fn get;
   ss_store_add_fn add;
   ss_store_wait_fn wait;
   ss_store_free_ctx_fn free_ctx;
 } ss_store_callbacks;
+
+/**
+ * Receives one message of the library: its level (`SS_LOG_WARNING`,
+ * `SS_LOG_INFO`), the text (NUL-terminated, valid only during the call, no
+ * trailing newline) and the `user_data` given to `ss_log_set_callback`.
+ */
+typedef void (*ss_log_fn)(int level, const char *message, void *user_data);
 
 #ifdef __cplusplus
 extern "C" {
@@ -605,7 +638,7 @@ extern "C" {
  * Fills `*out` with the default options: 64 MiB segments by fd, 4096
  * holds per segment, and an automatic large threshold (0: blocks above
  * 1 MiB, or above a quarter of a smaller segment_size, get segments of
- * their own).
+ * their own), and `struct_size`: the same as `SS_ARENA_OPTIONS_INIT`.
  *
  * # Safety
  * `out` is NULL or points to a writable `ss_arena_options`.
@@ -631,7 +664,10 @@ ss_status ss_arena_options_default(ss_arena_options *out);
 ss_status ss_arena_open(const ss_arena_options *options, ss_arena **out);
 
 /**
- * Releases the handle and, once no storage made by
+ * Releases the handle (the one release verb that is not `_free`, for
+ * one release: `ss_arena_free` still names the deprecated block free; when
+ * that alias goes, `ss_arena_free` becomes this function's name) and, once
+ * no storage made by
  * `ss_storage_new_in_arena` keeps it alive, the arena and its segments:
  * blocks from `ss_arena_alloc` must not be used after that. Views other
  * processes hold stay readable (they have their own mapping); a handle
@@ -665,11 +701,11 @@ ss_status ss_arena_alloc(const ss_arena *a, size_t size, size_t align, void **ou
  * `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
  * `ptr` may be any value. The freed block must not be used after the call.
  */
-ss_status ss_arena_free(const ss_arena *a, void *ptr);
+ss_status ss_arena_dealloc(const ss_arena *a, void *ptr);
 
 /**
  * Shares a live block in O(1), no copy: takes one hold on it and writes
- * the handle another process opens with `ss_arena_open_remote` (once).
+ * the handle another process opens with `ss_arena_view_open` (once).
  * By fd, that process needs the segment's descriptor first
  * (`ss_arena_segment_fd`, once per segment), or use `ss_arena_send`.
  *
@@ -747,19 +783,19 @@ ss_status ss_arena_import_segment_fd(const ss_arena_handle *h, int fd);
  * `h` is NULL or points to a readable `ss_arena_handle`; `out` is NULL or
  * points to a writable `ss_arena_view*`.
  */
-ss_status ss_arena_open_remote(const ss_arena_handle *h, ss_arena_view **out);
+ss_status ss_arena_view_open(const ss_arena_handle *h, ss_arena_view **out);
 
 /**
  * Consumer: unmaps the cached remote segments that no view uses and
  * whose producer retired them or died (also when its pid now belongs to
  * another process); by name, a dead producer's name goes too. Their
- * count goes to `out_released` (may be NULL). `ss_arena_open_remote`
+ * count goes to `out_released` (may be NULL). `ss_arena_view_open`
  * does this by itself before it maps a new segment.
  *
  * # Safety
  * `out_released` is NULL or points to a writable `size_t`.
  */
-ss_status ss_arena_trim_remote_cache(size_t *out_released);
+ss_status ss_arena_remote_cache_trim(size_t *out_released);
 
 /**
  * Consumer: how many remote segments this process has mapped now.
@@ -842,7 +878,11 @@ ss_status ss_storage_new_in_arena(const ss_arena *a, size_t nbytes, ss_storage *
  * `data` is NULL or readable for `nbytes` bytes, not written by another
  * thread during the call; `buf` is NULL or writable for `buf_len` bytes.
  */
-ss_status ss_hash_bytes(const void *data, size_t nbytes, int mode, char *buf, size_t buf_len);
+ss_status ss_content_hash_bytes(const void *data,
+                                size_t nbytes,
+                                int mode,
+                                char *buf,
+                                size_t buf_len);
 
 /**
  * Opens (creating if needed) the store in folder `path` for writing, in
@@ -868,11 +908,11 @@ ss_status ss_content_writer_open(const char *path, int format, ss_content_writer
  * another thread during the call; `buf` is NULL or writable for `buf_len`
  * bytes.
  */
-ss_status ss_content_write_storage(const ss_content_writer *w,
-                                   const void *data,
-                                   size_t nbytes,
-                                   char *buf,
-                                   size_t buf_len);
+ss_status ss_content_writer_write_storage(const ss_content_writer *w,
+                                          const void *data,
+                                          size_t nbytes,
+                                          char *buf,
+                                          size_t buf_len);
 
 /**
  * Stores the storage `data` (`nbytes` bytes) and a tensor entry `name`
@@ -888,15 +928,15 @@ ss_status ss_content_write_storage(const ss_content_writer *w,
  * readable for `nbytes` bytes, not written by another thread during the
  * call; `shape` and `stride` are NULL or readable for `ndim` `int64_t`s.
  */
-ss_status ss_content_write_tensor(const ss_content_writer *w,
-                                  const char *name,
-                                  const void *data,
-                                  size_t nbytes,
-                                  int dtype,
-                                  int64_t offset,
-                                  size_t ndim,
-                                  const int64_t *shape,
-                                  const int64_t *stride);
+ss_status ss_content_writer_write_tensor(const ss_content_writer *w,
+                                         const char *name,
+                                         const void *data,
+                                         size_t nbytes,
+                                         int dtype,
+                                         int64_t offset,
+                                         size_t ndim,
+                                         const int64_t *shape,
+                                         const int64_t *stride);
 
 /**
  * What the writer did: storages written to new files, storages whose
@@ -975,9 +1015,9 @@ ss_status ss_content_reader_set_verify(const ss_content_reader *r, bool verify);
  * meanwhile); `name` is NULL or a NUL-terminated string; `out` is NULL or
  * points to a writable `ss_content_tensor*`.
  */
-ss_status ss_content_read_tensor(const ss_content_reader *r,
-                                 const char *name,
-                                 ss_content_tensor **out);
+ss_status ss_content_reader_read_tensor(const ss_content_reader *r,
+                                        const char *name,
+                                        ss_content_tensor **out);
 
 /**
  * Reads the storage named `hash`, mapped read-only. Free the result with
@@ -988,9 +1028,9 @@ ss_status ss_content_read_tensor(const ss_content_reader *r,
  * meanwhile); `hash` is NULL or a NUL-terminated string; `out` is NULL or
  * points to a writable `ss_content_storage*`.
  */
-ss_status ss_content_read_storage(const ss_content_reader *r,
-                                  const char *hash,
-                                  ss_content_storage **out);
+ss_status ss_content_reader_read_storage(const ss_content_reader *r,
+                                         const char *hash,
+                                         ss_content_storage **out);
 
 /**
  * The names of every tensor entry, sorted. Free with `ss_content_list_free`.
@@ -999,7 +1039,7 @@ ss_status ss_content_read_storage(const ss_content_reader *r,
  * `r` is NULL or a live `ss_content_reader` (other threads may use it
  * meanwhile); `out` is NULL or points to a writable `ss_content_list*`.
  */
-ss_status ss_content_list_tensors(const ss_content_reader *r, ss_content_list **out);
+ss_status ss_content_reader_list_tensors(const ss_content_reader *r, ss_content_list **out);
 
 /**
  * The hashes of every storage, sorted. Free with `ss_content_list_free`.
@@ -1008,7 +1048,7 @@ ss_status ss_content_list_tensors(const ss_content_reader *r, ss_content_list **
  * `r` is NULL or a live `ss_content_reader` (other threads may use it
  * meanwhile); `out` is NULL or points to a writable `ss_content_list*`.
  */
-ss_status ss_content_list_storages(const ss_content_reader *r, ss_content_list **out);
+ss_status ss_content_reader_list_storages(const ss_content_reader *r, ss_content_list **out);
 
 /**
  * Checks the whole store: every storage hashed against its name, every
@@ -1026,9 +1066,9 @@ ss_status ss_content_list_storages(const ss_content_reader *r, ss_content_list *
  * meanwhile); `out_checked` is NULL or points to a writable `uint64_t`;
  * `out_problems` is NULL or points to a writable `ss_content_list*`.
  */
-ss_status ss_content_verify(const ss_content_reader *r,
-                            uint64_t *out_checked,
-                            ss_content_list **out_problems);
+ss_status ss_content_reader_verify(const ss_content_reader *r,
+                                   uint64_t *out_checked,
+                                   ss_content_list **out_problems);
 
 /**
  * Closes a reader; tensors and storages read from it stay valid. NULL is
@@ -1094,7 +1134,7 @@ int64_t ss_content_tensor_offset(const ss_content_tensor *t);
  * format.
  *
  * # Safety
- * `t` is NULL or a live tensor from `ss_content_read_tensor`.
+ * `t` is NULL or a live tensor from `ss_content_reader_read_tensor`.
  */
 bool ss_content_tensor_conj(const ss_content_tensor *t);
 
@@ -1104,7 +1144,7 @@ bool ss_content_tensor_conj(const ss_content_tensor *t);
  * format.
  *
  * # Safety
- * `t` is NULL or a live tensor from `ss_content_read_tensor`.
+ * `t` is NULL or a live tensor from `ss_content_reader_read_tensor`.
  */
 bool ss_content_tensor_neg(const ss_content_tensor *t);
 
@@ -1204,7 +1244,7 @@ const char *ss_content_list_get(const ss_content_list *l, size_t i);
 void ss_content_list_free(ss_content_list *l);
 
 /**
- * Ends this process's part in CUDA IPC: warns (see `ss_set_log_callback`)
+ * Ends this process's part in CUDA IPC: warns (see `ss_log_set_callback`)
  * if consumers still hold blocks this producer freed, and removes the
  * names of its ref-counter files so nothing is left in /dev/shm
  * (consumers releasing later get `SS_ERR_PEER_GONE`). Runs by itself at
@@ -1298,7 +1338,9 @@ ss_status ss_cuda_sent_free(ss_cuda_sent *sent, bool *out_in_limbo);
  * `cudaStream_t` of the handle's device; `out` is NULL or points to a
  * writable `ss_cuda_received*`.
  */
-ss_status ss_cuda_open(const ss_cuda_ipc_handle *ipc_handle, void *stream, ss_cuda_received **out);
+ss_status ss_cuda_received_open(const ss_cuda_ipc_handle *ipc_handle,
+                                void *stream,
+                                ss_cuda_received **out);
 
 /**
  * Device address of a received storage's first byte (NULL for NULL or a
@@ -1321,7 +1363,7 @@ size_t ss_cuda_received_size(const ss_cuda_received *received);
 
 /**
  * The consumer's release (the handle is freed whatever the result): waits
- * for the work queued on the stream given to `ss_cuda_open`, unmaps the
+ * for the work queued on the stream given to `ss_cuda_received_open`, unmaps the
  * memory if this was its last user here, and decrements the producer's
  * counter slot atomically. `SS_ERR_PEER_GONE` when the producer is gone.
  * NULL is a no-op.
@@ -1342,13 +1384,13 @@ ss_status ss_cuda_received_free(ss_cuda_received *received);
  * # Safety
  * `counter_name` is NULL or a NUL-terminated string.
  */
-ss_status ss_cuda_release_ipc_counter(const char *counter_name, uint64_t slot);
+ss_status ss_cuda_ipc_counter_release(const char *counter_name, uint64_t slot);
 
 /**
  * Gives back every block in limbo that no consumer refers to any more
  * (running their deleters); `*out_freed` (may be NULL) gets how many.
  * With limbo then empty, also closes the current ref-counter file if no
- * send uses it. Call it when device memory runs short (`ss_cuda_malloc`
+ * send uses it. Call it when device memory runs short (`ss_cuda_alloc`
  * does), as `torch.cuda.ipc_collect()`.
  *
  * # Safety
@@ -1383,13 +1425,13 @@ ss_status ss_cuda_pointer_base(const void *device_ptr,
  * # Safety
  * `out` is NULL or points to a writable `void*`.
  */
-ss_status ss_cuda_malloc(int32_t device, size_t nbytes, void **out);
+ss_status ss_cuda_alloc(int32_t device, size_t nbytes, void **out);
 
 /**
- * Frees memory from `ss_cuda_malloc`. NULL is a no-op.
+ * Frees memory from `ss_cuda_alloc`. NULL is a no-op.
  *
  * # Safety
- * `device_ptr` is NULL or memory from `ss_cuda_malloc` on `device` that is
+ * `device_ptr` is NULL or memory from `ss_cuda_alloc` on `device` that is
  * not freed yet; it must not be used after the call.
  */
 ss_status ss_cuda_free(int32_t device, void *device_ptr);
@@ -1414,6 +1456,270 @@ ss_status ss_cuda_ipc_handle_to_text(const ss_cuda_ipc_handle *ipc_handle, char 
  * writable `ss_cuda_ipc_handle`.
  */
 ss_status ss_cuda_ipc_handle_from_text(const char *text, ss_cuda_ipc_handle *out);
+
+/**
+ * Deprecated alias of `ss_arena_dealloc` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_arena_dealloc`.
+ */
+SS_DEPRECATED("renamed to ss_arena_dealloc") ss_status ss_arena_free(const ss_arena *a, void *ptr);
+
+/**
+ * Deprecated alias of `ss_arena_view_open` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_arena_view_open`.
+ */
+SS_DEPRECATED("renamed to ss_arena_view_open")
+ss_status ss_arena_open_remote(const ss_arena_handle *h,
+                               ss_arena_view **out);
+
+/**
+ * Deprecated alias of `ss_arena_remote_cache_trim` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_arena_remote_cache_trim`.
+ */
+SS_DEPRECATED("renamed to ss_arena_remote_cache_trim")
+ss_status ss_arena_trim_remote_cache(size_t *out_released);
+
+/**
+ * Deprecated alias of `ss_content_writer_write_storage` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_content_writer_write_storage`.
+ */
+SS_DEPRECATED("renamed to ss_content_writer_write_storage")
+ss_status ss_content_write_storage(const ss_content_writer *w,
+                                   const void *data,
+                                   size_t nbytes,
+                                   char *buf,
+                                   size_t buf_len);
+
+/**
+ * Deprecated alias of `ss_content_writer_write_tensor` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_content_writer_write_tensor`.
+ */
+SS_DEPRECATED("renamed to ss_content_writer_write_tensor")
+ss_status ss_content_write_tensor(const ss_content_writer *w,
+                                  const char *name,
+                                  const void *data,
+                                  size_t nbytes,
+                                  int dtype,
+                                  int64_t offset,
+                                  size_t ndim,
+                                  const int64_t *shape,
+                                  const int64_t *stride);
+
+/**
+ * Deprecated alias of `ss_content_reader_read_tensor` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_content_reader_read_tensor`.
+ */
+SS_DEPRECATED("renamed to ss_content_reader_read_tensor")
+ss_status ss_content_read_tensor(const ss_content_reader *r,
+                                 const char *name,
+                                 ss_content_tensor **out);
+
+/**
+ * Deprecated alias of `ss_content_reader_read_storage` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_content_reader_read_storage`.
+ */
+SS_DEPRECATED("renamed to ss_content_reader_read_storage")
+ss_status ss_content_read_storage(const ss_content_reader *r,
+                                  const char *hash,
+                                  ss_content_storage **out);
+
+/**
+ * Deprecated alias of `ss_content_reader_list_tensors` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_content_reader_list_tensors`.
+ */
+SS_DEPRECATED("renamed to ss_content_reader_list_tensors")
+ss_status ss_content_list_tensors(const ss_content_reader *r,
+                                  ss_content_list **out);
+
+/**
+ * Deprecated alias of `ss_content_reader_list_storages` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_content_reader_list_storages`.
+ */
+SS_DEPRECATED("renamed to ss_content_reader_list_storages")
+ss_status ss_content_list_storages(const ss_content_reader *r,
+                                   ss_content_list **out);
+
+/**
+ * Deprecated alias of `ss_content_reader_verify` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_content_reader_verify`.
+ */
+SS_DEPRECATED("renamed to ss_content_reader_verify")
+ss_status ss_content_verify(const ss_content_reader *r,
+                            uint64_t *out_checked,
+                            ss_content_list **out_problems);
+
+/**
+ * Deprecated alias of `ss_content_hash_bytes` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_content_hash_bytes`.
+ */
+SS_DEPRECATED("renamed to ss_content_hash_bytes")
+ss_status ss_hash_bytes(const void *data,
+                        size_t nbytes,
+                        int mode,
+                        char *buf,
+                        size_t buf_len);
+
+/**
+ * Deprecated alias of `ss_cuda_received_open` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_cuda_received_open`.
+ */
+SS_DEPRECATED("renamed to ss_cuda_received_open")
+ss_status ss_cuda_open(const ss_cuda_ipc_handle *ipc_handle,
+                       void *stream,
+                       ss_cuda_received **out);
+
+/**
+ * Deprecated alias of `ss_cuda_ipc_counter_release` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_cuda_ipc_counter_release`.
+ */
+SS_DEPRECATED("renamed to ss_cuda_ipc_counter_release")
+ss_status ss_cuda_release_ipc_counter(const char *counter_name,
+                                      uint64_t slot);
+
+/**
+ * Deprecated alias of `ss_cuda_alloc` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_cuda_alloc`.
+ */
+SS_DEPRECATED("renamed to ss_cuda_alloc")
+ss_status ss_cuda_malloc(int32_t device,
+                         size_t nbytes,
+                         void **out);
+
+/**
+ * Deprecated alias of `ss_fds_send` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_fds_send`.
+ */
+SS_DEPRECATED("renamed to ss_fds_send")
+ss_status ss_send_fds(int sock,
+                      const void *payload,
+                      size_t len,
+                      const int *fds,
+                      size_t nfds);
+
+/**
+ * Deprecated alias of `ss_fds_recv` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_fds_recv`.
+ */
+SS_DEPRECATED("renamed to ss_fds_recv")
+ss_status ss_recv_fds(int sock,
+                      void *buf,
+                      size_t len,
+                      size_t *out_len,
+                      int *fds,
+                      size_t max_fds,
+                      size_t *out_nfds);
+
+/**
+ * Deprecated alias of `ss_map_open_refcounted` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_map_open_refcounted`.
+ */
+SS_DEPRECATED("renamed to ss_map_open_refcounted")
+ss_status ss_refcounted_map_open(const char *name,
+                                 int flags,
+                                 size_t size,
+                                 ss_map **out);
+
+/**
+ * Deprecated alias of `ss_shm_name_new` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_shm_name_new`.
+ */
+SS_DEPRECATED("renamed to ss_shm_name_new")
+ss_status ss_new_process_wide_shm_handle(char *buf,
+                                         size_t len);
+
+/**
+ * Deprecated alias of `ss_map_new_shm_fd` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_map_new_shm_fd`.
+ */
+SS_DEPRECATED("renamed to ss_map_new_shm_fd")
+ss_status ss_new_shm_fd_storage(size_t size,
+                                ss_map **out);
+
+/**
+ * Deprecated alias of `ss_map_new_copy` (the old name, kept for one release).
+ *
+ * # Safety
+ * As `ss_map_new_copy`.
+ */
+SS_DEPRECATED("renamed to ss_map_new_copy")
+ss_status ss_share_memory(const void *src,
+                          size_t nbytes,
+                          ss_map **out);
+
+/**
+ * Deprecated alias of `ss_map_lookup`, which returns the same borrowed
+ * handle as `const` (this one's non-const result must never reach
+ * `ss_map_free`).
+ *
+ * # Safety
+ * As `ss_map_lookup`.
+ */
+SS_DEPRECATED("renamed to ss_map_lookup, which returns a const (borrowed) ss_map")
+ss_map *ss_map_from_data(const void *ptr);
+
+/**
+ * Deprecated alias of `ss_store_callbacks_open`. Unlike it, a
+ * `struct_size` of 0 (a caller written before the field existed) is taken
+ * as the current layout.
+ *
+ * # Safety
+ * As `ss_store_callbacks_open`.
+ */
+SS_DEPRECATED("renamed to ss_store_callbacks_open (initialize the table with SS_STORE_CALLBACKS_INIT)")
+ss_status ss_store_from_callbacks(const ss_store_callbacks *cb,
+                                  void *ctx,
+                                  ss_store **out);
+
+/**
+ * Deprecated alias of `ss_symm_mem_rendezvous`, which writes the same
+ * borrowed object through a `const` out-parameter.
+ *
+ * # Safety
+ * As `ss_symm_mem_rendezvous`; `out` is NULL or points to a writable
+ * `ss_symm_mem*`.
+ */
+SS_DEPRECATED("renamed to ss_symm_mem_rendezvous, whose out-parameter is const (the block owns the object)")
+ss_status ss_symm_rendezvous(void *ptr,
+                             const char *group,
+                             int64_t timeout_ms,
+                             ss_symm_mem **out);
 
 /**
  * The detail of the last failure on the calling thread ("" if none yet):
@@ -1444,7 +1750,7 @@ const char *ss_version(void);
  * for `nfds` `int`s. Neither may be written by another thread during the
  * call.
  */
-ss_status ss_send_fds(int sock, const void *payload, size_t len, const int *fds, size_t nfds);
+ss_status ss_fds_send(int sock, const void *payload, size_t len, const int *fds, size_t nfds);
 
 /**
  * Receives one message: up to `len` payload bytes into `buf` (their
@@ -1462,7 +1768,7 @@ ss_status ss_send_fds(int sock, const void *payload, size_t len, const int *fds,
  * `max_fds` `int`s; `out_len` and `out_nfds` are NULL or point to a writable
  * `size_t`. No other thread may access `buf` or `fds` during the call.
  */
-ss_status ss_recv_fds(int sock,
+ss_status ss_fds_recv(int sock,
                       void *buf,
                       size_t len,
                       size_t *out_len,
@@ -1503,7 +1809,7 @@ void ss_atfork_child(void);
  * it must not unwind and must not call into this library. `user_data` must
  * stay valid for as long as `cb` is installed.
  */
-void ss_set_log_callback(ss_log_fn cb, void *user_data);
+void ss_log_set_callback(ss_log_fn cb, void *user_data);
 
 /**
  * Uses the daemon binary at `path` when a manager must be started
@@ -1565,7 +1871,7 @@ ss_status ss_map_open_fd(const char *name, int fd, int flags, size_t size, ss_ma
  * `name` is NULL or a NUL-terminated string; `out` is NULL or points to a
  * writable `ss_map*`.
  */
-ss_status ss_refcounted_map_open(const char *name, int flags, size_t size, ss_map **out);
+ss_status ss_map_open_refcounted(const char *name, int flags, size_t size, ss_map **out);
 
 /**
  * Start of the user data (after the header for refcounted maps); NULL
@@ -1613,7 +1919,7 @@ const char *ss_map_filename(const ss_map *map);
 int ss_map_flags(const ss_map *map);
 
 /**
- * Whether `map` was opened with `ss_refcounted_map_open`.
+ * Whether `map` was opened with `ss_map_open_refcounted`.
  *
  * # Safety
  * `map` is NULL or a live `ss_map` (other threads may use it meanwhile).
@@ -1670,13 +1976,14 @@ void ss_map_free(ss_map *map);
 
 /**
  * The live map whose data holds `ptr` (its start or any byte inside), or
- * NULL: ATen's `fromDataPtr`. The handle is borrowed, not owned.
+ * NULL: ATen's `fromDataPtr`. The handle is borrowed, hence `const`: read
+ * it with the accessors; never pass it to `ss_map_free` or `ss_map_close`.
  *
  * # Safety
  * Any `ptr` is allowed (it is only looked up, never read). The handle
  * returned is borrowed: valid until its owner frees it.
  */
-ss_map *ss_map_from_data(const void *ptr);
+const ss_map *ss_map_lookup(const void *ptr);
 
 /**
  * A new resizable storage of `nbytes` zero bytes on the heap (64-byte
@@ -1738,7 +2045,7 @@ ss_status ss_storage_resize(const ss_storage *s, size_t nbytes);
 /**
  * Moves the storage into an fd-backed shared segment (a copy, unless it
  * is fd-backed already) and returns its descriptor and size. The fd
- * stays owned by the storage: send it (`ss_send_fds`) or dup it, never
+ * stays owned by the storage: send it (`ss_fds_send`) or dup it, never
  * close it. A 0-byte storage cannot be shared: `SS_ERR_INVALID_ARGUMENT`.
  *
  * # Safety
@@ -1906,7 +2213,7 @@ void ss_weak_free(ss_weak *w);
  * # Safety
  * `buf` is NULL or writable for `len` bytes.
  */
-ss_status ss_new_process_wide_shm_handle(char *buf, size_t len);
+ss_status ss_shm_name_new(char *buf, size_t len);
 
 /**
  * A new anonymous shared-memory segment of `size` zero bytes whose name is
@@ -1915,11 +2222,11 @@ ss_status ss_new_process_wide_shm_handle(char *buf, size_t len);
  * # Safety
  * `out` is NULL or points to a writable `ss_map*`.
  */
-ss_status ss_new_shm_fd_storage(size_t size, ss_map **out);
+ss_status ss_map_new_shm_fd(size_t size, ss_map **out);
 
 /**
  * Copies `nbytes` from `src` into a new fd-backed segment (as
- * `ss_new_shm_fd_storage`) and returns its map: `share_memory_()`.
+ * `ss_map_new_shm_fd`) and returns its map: `share_memory_()`.
  * Fails with `SS_ERR_NO_SPACE` when /dev/shm cannot hold it.
  *
  * # Safety
@@ -1927,7 +2234,7 @@ ss_status ss_new_shm_fd_storage(size_t size, ss_map **out);
  * thread writes them during the call; `out` is NULL or points to a writable
  * `ss_map*`.
  */
-ss_status ss_share_memory(const void *src, size_t nbytes, ss_map **out);
+ss_status ss_map_new_copy(const void *src, size_t nbytes, ss_map **out);
 
 /**
  * Opens the store in folder `path` (created with its parents if missing),
@@ -2154,7 +2461,8 @@ void ss_store_free(ss_store *s);
  * A store whose operations call the host's functions in `cb` with `ctx`
  * (the table is copied; `ctx` is the host's). `free_ctx(ctx)` runs once,
  * when the last reference goes. A required function missing:
- * `SS_ERR_NULL_POINTER`, and `ctx` stays the caller's to release.
+ * `SS_ERR_NULL_POINTER`, a bad `cb->struct_size` as that field says; in
+ * both cases `ctx` stays the caller's to release.
  *
  * # Safety
  * `cb` is NULL or points to a readable `ss_store_callbacks` whose functions,
@@ -2162,7 +2470,7 @@ void ss_store_free(ss_store *s);
  * never unwinding) for as long as the store lives; `out` is NULL or points
  * to a writable `ss_store*`.
  */
-ss_status ss_store_from_callbacks(const ss_store_callbacks *cb, void *ctx, ss_store **out);
+ss_status ss_store_callbacks_open(const ss_store_callbacks *cb, void *ctx, ss_store **out);
 
 /**
  * Registers group `group`: this process is `rank` of `world_size`, and the
@@ -2239,7 +2547,7 @@ ss_status ss_symm_set_signal_pad_size(size_t size);
  * writable `void*`.
  */
 ss_status ss_symm_alloc(int device_type,
-                        int device_idx,
+                        int32_t device_idx,
                         size_t size,
                         const char *group,
                         void **out);
@@ -2256,7 +2564,7 @@ ss_status ss_symm_alloc(int device_type,
  * writable `void*`.
  */
 ss_status ss_symm_alloc_persistent(int device_type,
-                                   int device_idx,
+                                   int32_t device_idx,
                                    size_t size,
                                    const char *group,
                                    uint64_t alloc_id,
@@ -2294,14 +2602,18 @@ ss_status ss_symm_free(void *ptr);
  * in TMPDIR), checked with `SO_PEERCRED` to be the peer ranks' processes
  * (pid from their rendezvous requests, same uid): ranks must share a pid
  * and network namespace. A second call for the same block and group
- * returns the same object. `*out` is owned by the block.
+ * returns the same object. `*out` is borrowed (hence `const`): the block
+ * owns it, and `ss_symm_free` of the block releases it.
  *
  * # Safety
  * `ptr` may be any value (it is only looked up); `group` is NULL or a
  * NUL-terminated string; `out` is NULL or points to a writable
- * `ss_symm_mem*`.
+ * `const ss_symm_mem*`.
  */
-ss_status ss_symm_rendezvous(void *ptr, const char *group, int64_t timeout_ms, ss_symm_mem **out);
+ss_status ss_symm_mem_rendezvous(void *ptr,
+                                 const char *group,
+                                 int64_t timeout_ms,
+                                 const ss_symm_mem **out);
 
 /**
  * This process's rank in the object's group; -1 for NULL.

@@ -68,7 +68,7 @@ inline std::string version() { return ss_version(); }
 /* A fresh process-wide segment name, "/torch_<pid>_<rand>_<n>". */
 inline std::string new_process_wide_shm_handle() {
     char buf[64];
-    check(ss_new_process_wide_shm_handle(buf, sizeof buf), "ss_new_process_wide_shm_handle");
+    check(ss_shm_name_new(buf, sizeof buf), "ss_shm_name_new");
     return buf;
 }
 
@@ -144,7 +144,7 @@ public:
 
     /* The live map whose data holds `ptr`, as ATen's fromDataPtr; an empty
      * view when none does. Borrowed: the owner keeps it alive. */
-    static MapView from_data(const void *ptr) noexcept { return MapView(ss_map_from_data(ptr)); }
+    static MapView from_data(const void *ptr) noexcept { return MapView(ss_map_lookup(ptr)); }
 
 private:
     const ss_map *raw_ = nullptr;
@@ -188,20 +188,20 @@ public:
     /* RefcountedMapAllocator(name, flags, size). */
     static Map open_refcounted(const std::string &name, int flags, std::size_t size) {
         ss_map *raw = nullptr;
-        check(ss_refcounted_map_open(c_string_arg(name, "ss_refcounted_map_open", "name"), flags, size, &raw),
-              "ss_refcounted_map_open");
+        check(ss_map_open_refcounted(c_string_arg(name, "ss_map_open_refcounted", "name"), flags, size, &raw),
+              "ss_map_open_refcounted");
         return Map(raw);
     }
     /* An anonymous fd-backed segment of `size` zero bytes. */
     static Map new_fd_storage(std::size_t size) {
         ss_map *raw = nullptr;
-        check(ss_new_shm_fd_storage(size, &raw), "ss_new_shm_fd_storage");
+        check(ss_map_new_shm_fd(size, &raw), "ss_map_new_shm_fd");
         return Map(raw);
     }
     /* share_memory_(): a copy of `nbytes` at `src` in a new fd-backed segment. */
     static Map share_memory(const void *src, std::size_t nbytes) {
         ss_map *raw = nullptr;
-        check(ss_share_memory(src, nbytes, &raw), "ss_share_memory");
+        check(ss_map_new_copy(src, nbytes, &raw), "ss_map_new_copy");
         return Map(raw);
     }
 
@@ -402,7 +402,7 @@ private:
 /* Sends `len` payload bytes (at least 1) and the descriptors (they stay
  * open here) over the connected Unix socket `sock`. */
 inline void send_fds(int sock, const void *payload, std::size_t len, const int *fds, std::size_t nfds) {
-    check(ss_send_fds(sock, payload, len, fds, nfds), "ss_send_fds");
+    check(ss_fds_send(sock, payload, len, fds, nfds), "ss_fds_send");
 }
 inline void send_fds(int sock, const std::string &payload, const std::vector<int> &fds = {}) {
     send_fds(sock, payload.data(), payload.size(), fds.empty() ? nullptr : fds.data(), fds.size());
@@ -422,9 +422,9 @@ inline FdMessage recv_fds(int sock, std::size_t max_len, std::size_t max_fds) {
     std::string buf(max_len, '\0');
     std::vector<int> fds(max_fds, -1);
     std::size_t len = 0, nfds = 0;
-    check(ss_recv_fds(sock, buf.empty() ? nullptr : &buf[0], buf.size(), &len, fds.empty() ? nullptr : fds.data(),
+    check(ss_fds_recv(sock, buf.empty() ? nullptr : &buf[0], buf.size(), &len, fds.empty() ? nullptr : fds.data(),
                       fds.size(), &nfds),
-          "ss_recv_fds");
+          "ss_fds_recv");
     FdMessage msg;
     buf.resize(len);
     msg.payload = std::move(buf);
@@ -524,7 +524,7 @@ public:
     /* Maps the tuple's memory; `stream` waits for the producer's event. */
     static CudaReceived open(const ss_cuda_ipc_handle &handle, void *stream = nullptr) {
         ss_cuda_received *raw = nullptr;
-        check(ss_cuda_open(&handle, stream, &raw), "ss_cuda_open");
+        check(ss_cuda_received_open(&handle, stream, &raw), "ss_cuda_received_open");
         return CudaReceived(raw);
     }
     ss_cuda_received *get() const noexcept { return handle_.get(); }
@@ -539,13 +539,13 @@ private:
     unique_handle<ss_cuda_received, detail::free_cuda_received> handle_;
 };
 
-/* Device memory from ss_cuda_malloc, freed when destroyed. Move-only. */
+/* Device memory from ss_cuda_alloc, freed when destroyed. Move-only. */
 class CudaMemory {
 public:
     CudaMemory() noexcept = default;
     static CudaMemory allocate(std::int32_t device, std::size_t nbytes) {
         void *ptr = nullptr;
-        check(ss_cuda_malloc(device, nbytes, &ptr), "ss_cuda_malloc");
+        check(ss_cuda_alloc(device, nbytes, &ptr), "ss_cuda_alloc");
         return CudaMemory(device, ptr, nbytes);
     }
     CudaMemory(const CudaMemory &) = delete;
@@ -601,8 +601,8 @@ inline CudaAllocation cuda_pointer_base(const void *device_ptr, std::int32_t dev
 /* Decrements a ref-counter slot (a consumer dropping a tuple unopened);
  * needs no GPU. */
 inline void cuda_release_ipc_counter(const std::string &counter_name, std::uint64_t slot) {
-    check(ss_cuda_release_ipc_counter(c_string_arg(counter_name, "ss_cuda_release_ipc_counter", "counter_name"), slot),
-          "ss_cuda_release_ipc_counter");
+    check(ss_cuda_ipc_counter_release(c_string_arg(counter_name, "ss_cuda_ipc_counter_release", "counter_name"), slot),
+          "ss_cuda_ipc_counter_release");
 }
 /* Gives back limbo blocks no consumer uses; returns how many. */
 inline std::size_t cuda_ipc_collect() {
@@ -669,7 +669,7 @@ public:
     /* A store calling the host's functions with ctx (see ss_store_callbacks). */
     static Store from_callbacks(const ss_store_callbacks &cb, void *ctx) {
         ss_store *raw = nullptr;
-        check(ss_store_from_callbacks(&cb, ctx, &raw), "ss_store_from_callbacks");
+        check(ss_store_callbacks_open(&cb, ctx, &raw), "ss_store_callbacks_open");
         return Store(raw);
     }
     /* A store backed by a C++ object the library then owns, e.g. an adapter
@@ -683,8 +683,8 @@ public:
      * passed on, any other exception becomes SS_ERR_IO. */
     template <class T>
     static Store adopt(std::unique_ptr<T> object) {
-        static const ss_store_callbacks table = {&adopted<T>::set, &adopted<T>::get, &adopted<T>::add,
-                                                 &adopted<T>::wait, &adopted<T>::free_ctx};
+        static const ss_store_callbacks table = {sizeof(ss_store_callbacks), &adopted<T>::set, &adopted<T>::get,
+                                                 &adopted<T>::add, &adopted<T>::wait, &adopted<T>::free_ctx};
         Store s = from_callbacks(table, object.get());
         object.release();  // owned by the store now; free_ctx deletes it
         return s;
@@ -1001,9 +1001,9 @@ public:
     }
     /* Meets the other ranks of `group` ("" for the allocation's group). */
     SymmMem rendezvous(const std::string &group = "", std::int64_t timeout_ms = 0) const {
-        ss_symm_mem *h = nullptr;
-        const char *c_group = group.empty() ? nullptr : c_string_arg(group, "ss_symm_rendezvous", "group");
-        check(ss_symm_rendezvous(ptr_, c_group, timeout_ms, &h), "ss_symm_rendezvous");
+        const ss_symm_mem *h = nullptr;
+        const char *c_group = group.empty() ? nullptr : c_string_arg(group, "ss_symm_mem_rendezvous", "group");
+        check(ss_symm_mem_rendezvous(ptr_, c_group, timeout_ms, &h), "ss_symm_mem_rendezvous");
         return SymmMem(h);
     }
     /* Frees now, reporting errors (the destructor ignores them). */
@@ -1043,7 +1043,7 @@ public:
      * first (import_segment_fd) unless it came with Arena::send. */
     static ArenaView open(const ss_arena_handle &h) {
         ss_arena_view *raw = nullptr;
-        check(ss_arena_open_remote(&h, &raw), "ss_arena_open_remote");
+        check(ss_arena_view_open(&h, &raw), "ss_arena_view_open");
         return ArenaView(raw);
     }
     /* Receives a block sent with Arena::send over `sock`, and opens it. */
@@ -1085,7 +1085,7 @@ public:
         check(ss_arena_alloc(handle_.get(), size, align, &p), "ss_arena_alloc");
         return p;
     }
-    void free(void *p) const { check(ss_arena_free(handle_.get(), p), "ss_arena_free"); }
+    void free(void *p) const { check(ss_arena_dealloc(handle_.get(), p), "ss_arena_dealloc"); }
     ss_arena_handle share(void *p) const {
         ss_arena_handle h{};
         check(ss_arena_share(handle_.get(), p, &h), "ss_arena_share");
@@ -1133,7 +1133,7 @@ private:
 /* The hex digest of `nbytes` bytes: SS_HASH_FAST or SS_HASH_STABLE (SHA-1). */
 inline std::string hash_bytes(const void *data, std::size_t nbytes, int mode = SS_HASH_FAST) {
     char buf[SS_HASH_HEX_MAX];
-    check(ss_hash_bytes(data, nbytes, mode, buf, sizeof buf), "ss_hash_bytes");
+    check(ss_content_hash_bytes(data, nbytes, mode, buf, sizeof buf), "ss_content_hash_bytes");
     return buf;
 }
 
@@ -1156,18 +1156,18 @@ public:
     /* Stores the bytes once per distinct content; returns the hash. */
     std::string write_storage(const void *data, std::size_t nbytes) const {
         char buf[SS_HASH_HEX_MAX];
-        check(ss_content_write_storage(h_.get(), data, nbytes, buf, sizeof buf), "ss_content_write_storage");
+        check(ss_content_writer_write_storage(h_.get(), data, nbytes, buf, sizeof buf), "ss_content_writer_write_storage");
         return buf;
     }
     /* Stores the bytes and an entry `name` viewing them (elements, PyTorch's order). */
     void write_tensor(const std::string &name, const void *data, std::size_t nbytes, int dtype, std::int64_t offset,
                       const std::vector<std::int64_t> &shape, const std::vector<std::int64_t> &stride) const {
         if (shape.size() != stride.size())
-            throw Error(SS_ERR_INVALID_ARGUMENT, "ss_content_write_tensor", "shape and stride lengths differ");
-        const char *c_name = c_string_arg(name, "ss_content_write_tensor", "name");
-        check(ss_content_write_tensor(h_.get(), c_name, data, nbytes, dtype, offset, shape.size(), shape.data(),
+            throw Error(SS_ERR_INVALID_ARGUMENT, "ss_content_writer_write_tensor", "shape and stride lengths differ");
+        const char *c_name = c_string_arg(name, "ss_content_writer_write_tensor", "name");
+        check(ss_content_writer_write_tensor(h_.get(), c_name, data, nbytes, dtype, offset, shape.size(), shape.data(),
                                       stride.data()),
-              "ss_content_write_tensor");
+              "ss_content_writer_write_tensor");
     }
     /* fsync around each rename (default on; PyTorch never fsyncs). */
     void set_durable(bool on) const { check(ss_content_writer_set_durable(h_.get(), on), "ss_content_writer_set_durable"); }
@@ -1228,30 +1228,30 @@ public:
     void set_verify(bool on) const { check(ss_content_reader_set_verify(h_.get(), on), "ss_content_reader_set_verify"); }
     ContentTensor read_tensor(const std::string &name) const {
         ss_content_tensor *raw = nullptr;
-        const char *c_name = c_string_arg(name, "ss_content_read_tensor", "name");
-        check(ss_content_read_tensor(h_.get(), c_name, &raw), "ss_content_read_tensor");
+        const char *c_name = c_string_arg(name, "ss_content_reader_read_tensor", "name");
+        check(ss_content_reader_read_tensor(h_.get(), c_name, &raw), "ss_content_reader_read_tensor");
         return ContentTensor(raw);
     }
     ContentStorage read_storage(const std::string &hash) const {
         ss_content_storage *raw = nullptr;
-        const char *c_hash = c_string_arg(hash, "ss_content_read_storage", "hash");
-        check(ss_content_read_storage(h_.get(), c_hash, &raw), "ss_content_read_storage");
+        const char *c_hash = c_string_arg(hash, "ss_content_reader_read_storage", "hash");
+        check(ss_content_reader_read_storage(h_.get(), c_hash, &raw), "ss_content_reader_read_storage");
         return ContentStorage(raw);
     }
     std::vector<std::string> list_tensors() const {
         ss_content_list *raw = nullptr;
-        check(ss_content_list_tensors(h_.get(), &raw), "ss_content_list_tensors");
+        check(ss_content_reader_list_tensors(h_.get(), &raw), "ss_content_reader_list_tensors");
         return take(raw);
     }
     std::vector<std::string> list_storages() const {
         ss_content_list *raw = nullptr;
-        check(ss_content_list_storages(h_.get(), &raw), "ss_content_list_storages");
+        check(ss_content_reader_list_storages(h_.get(), &raw), "ss_content_reader_list_storages");
         return take(raw);
     }
     /* One "object: why" line per corrupt object; empty when all is well. */
     std::vector<std::string> verify(std::uint64_t *checked = nullptr) const {
         ss_content_list *raw = nullptr;
-        check(ss_content_verify(h_.get(), checked, &raw), "ss_content_verify");
+        check(ss_content_reader_verify(h_.get(), checked, &raw), "ss_content_reader_verify");
         return take(raw);
     }
     ss_content_reader *get() const noexcept { return h_.get(); }

@@ -1,7 +1,7 @@
 //! Where the library's own messages go: warnings about resources left
 //! behind, and the manager daemon's log. By default they go to stderr, as
 //! they always did; a host can install a sink of its own (the C API's
-//! `ss_set_log_callback`) to route them into its logging, or silence them.
+//! `ss_log_set_callback`) to route them into its logging, or silence them.
 //!
 //! A sink is called from whichever thread logs, possibly during process
 //! exit, so it must be thread-safe and must not call back into the library.

@@ -270,12 +270,12 @@ fn child_role() {
 /// A consumer alone in its process (its remote cache is its own): a
 /// by-name producer killed but not reaped (a zombie: `kill(pid, 0)` still
 /// finds it, as it finds a process that reused the pid) keeps its idle
-/// segments cached after the views go; `ss_arena_trim_remote_cache`
+/// segments cached after the views go; `ss_arena_remote_cache_trim`
 /// unmaps them and removes the names.
 #[test]
 #[ignore = "entry point of a consumer process, run by trim_remote_cache_drops_a_dead_producers_segments"]
 fn trim_consumer_role() {
-    use storage_sharing::ffi::arena::{ss_arena_remote_cache_size, ss_arena_trim_remote_cache};
+    use storage_sharing::ffi::arena::{ss_arena_remote_cache_size, ss_arena_remote_cache_trim};
     let Some((role, _)) = my_role() else { return };
     assert_eq!(role, "trim-consumer");
     let mut peer = Peer::spawn(ENTRY, "producer", "name");
@@ -297,11 +297,11 @@ fn trim_consumer_role() {
     unsafe {
         assert_eq!(ss_arena_remote_cache_size(&mut cached), storage_sharing::ffi::ss_status::SS_OK);
         assert_eq!(cached, 2, "the zombie producer's two segments stay cached after the views");
-        assert_eq!(ss_arena_trim_remote_cache(&mut released), storage_sharing::ffi::ss_status::SS_OK);
+        assert_eq!(ss_arena_remote_cache_trim(&mut released), storage_sharing::ffi::ss_status::SS_OK);
         assert_eq!(released, 2);
         assert_eq!(ss_arena_remote_cache_size(&mut cached), storage_sharing::ffi::ss_status::SS_OK);
         assert_eq!(cached, 0);
-        assert_eq!(ss_arena_trim_remote_cache(std::ptr::null_mut()), storage_sharing::ffi::ss_status::SS_OK);
+        assert_eq!(ss_arena_remote_cache_trim(std::ptr::null_mut()), storage_sharing::ffi::ss_status::SS_OK);
     }
     assert_eq!(arena_names_of(pid), Vec::<String>::new(), "names of the dead producer left");
     peer.kill9();
@@ -393,7 +393,7 @@ mod c_api {
     fn open_remote(h: &ss_arena_handle) -> Result<*mut SsArenaView, ss_status> {
         let mut v = null_mut();
         // SAFETY: h is a readable handle.
-        match unsafe { ss_arena_open_remote(h, &mut v) } {
+        match unsafe { ss_arena_view_open(h, &mut v) } {
             SS_OK => Ok(v),
             e => Err(e),
         }
@@ -448,7 +448,7 @@ mod c_api {
             let mut h = good;
             h.offset += 64;
             assert_eq!(open_remote(&h), Err(SS_ERR_INVALID_ARGUMENT), "offset of another block");
-            assert_eq!(ss_arena_open_remote(null_mut(), &mut null_mut()), SS_ERR_NULL_POINTER);
+            assert_eq!(ss_arena_view_open(null_mut(), &mut null_mut()), SS_ERR_NULL_POINTER);
             // The good one opens once.
             let v = open_remote(&good).unwrap();
             assert_eq!(*ss_arena_view_data(v).cast::<u8>(), 0xAB);
@@ -469,14 +469,14 @@ mod c_api {
             assert_eq!(ss_arena_segment_fd(b, 123_456, &mut fd), SS_ERR_NOT_FOUND);
             assert_eq!(ss_arena_import_segment_fd(&hb, -1), SS_ERR_INVALID_ARGUMENT);
             // Double free, foreign and interior pointers.
-            assert_eq!(ss_arena_free(a, p), SS_OK);
-            assert_eq!(ss_arena_free(a, p), SS_ERR_INVALID_ARGUMENT);
+            assert_eq!(ss_arena_dealloc(a, p), SS_OK);
+            assert_eq!(ss_arena_dealloc(a, p), SS_ERR_INVALID_ARGUMENT);
             let mut local = 0u64;
-            assert_eq!(ss_arena_free(a, (&mut local as *mut u64).cast()), SS_ERR_INVALID_ARGUMENT);
-            assert_eq!(ss_arena_free(a, q), SS_ERR_INVALID_ARGUMENT, "another arena's block");
-            assert_eq!(ss_arena_free(b, q.cast::<u8>().add(1).cast()), SS_ERR_INVALID_ARGUMENT);
+            assert_eq!(ss_arena_dealloc(a, (&mut local as *mut u64).cast()), SS_ERR_INVALID_ARGUMENT);
+            assert_eq!(ss_arena_dealloc(a, q), SS_ERR_INVALID_ARGUMENT, "another arena's block");
+            assert_eq!(ss_arena_dealloc(b, q.cast::<u8>().add(1).cast()), SS_ERR_INVALID_ARGUMENT);
             assert_eq!(ss_arena_share(b, q.cast::<u8>().add(1).cast(), &mut std::mem::zeroed()), SS_ERR_INVALID_ARGUMENT);
-            assert_eq!(ss_arena_free(b, null_mut()), SS_ERR_NULL_POINTER);
+            assert_eq!(ss_arena_dealloc(b, null_mut()), SS_ERR_NULL_POINTER);
             let msg = std::ffi::CStr::from_ptr(storage_sharing::ffi::errors::ss_last_error_message()).to_string_lossy().into_owned();
             assert!(msg.contains("NULL"), "{msg}");
             let mut st = std::mem::zeroed();

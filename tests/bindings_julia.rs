@@ -134,7 +134,8 @@ fn parse_header(text: &str) -> (BTreeMap<String, Prototype>, Vec<String>) {
             }
             continue;
         }
-        if stmt.starts_with("typedef") || !stmt.contains('(') {
+        // Deprecated aliases of renamed functions: the module uses the new names.
+        if stmt.starts_with("typedef") || stmt.starts_with("SS_DEPRECATED(") || !stmt.contains('(') {
             continue;
         }
         let open = stmt.find('(').unwrap();
@@ -242,13 +243,13 @@ fn julia_types_for(c: &str, opaque: &[String]) -> Result<Vec<String>, String> {
         b if opaque.iter().any(|o| o == b) => vec!["Cvoid".into()],
         // The struct's Julia mirror; julia_structs_match_the_header checks its fields.
         "ss_cuda_ipc_handle" => vec!["CudaIpcHandle".into()],
-        // The callback table of ss_store_from_callbacks (its Julia mirror).
+        // The callback table of ss_store_callbacks_open (its Julia mirror).
         "ss_store_callbacks" => vec!["StoreCallbacks".into()],
         "ss_arena_options" => vec!["ArenaOptions".into()],
         "ss_arena_handle" => vec!["ArenaHandle".into()],
         "ss_arena_stats" => vec!["ArenaStats".into()],
         // A C function pointer (from @cfunction) or C_NULL.
-        "ss_cuda_deleter" if stars == 0 => vec!["Ptr{Cvoid}".into()],
+        "ss_cuda_deleter" | "ss_log_fn" if stars == 0 => vec!["Ptr{Cvoid}".into()],
         b => return Err(format!("C type `{b}` has no Julia spelling yet: add it to julia_types_for in tests/bindings_julia.rs")),
     };
     for _ in 0..stars {

@@ -34,7 +34,7 @@ fn reading_a_folder_of_tensors_as_a_tensor_is_not_found() {
     unsafe {
         assert_eq!(ss_content_writer_open(path.as_ptr(), SS_CONTENT_FORMAT_NATIVE, &mut w), ss_status::SS_OK);
         let name = c("p/q");
-        let st = ss_content_write_tensor(
+        let st = ss_content_writer_write_tensor(
             w,
             name.as_ptr(),
             data.as_ptr().cast(),
@@ -52,13 +52,13 @@ fn reading_a_folder_of_tensors_as_a_tensor_is_not_found() {
         let mut t = std::ptr::null_mut();
         for (name, why) in [("p", "folder"), ("p/q/r", "p/q")] {
             let n = c(name);
-            let st = ss_content_read_tensor(r, n.as_ptr(), &mut t);
+            let st = ss_content_reader_read_tensor(r, n.as_ptr(), &mut t);
             let msg = last_message();
             assert_eq!(st, ss_status::SS_ERR_NOT_FOUND, "{name}: {msg}");
             assert!(msg.contains(&format!("{name:?}")) && msg.contains(why), "{name}: {msg}");
         }
         let n = c("p/q");
-        assert_eq!(ss_content_read_tensor(r, n.as_ptr(), &mut t), ss_status::SS_OK);
+        assert_eq!(ss_content_reader_read_tensor(r, n.as_ptr(), &mut t), ss_status::SS_OK);
         ss_content_tensor_free(t);
         ss_content_reader_free(r);
     }
@@ -90,14 +90,14 @@ fn write_storage_with_a_short_buffer_writes_nothing() {
     unsafe {
         let mut w = std::ptr::null_mut();
         assert_eq!(ss_content_writer_open(path.as_ptr(), SS_CONTENT_FORMAT_NATIVE, &mut w), ss_status::SS_OK);
-        let st = ss_content_write_storage(w, data.as_ptr().cast(), data.len(), buf.as_mut_ptr(), 10);
+        let st = ss_content_writer_write_storage(w, data.as_ptr().cast(), data.len(), buf.as_mut_ptr(), 10);
         assert_eq!(st, ss_status::SS_ERR_BUFFER_TOO_SMALL, "{}", last_message());
         assert!(last_message().contains("33 bytes"), "{}", last_message());
         let mut written = u64::MAX;
         ss_content_writer_counts(w, &mut written, std::ptr::null_mut(), std::ptr::null_mut());
         assert_eq!(written, 0, "a refused call wrote the storage");
         assert_eq!(std::fs::read_dir(root.join("storages")).unwrap().count(), 0);
-        assert_eq!(ss_content_write_storage(w, data.as_ptr().cast(), data.len(), buf.as_mut_ptr(), buf.len()), ss_status::SS_OK);
+        assert_eq!(ss_content_writer_write_storage(w, data.as_ptr().cast(), data.len(), buf.as_mut_ptr(), buf.len()), ss_status::SS_OK);
         let hash = CStr::from_ptr(buf.as_ptr()).to_str().unwrap().to_string();
         assert!(root.join("storages").join(&hash).exists());
         ss_content_writer_free(w);

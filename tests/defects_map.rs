@@ -10,10 +10,10 @@ use std::ffi::{c_void, CStr, CString};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use storage_sharing::ffi::errors::ss_last_error_message;
-use storage_sharing::ffi::fd_passing::{ss_recv_fds, ss_send_fds};
+use storage_sharing::ffi::fd_passing::{ss_fds_recv, ss_fds_send};
 use storage_sharing::ffi::map::*;
 use storage_sharing::ffi::status::ss_status;
-use storage_sharing::ffi::storage_utils::ss_share_memory;
+use storage_sharing::ffi::storage_utils::ss_map_new_copy;
 use storage_sharing::shm::flags::{EXCLUSIVE, FROMFD, KEEPFD, SHARED, SHAREDMEM, UNLINK};
 use storage_sharing::shm::{new_process_wide_shm_handle, MapAllocator, RefcountedMapAllocator};
 use storage_sharing::ErrorKind;
@@ -40,7 +40,7 @@ fn shared_with_sharedmem_is_refused_and_never_deletes_the_file() {
     std::fs::write(&file, b"user data").unwrap();
     let path = c(file.to_str().unwrap());
     let mut m: *mut SsMap = std::ptr::null_mut();
-    for open in [ss_map_open as unsafe extern "C" fn(_, _, _, _) -> _, ss_refcounted_map_open] {
+    for open in [ss_map_open as unsafe extern "C" fn(_, _, _, _) -> _, ss_map_open_refcounted] {
         // SAFETY: valid name and out-pointer.
         let st = unsafe { open(path.as_ptr(), SS_MAPPED_SHARED | SS_MAPPED_SHAREDMEM, 4, &mut m) };
         assert_eq!(st, ss_status::SS_ERR_INVALID_ARGUMENT, "{}", last_error());
@@ -116,7 +116,7 @@ fn unreadable_source_is_an_invalid_argument() {
     assert_ne!(p, libc::MAP_FAILED);
     let mut m: *mut SsMap = std::ptr::null_mut();
     // SAFETY: the source is mapped (but unreadable); the out-pointer is valid.
-    let st = unsafe { ss_share_memory(p as *const c_void, len, &mut m) };
+    let st = unsafe { ss_map_new_copy(p as *const c_void, len, &mut m) };
     assert_eq!(st, ss_status::SS_ERR_INVALID_ARGUMENT, "{}", last_error());
     assert!(last_error().contains("source buffer is not readable"), "{}", last_error());
     assert!(m.is_null());
@@ -140,19 +140,19 @@ fn a_cut_datagram_is_reported_and_its_descriptors_closed() {
     let payload = [7u8; 100];
     let sent = [file.as_raw_fd()];
     // SAFETY: valid buffers for the stated lengths.
-    assert_eq!(unsafe { ss_send_fds(pair[0], payload.as_ptr().cast(), 100, sent.as_ptr(), 1) }, ss_status::SS_OK);
+    assert_eq!(unsafe { ss_fds_send(pair[0], payload.as_ptr().cast(), 100, sent.as_ptr(), 1) }, ss_status::SS_OK);
     let target = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).unwrap();
     let before = fds_open_on(&target);
     let (mut buf, mut got, mut n, mut nfds) = ([0u8; 10], [-1; 4], 0usize, 0usize);
     // SAFETY: valid buffers for the stated lengths.
-    let st = unsafe { ss_recv_fds(pair[1], buf.as_mut_ptr().cast(), buf.len(), &mut n, got.as_mut_ptr(), 4, &mut nfds) };
+    let st = unsafe { ss_fds_recv(pair[1], buf.as_mut_ptr().cast(), buf.len(), &mut n, got.as_mut_ptr(), 4, &mut nfds) };
     assert_eq!(st, ss_status::SS_ERR_BUFFER_TOO_SMALL, "{}", last_error());
     assert!(last_error().contains("longer than the 10-byte buffer"), "{}", last_error());
     assert_eq!(fds_open_on(&target), before, "the received descriptor was left open");
     // A datagram that fits still arrives whole.
     // SAFETY: as above.
-    assert_eq!(unsafe { ss_send_fds(pair[0], payload.as_ptr().cast(), 10, sent.as_ptr(), 1) }, ss_status::SS_OK);
-    let st = unsafe { ss_recv_fds(pair[1], buf.as_mut_ptr().cast(), buf.len(), &mut n, got.as_mut_ptr(), 4, &mut nfds) };
+    assert_eq!(unsafe { ss_fds_send(pair[0], payload.as_ptr().cast(), 10, sent.as_ptr(), 1) }, ss_status::SS_OK);
+    let st = unsafe { ss_fds_recv(pair[1], buf.as_mut_ptr().cast(), buf.len(), &mut n, got.as_mut_ptr(), 4, &mut nfds) };
     assert_eq!((st, n, nfds), (ss_status::SS_OK, 10, 1));
     // SAFETY: descriptors we own.
     unsafe {

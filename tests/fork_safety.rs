@@ -33,7 +33,7 @@ fn use_the_library() -> bool {
         if ss_map_open(name.as_ptr(), SS_MAPPED_SHAREDMEM | SS_MAPPED_EXCLUSIVE, 4096, &mut m) != ss_status::SS_OK {
             return false;
         }
-        let found = ss_map_from_data(ss_map_data(m));
+        let found = ss_map_lookup(ss_map_data(m));
         ss_map_free(m);
         if found.is_null() {
             return false;
@@ -69,7 +69,7 @@ fn use_the_library() -> bool {
         let ok = ss_arena_alloc(a, 4096, 64, &mut block) == ss_status::SS_OK
             && ss_arena_share(a, block, &mut handle) == ss_status::SS_OK
             && ss_arena_unshare(a, &handle) == ss_status::SS_OK
-            && ss_arena_free(a, block) == ss_status::SS_OK;
+            && ss_arena_dealloc(a, block) == ss_status::SS_OK;
         ss_arena_close(a);
         if !ok {
             return false;

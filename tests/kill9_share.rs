@@ -14,7 +14,7 @@ use std::time::Duration;
 use storage_sharing::ffi::map::{ss_map_free, SsMap};
 use storage_sharing::ffi::status::ss_status;
 use storage_sharing::ffi::storage::*;
-use storage_sharing::ffi::storage_utils::{ss_new_shm_fd_storage, ss_share_memory};
+use storage_sharing::ffi::storage_utils::{ss_map_new_copy, ss_map_new_shm_fd};
 
 const SIZE: usize = 64 << 20;
 const KILLS: usize = 40;
@@ -31,9 +31,9 @@ fn child_role() {
         // SAFETY: valid buffers and out-pointers; every handle is freed.
         unsafe {
             let mut m: *mut SsMap = std::ptr::null_mut();
-            assert_eq!(ss_share_memory(src.as_ptr() as *const c_void, SIZE, &mut m), ss_status::SS_OK);
+            assert_eq!(ss_map_new_copy(src.as_ptr() as *const c_void, SIZE, &mut m), ss_status::SS_OK);
             ss_map_free(m);
-            assert_eq!(ss_new_shm_fd_storage(SIZE, &mut m), ss_status::SS_OK);
+            assert_eq!(ss_map_new_shm_fd(SIZE, &mut m), ss_status::SS_OK);
             ss_map_free(m);
             let mut s: *mut SsStorage = std::ptr::null_mut();
             assert_eq!(ss_storage_new(SIZE, &mut s), ss_status::SS_OK);

@@ -1,11 +1,11 @@
-//! `ss_set_log_callback` routes the library's messages to the host: here
+//! `ss_log_set_callback` routes the library's messages to the host: here
 //! the shared-memory manager's log, from a manager served in this process.
 
 use std::ffi::{c_void, CStr};
 use std::os::raw::{c_char, c_int};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-use storage_sharing::ffi::log::{ss_set_log_callback, SS_LOG_INFO};
+use storage_sharing::ffi::log::{ss_log_set_callback, SS_LOG_INFO};
 use storage_sharing::manager::server::Server;
 use storage_sharing::manager::Client;
 
@@ -33,7 +33,7 @@ fn wait_for(needle: &str) -> (c_int, String, usize) {
 fn callback_receives_the_managers_log() {
     let user_data = 0x5eed_usize;
     // SAFETY: `record` is thread-safe and never calls into the library.
-    unsafe { ss_set_log_callback(Some(record), user_data as *mut c_void) };
+    unsafe { ss_log_set_callback(Some(record), user_data as *mut c_void) };
     // The manager logs when this is set (read by `Server::bind`); this test
     // binary has a single test, so nothing else reads the environment.
     std::env::set_var("SS_SHM_MANAGER_LOG", "1");
@@ -52,7 +52,7 @@ fn callback_receives_the_managers_log() {
     wait_for("idle, exiting");
 
     // SAFETY: NULL restores the default (stderr).
-    unsafe { ss_set_log_callback(None, std::ptr::null_mut()) };
+    unsafe { ss_log_set_callback(None, std::ptr::null_mut()) };
     let before = GOT.lock().unwrap().len();
     storage_sharing::log::warn("log_hook test: after the callback was removed");
     assert_eq!(GOT.lock().unwrap().len(), before, "a removed callback gets nothing");

@@ -521,12 +521,12 @@ fn role_c_api(me: Rank) {
         let mut n = 0usize;
         assert_eq!(ss_symm_get_alloc_size(p, &mut n), SS_OK);
         assert_eq!(n, 64);
-        let mut h = null_mut();
-        assert_eq!(ss_symm_rendezvous(p, null(), -5, &mut h), SS_ERR_INVALID_ARGUMENT);
-        assert_eq!(ss_symm_rendezvous(null_mut(), null(), 1000, &mut h), SS_ERR_NULL_POINTER);
-        assert_eq!(ss_symm_rendezvous(p, null(), 10_000, &mut h), SS_OK);
-        let mut h2 = null_mut();
-        assert_eq!(ss_symm_rendezvous(p, c"capi".as_ptr(), 10_000, &mut h2), SS_OK);
+        let mut h = null();
+        assert_eq!(ss_symm_mem_rendezvous(p, null(), -5, &mut h), SS_ERR_INVALID_ARGUMENT);
+        assert_eq!(ss_symm_mem_rendezvous(null_mut(), null(), 1000, &mut h), SS_ERR_NULL_POINTER);
+        assert_eq!(ss_symm_mem_rendezvous(p, null(), 10_000, &mut h), SS_OK);
+        let mut h2 = null();
+        assert_eq!(ss_symm_mem_rendezvous(p, c"capi".as_ptr(), 10_000, &mut h2), SS_OK);
         assert_eq!(h, h2, "same block and group: same handle");
         assert_eq!((ss_symm_mem_rank(h), ss_symm_mem_world_size(h), ss_symm_mem_buffer_size(h)), (0, 1, 64));
         assert_eq!(ss_symm_mem_signal_pad_size(h), 9216);

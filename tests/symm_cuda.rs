@@ -349,8 +349,8 @@ fn role_c_api(me: Rank) {
     unsafe {
         let mut p = null_mut();
         assert_eq!(ss_symm_alloc(SS_DEVICE_CUDA, 0, 4096, c"world".as_ptr(), &mut p), SS_OK, "{}", last());
-        let mut h = null_mut();
-        assert_eq!(ss_symm_rendezvous(p, null(), 60_000, &mut h), SS_OK, "{}", last());
+        let mut h = std::ptr::null();
+        assert_eq!(ss_symm_mem_rendezvous(p, null(), 60_000, &mut h), SS_OK, "{}", last());
         make_primary_current();
         let mut arr = null_mut();
         assert_eq!(ss_symm_mem_buffer_ptrs_dev(h, &mut arr), SS_OK);

@@ -81,7 +81,7 @@ func OpenArena(opts *ArenaOptions) (*Arena, error) {
 				return nil, goError(op, ErrInvalidArgument, "option %d out of range", v)
 			}
 		}
-		co = &C.ss_arena_options{segment_size: C.size_t(opts.SegmentSize), strategy: strategy,
+		co = &C.ss_arena_options{struct_size: C.sizeof_ss_arena_options, segment_size: C.size_t(opts.SegmentSize), strategy: strategy,
 			max_holds: C.uint32_t(opts.MaxHolds), large_threshold: C.size_t(opts.LargeThreshold)}
 	}
 	var h *C.ss_arena
@@ -136,12 +136,12 @@ func (a *Arena) Alloc(size, align int) ([]byte, error) {
 
 // Free frees a block from Alloc (b must start where Alloc's slice did).
 func (a *Arena) Free(b []byte) error {
-	const op = "ss_arena_free"
+	const op = "ss_arena_dealloc"
 	p, err := blockPtr(op, b)
 	if err != nil {
 		return err
 	}
-	return a.with(op, func(h *C.ss_arena) C.ss_status { return C.ss_arena_free(h, p) })
+	return a.with(op, func(h *C.ss_arena) C.ss_status { return C.ss_arena_dealloc(h, p) })
 }
 
 // Share takes one hold on the block and returns its handle (no copy).
@@ -232,7 +232,7 @@ func ImportSegmentFD(hd ArenaHandle, fd int) error {
 // OpenRemote opens a block shared by another process (once per handle).
 func OpenRemote(hd ArenaHandle) (*ArenaView, error) {
 	var v *C.ss_arena_view
-	if err := call("ss_arena_open_remote", func() C.ss_status { return C.ss_arena_open_remote(&hd.c, &v) }); err != nil {
+	if err := call("ss_arena_view_open", func() C.ss_status { return C.ss_arena_view_open(&hd.c, &v) }); err != nil {
 		return nil, err
 	}
 	return wrapView(v), nil

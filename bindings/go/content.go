@@ -44,8 +44,8 @@ func bytesPtr(b []byte) unsafe.Pointer {
 // HashBytes is the hex digest of data: HashFast or HashStable.
 func HashBytes(data []byte, mode int) (string, error) {
 	var buf [C.SS_HASH_HEX_MAX]C.char
-	err := call("ss_hash_bytes", func() C.ss_status {
-		return C.ss_hash_bytes(bytesPtr(data), C.size_t(len(data)), C.int(mode), &buf[0], C.size_t(len(buf)))
+	err := call("ss_content_hash_bytes", func() C.ss_status {
+		return C.ss_content_hash_bytes(bytesPtr(data), C.size_t(len(data)), C.int(mode), &buf[0], C.size_t(len(buf)))
 	})
 	runtime.KeepAlive(data)
 	if err != nil {
@@ -88,7 +88,7 @@ func (w *ContentWriter) live(op string) (*C.ss_content_writer, error) {
 
 // WriteStorage stores data once per distinct content and returns its hash.
 func (w *ContentWriter) WriteStorage(data []byte) (string, error) {
-	const op = "ss_content_write_storage"
+	const op = "ss_content_writer_write_storage"
 	w.mu.RLock()
 	defer w.mu.RUnlock()
 	h, err := w.live(op)
@@ -97,7 +97,7 @@ func (w *ContentWriter) WriteStorage(data []byte) (string, error) {
 	}
 	var buf [C.SS_HASH_HEX_MAX]C.char
 	err = call(op, func() C.ss_status {
-		return C.ss_content_write_storage(h, bytesPtr(data), C.size_t(len(data)), &buf[0], C.size_t(len(buf)))
+		return C.ss_content_writer_write_storage(h, bytesPtr(data), C.size_t(len(data)), &buf[0], C.size_t(len(buf)))
 	})
 	runtime.KeepAlive(data)
 	if err != nil {
@@ -109,7 +109,7 @@ func (w *ContentWriter) WriteStorage(data []byte) (string, error) {
 // WriteTensor stores data as the storage and an entry name viewing it as
 // dtype with offset, shape and stride in elements (PyTorch's order).
 func (w *ContentWriter) WriteTensor(name string, data []byte, dtype int, offset int64, shape, stride []int64) error {
-	const op = "ss_content_write_tensor"
+	const op = "ss_content_writer_write_tensor"
 	if len(shape) != len(stride) {
 		return goError(op, ErrInvalidArgument, "shape has %d dimensions but stride has %d", len(shape), len(stride))
 	}
@@ -129,7 +129,7 @@ func (w *ContentWriter) WriteTensor(name string, data []byte, dtype int, offset 
 		sh, st = (*C.int64_t)(unsafe.Pointer(&shape[0])), (*C.int64_t)(unsafe.Pointer(&stride[0]))
 	}
 	err = call(op, func() C.ss_status {
-		return C.ss_content_write_tensor(h, cname, bytesPtr(data), C.size_t(len(data)), C.int(dtype), C.int64_t(offset),
+		return C.ss_content_writer_write_tensor(h, cname, bytesPtr(data), C.size_t(len(data)), C.int(dtype), C.int64_t(offset),
 			C.size_t(len(shape)), sh, st)
 	})
 	runtime.KeepAlive(data)
@@ -237,7 +237,7 @@ type ContentTensor struct {
 
 // ReadTensor reads entry name with its storage mapped (no copy).
 func (r *ContentReader) ReadTensor(name string) (*ContentTensor, error) {
-	const op = "ss_content_read_tensor"
+	const op = "ss_content_reader_read_tensor"
 	cname, err := cString(op, "name", name)
 	if err != nil {
 		return nil, err
@@ -250,7 +250,7 @@ func (r *ContentReader) ReadTensor(name string) (*ContentTensor, error) {
 		return nil, err
 	}
 	var t *C.ss_content_tensor
-	if err := call(op, func() C.ss_status { return C.ss_content_read_tensor(h, cname, &t) }); err != nil {
+	if err := call(op, func() C.ss_status { return C.ss_content_reader_read_tensor(h, cname, &t) }); err != nil {
 		return nil, err
 	}
 	ct := &ContentTensor{h: t}
@@ -312,7 +312,7 @@ type ContentStorage struct {
 
 // ReadStorage maps the storage named hash.
 func (r *ContentReader) ReadStorage(hash string) (*ContentStorage, error) {
-	const op = "ss_content_read_storage"
+	const op = "ss_content_reader_read_storage"
 	chash, err := cString(op, "hash", hash)
 	if err != nil {
 		return nil, err
@@ -325,7 +325,7 @@ func (r *ContentReader) ReadStorage(hash string) (*ContentStorage, error) {
 		return nil, err
 	}
 	var s *C.ss_content_storage
-	if err := call(op, func() C.ss_status { return C.ss_content_read_storage(h, chash, &s) }); err != nil {
+	if err := call(op, func() C.ss_status { return C.ss_content_reader_read_storage(h, chash, &s) }); err != nil {
 		return nil, err
 	}
 	cs := &ContentStorage{h: s}
@@ -378,15 +378,15 @@ func (r *ContentReader) list(op string, f func(h *C.ss_content_reader, out **C.s
 
 // ListTensors gives every tensor name, sorted.
 func (r *ContentReader) ListTensors() ([]string, error) {
-	return r.list("ss_content_list_tensors", func(h *C.ss_content_reader, out **C.ss_content_list) C.ss_status {
-		return C.ss_content_list_tensors(h, out)
+	return r.list("ss_content_reader_list_tensors", func(h *C.ss_content_reader, out **C.ss_content_list) C.ss_status {
+		return C.ss_content_reader_list_tensors(h, out)
 	})
 }
 
 // ListStorages gives every storage hash, sorted.
 func (r *ContentReader) ListStorages() ([]string, error) {
-	return r.list("ss_content_list_storages", func(h *C.ss_content_reader, out **C.ss_content_list) C.ss_status {
-		return C.ss_content_list_storages(h, out)
+	return r.list("ss_content_reader_list_storages", func(h *C.ss_content_reader, out **C.ss_content_list) C.ss_status {
+		return C.ss_content_reader_list_storages(h, out)
 	})
 }
 
@@ -394,8 +394,8 @@ func (r *ContentReader) ListStorages() ([]string, error) {
 // "object: why" line per corrupt object.
 func (r *ContentReader) Verify() (uint64, []string, error) {
 	var checked C.uint64_t
-	problems, err := r.list("ss_content_verify", func(h *C.ss_content_reader, out **C.ss_content_list) C.ss_status {
-		return C.ss_content_verify(h, &checked, out)
+	problems, err := r.list("ss_content_reader_verify", func(h *C.ss_content_reader, out **C.ss_content_list) C.ss_status {
+		return C.ss_content_reader_verify(h, &checked, out)
 	})
 	return uint64(checked), problems, err
 }

@@ -16,14 +16,14 @@ static ss_status ss_go_cuda_share(uintptr_t ptr, size_t nbytes, int32_t device, 
 	                     deleter_handle ? ssGoCudaDeleter : NULL, (void *)deleter_handle, out, sent);
 }
 static ss_status ss_go_cuda_open(const ss_cuda_ipc_handle *h, uintptr_t stream, ss_cuda_received **out) {
-	return ss_cuda_open(h, (void *)stream, out);
+	return ss_cuda_received_open(h, (void *)stream, out);
 }
 static uintptr_t ss_go_cuda_received_data(const ss_cuda_received *r) {
 	return (uintptr_t)ss_cuda_received_data(r);
 }
 static ss_status ss_go_cuda_malloc(int32_t device, size_t nbytes, uintptr_t *out) {
 	void *p = NULL;
-	ss_status st = ss_cuda_malloc(device, nbytes, &p);
+	ss_status st = ss_cuda_alloc(device, nbytes, &p);
 	*out = (uintptr_t)p;
 	return st;
 }
@@ -243,7 +243,7 @@ type CudaReceived struct {
 // stream wait for the producer's event. ErrPeerGone when the producer has
 // exited, ErrBadRefcount when the tuple was already released.
 func CudaOpen(h CudaIPCHandle, stream Stream) (*CudaReceived, error) {
-	const op = "ss_cuda_open"
+	const op = "ss_cuda_received_open"
 	c, err := h.toC(op)
 	if err != nil {
 		return nil, err
@@ -293,14 +293,14 @@ func (r *CudaReceived) Close() error {
 // CudaReleaseIPCCounter decrements slot of the ref-counter file name, for
 // a consumer that drops a tuple without opening it. Needs no GPU.
 func CudaReleaseIPCCounter(name string, slot uint64) error {
-	const op = "ss_cuda_release_ipc_counter"
+	const op = "ss_cuda_ipc_counter_release"
 	cname, err := cString(op, "counter name", name)
 	if err != nil {
 		return err
 	}
 	defer freeCString(cname)
 	return call(op, func() C.ss_status {
-		return C.ss_cuda_release_ipc_counter(cname, C.uint64_t(slot))
+		return C.ss_cuda_ipc_counter_release(cname, C.uint64_t(slot))
 	})
 }
 
@@ -325,7 +325,7 @@ func CudaIPCTeardown() { C.ss_cuda_ipc_teardown() }
 
 // CudaMalloc allocates nbytes on device, shareable with CudaShare.
 func CudaMalloc(device int32, nbytes int) (DevicePtr, error) {
-	const op = "ss_cuda_malloc"
+	const op = "ss_cuda_alloc"
 	if nbytes <= 0 {
 		return 0, goError(op, ErrInvalidArgument, "size %d: an allocation needs at least one byte", nbytes)
 	}

@@ -13,7 +13,7 @@ const maxSendFDs = 253
 // SendFDs sends payload (at least one byte) and the descriptors fds (they
 // stay open here) over the connected Unix socket sock.
 func SendFDs(sock int, payload []byte, fds []int) error {
-	const op = "ss_send_fds"
+	const op = "ss_fds_send"
 	if len(payload) == 0 {
 		return goError(op, ErrInvalidArgument, "the payload is empty: a message needs at least one byte")
 	}
@@ -30,7 +30,7 @@ func SendFDs(sock int, payload []byte, fds []int) error {
 	}
 	// Neither slice holds Go pointers, so C may read them during the call.
 	return call(op, func() C.ss_status {
-		return C.ss_send_fds(C.int(sock), unsafe.Pointer(&payload[0]), C.size_t(len(payload)), fdp, C.size_t(len(cfds)))
+		return C.ss_fds_send(C.int(sock), unsafe.Pointer(&payload[0]), C.size_t(len(payload)), fdp, C.size_t(len(cfds)))
 	})
 }
 
@@ -40,7 +40,7 @@ func SendFDs(sock int, payload []byte, fds []int) error {
 // give ErrBufferTooSmall; a process at its open-file limit gets
 // ErrTooManyFiles; on failure no descriptor is left open.
 func RecvFDs(sock int, maxLen, maxFDs int) (payload []byte, fds []int, err error) {
-	const op = "ss_recv_fds"
+	const op = "ss_fds_recv"
 	if maxLen <= 0 || maxFDs < 0 {
 		return nil, nil, goError(op, ErrInvalidArgument, "room for %d bytes and %d descriptors: need at least 1 byte", maxLen, maxFDs)
 	}
@@ -52,7 +52,7 @@ func RecvFDs(sock int, maxLen, maxFDs int) (payload []byte, fds []int, err error
 	}
 	var n, nfds C.size_t
 	err = call(op, func() C.ss_status {
-		return C.ss_recv_fds(C.int(sock), unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &n, fdp, C.size_t(len(cfds)), &nfds)
+		return C.ss_fds_recv(C.int(sock), unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &n, fdp, C.size_t(len(cfds)), &nfds)
 	})
 	if err != nil {
 		return nil, nil, err

@@ -77,8 +77,8 @@ func Open(name string, flags Flag, size int) (*Map, error) {
 // (SharedMem|NoCreate: count + 1) a refcounted segment of size data bytes:
 // ATen's RefcountedMapAllocator. The last holder to close removes the name.
 func OpenRefcounted(name string, flags Flag, size int) (*Map, error) {
-	return openNamed("ss_refcounted_map_open", name, flags, size, func(n *C.char, out **C.ss_map) C.ss_status {
-		return C.ss_refcounted_map_open(n, C.int(flags), C.size_t(size), out)
+	return openNamed("ss_map_open_refcounted", name, flags, size, func(n *C.char, out **C.ss_map) C.ss_status {
+		return C.ss_map_open_refcounted(n, C.int(flags), C.size_t(size), out)
 	})
 }
 
@@ -118,12 +118,12 @@ func OpenFD(fd int, flags Flag, size int) (*Map, error) {
 // NewFDStorage makes an anonymous segment of size zero bytes whose name is
 // already removed; pass Map.FD to another process to share it.
 func NewFDStorage(size int) (*Map, error) {
-	const op = "ss_new_shm_fd_storage"
+	const op = "ss_map_new_shm_fd"
 	if err := checkSize(op, size); err != nil {
 		return nil, err
 	}
 	var h *C.ss_map
-	if err := call(op, func() C.ss_status { return C.ss_new_shm_fd_storage(C.size_t(size), &h) }); err != nil {
+	if err := call(op, func() C.ss_status { return C.ss_map_new_shm_fd(C.size_t(size), &h) }); err != nil {
 		return nil, err
 	}
 	return wrapMap(h), nil
@@ -131,14 +131,14 @@ func NewFDStorage(size int) (*Map, error) {
 
 // ShareMemory copies b into a new fd-backed segment: PyTorch's share_memory_().
 func ShareMemory(b []byte) (*Map, error) {
-	const op = "ss_share_memory"
+	const op = "ss_map_new_copy"
 	if len(b) == 0 {
 		return nil, goError(op, ErrInvalidArgument, "nothing to share: the slice is empty")
 	}
 	var h *C.ss_map
 	// b holds no Go pointers, so passing it to C is allowed; the library
 	// only reads it during the call.
-	err := call(op, func() C.ss_status { return C.ss_share_memory(unsafe.Pointer(&b[0]), C.size_t(len(b)), &h) })
+	err := call(op, func() C.ss_status { return C.ss_map_new_copy(unsafe.Pointer(&b[0]), C.size_t(len(b)), &h) })
 	if err != nil {
 		return nil, err
 	}
@@ -149,8 +149,8 @@ func ShareMemory(b []byte) (*Map, error) {
 // "/torch_<pid>_<rand>_<n>".
 func NewSegmentName() (string, error) {
 	var buf [64]C.char
-	if err := call("ss_new_process_wide_shm_handle", func() C.ss_status {
-		return C.ss_new_process_wide_shm_handle(&buf[0], C.size_t(len(buf)))
+	if err := call("ss_shm_name_new", func() C.ss_status {
+		return C.ss_shm_name_new(&buf[0], C.size_t(len(buf)))
 	}); err != nil {
 		return "", err
 	}

@@ -140,7 +140,7 @@ type SymmBlock struct {
 // group ("" for none) is the default group of its rendezvous.
 func SymmAlloc(deviceType, deviceIdx, size int, group string) (*SymmBlock, error) {
 	return symmAllocWith("ss_symm_alloc", size, group, func(g *C.char, p *unsafe.Pointer) C.ss_status {
-		return C.ss_symm_alloc(C.int(deviceType), C.int(deviceIdx), C.size_t(size), g, p)
+		return C.ss_symm_alloc(C.int(deviceType), C.int32_t(deviceIdx), C.size_t(size), g, p)
 	})
 }
 
@@ -149,7 +149,7 @@ func SymmAlloc(deviceType, deviceIdx, size int, group string) (*SymmBlock, error
 // is not freed, ErrSizeMismatch for another size).
 func SymmAllocPersistent(deviceType, deviceIdx, size int, group string, allocID uint64) (*SymmBlock, error) {
 	return symmAllocWith("ss_symm_alloc_persistent", size, group, func(g *C.char, p *unsafe.Pointer) C.ss_status {
-		return C.ss_symm_alloc_persistent(C.int(deviceType), C.int(deviceIdx), C.size_t(size), g, C.uint64_t(allocID), p)
+		return C.ss_symm_alloc_persistent(C.int(deviceType), C.int32_t(deviceIdx), C.size_t(size), g, C.uint64_t(allocID), p)
 	})
 }
 
@@ -200,7 +200,7 @@ type SymmMem struct {
 // group); every rank calls it with a block of the same size. timeout 0
 // waits forever; ranks that do not come give ErrTimeout naming them.
 func (b *SymmBlock) Rendezvous(group string, timeout time.Duration) (*SymmMem, error) {
-	const op = "ss_symm_rendezvous"
+	const op = "ss_symm_mem_rendezvous"
 	ms, err := timeoutMS(op, timeout)
 	if err != nil {
 		return nil, err
@@ -211,7 +211,7 @@ func (b *SymmBlock) Rendezvous(group string, timeout time.Duration) (*SymmMem, e
 	}
 	defer freeCString(g)
 	var h *C.ss_symm_mem
-	if err := call(op, func() C.ss_status { return C.ss_symm_rendezvous(b.ptr, g, ms, &h) }); err != nil {
+	if err := call(op, func() C.ss_status { return C.ss_symm_mem_rendezvous(b.ptr, g, ms, &h) }); err != nil {
 		return nil, err
 	}
 	return &SymmMem{h: h}, nil

@@ -5,8 +5,8 @@
 int main(void) {
     char name[64];
     ss_map *map = NULL;
-    if (ss_new_process_wide_shm_handle(name, sizeof name) != SS_OK ||
-        ss_refcounted_map_open(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_EXCLUSIVE, 4096, &map) != SS_OK) {
+    if (ss_shm_name_new(name, sizeof name) != SS_OK ||
+        ss_map_open_refcounted(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_EXCLUSIVE, 4096, &map) != SS_OK) {
         fprintf(stderr, "storage-sharing: %s\n", ss_last_error_message());
         return 1;
     }

@@ -23,8 +23,8 @@ int main(void) {
     int64_t shape_t[2] = {4, 3}, stride_t[2] = {1, 4};
     ss_content_writer *w = NULL;
     TRY(ss_content_writer_open(dir, SS_CONTENT_FORMAT_NATIVE, &w));
-    TRY(ss_content_write_tensor(w, "layer0/weight", values, sizeof values, SS_DTYPE_FLOAT32, 0, 2, shape, stride));
-    TRY(ss_content_write_tensor(w, "layer0/weight_t", values, sizeof values, SS_DTYPE_FLOAT32, 0, 2, shape_t, stride_t));
+    TRY(ss_content_writer_write_tensor(w, "layer0/weight", values, sizeof values, SS_DTYPE_FLOAT32, 0, 2, shape, stride));
+    TRY(ss_content_writer_write_tensor(w, "layer0/weight_t", values, sizeof values, SS_DTYPE_FLOAT32, 0, 2, shape_t, stride_t));
     uint64_t stored = 0, deduplicated = 0;
     TRY(ss_content_writer_counts(w, &stored, &deduplicated, NULL));
     ss_content_writer_free(w);
@@ -33,7 +33,7 @@ int main(void) {
     ss_content_reader *r = NULL;
     ss_content_tensor *t = NULL;
     TRY(ss_content_reader_open(dir, &r));
-    TRY(ss_content_read_tensor(r, "layer0/weight_t", &t));
+    TRY(ss_content_reader_read_tensor(r, "layer0/weight_t", &t));
     const float *data = ss_content_tensor_data(t);
     const int64_t *st = ss_content_tensor_stride(t);
     float x = data[ss_content_tensor_offset(t) + 2 * st[0] + 1 * st[1]]; /* element [2][1] */
@@ -42,7 +42,7 @@ int main(void) {
            (unsigned long long)stored, (unsigned long long)deduplicated);
 
     ss_content_list *problems = NULL;
-    TRY(ss_content_verify(r, NULL, &problems));
+    TRY(ss_content_reader_verify(r, NULL, &problems));
     int ok = ss_content_list_len(problems) == 0 && x == values[1 * 4 + 2];
     ss_content_list_free(problems);
     ss_content_tensor_free(t);

@@ -30,8 +30,8 @@ static void run_rank(const char *store_dir, int rank) {
 
     void *mine;
     CHECK(ss_symm_alloc(SS_DEVICE_CPU, 0, COUNT * sizeof(int64_t), "demo", &mine));
-    ss_symm_mem *mem;
-    CHECK(ss_symm_rendezvous(mine, NULL, TIMEOUT_MS, &mem));
+    const ss_symm_mem *mem;
+    CHECK(ss_symm_mem_rendezvous(mine, NULL, TIMEOUT_MS, &mem));
 
     int64_t *own = mine;
     for (int i = 0; i < COUNT; i++) own[i] = rank * 1000000 + i;

@@ -270,7 +270,7 @@ struct ArenaBlock {
 };
 inline void free_arena_block(void *ctx) noexcept {
     auto *block = static_cast<ArenaBlock *>(ctx);
-    (void)ss_arena_free(block->arena.get(), block->ptr);
+    (void)ss_arena_dealloc(block->arena.get(), block->ptr);
     delete block;
 }
 inline void free_arena_view(void *ctx) noexcept { ss_arena_view_free(static_cast<ss_arena_view *>(ctx)); }
@@ -357,7 +357,7 @@ inline at::Tensor open_arena_tensor(const ArenaTensorHandle &h) {
         throw Error(SS_ERR_INVALID_ARGUMENT, "open_arena_tensor", "ndim " + std::to_string(h.ndim) + " is out of range");
     }
     ss_arena_view *view = nullptr;
-    check(ss_arena_open_remote(&h.block, &view), "ss_arena_open_remote");
+    check(ss_arena_view_open(&h.block, &view), "ss_arena_view_open");
     /* Owned by the DataPtr from here on (its deleter frees the view). */
     c10::DataPtr data(ss_arena_view_data(view), view, &detail::free_arena_view, c10::Device(c10::DeviceType::CPU));
     std::size_t size = ss_arena_view_size(view);
@@ -417,7 +417,7 @@ inline ss_cuda_ipc_handle share_cuda(const c10::Storage &storage, void *stream =
  * producer's slot. */
 inline c10::Storage open_cuda(const ss_cuda_ipc_handle &handle, void *stream = nullptr) {
     ss_cuda_received *received = nullptr;
-    check(ss_cuda_open(&handle, stream, &received), "ss_cuda_open");
+    check(ss_cuda_received_open(&handle, stream, &received), "ss_cuda_received_open");
     c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(handle.device));
     /* Owned by the DataPtr from here on (its deleter is the consumer's release). */
     c10::DataPtr data(ss_cuda_received_data(received), received, &detail::free_cuda_received_ctx, device);

@@ -23,11 +23,16 @@ pub const SS_ARENA_BY_NAME: u32 = 2;
 pub const SS_ARENA_NAME_LEN: usize = 48;
 const _: () = assert!(SS_ARENA_NAME_LEN == MAX_NAME_LEN + 1);
 
-/// How `ss_arena_open` sets up an arena. Start from
-/// `ss_arena_options_default`.
+/// How `ss_arena_open` sets up an arena. Start from `SS_ARENA_OPTIONS_INIT`
+/// or `ss_arena_options_default`, which set `struct_size` and the defaults.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ss_arena_options {
+    /// `sizeof(ss_arena_options)` as the caller was built: 0 is refused
+    /// (`SS_ERR_INVALID_ARGUMENT`), a size larger than this library knows
+    /// is `SS_ERR_UNSUPPORTED`; fields past an older, smaller size take
+    /// their defaults.
+    pub struct_size: usize,
     /// Bytes of data in each segment of small blocks (default 64 MiB).
     pub segment_size: usize,
     /// `SS_ARENA_BY_FD` (default) or `SS_ARENA_BY_NAME`.
@@ -42,7 +47,7 @@ pub struct ss_arena_options {
     pub large_threshold: usize,
 }
 
-/// A shared block: what a consumer passes to `ss_arena_open_remote`.
+/// A shared block: what a consumer passes to `ss_arena_view_open`.
 /// Plain bytes: send it over any channel. Each handle carries one hold
 /// and opens once.
 #[repr(C)]
@@ -96,6 +101,8 @@ pub struct SsArenaView {
 }
 
 fn options_from_c(o: &ss_arena_options) -> Result<ArenaOptions> {
+    let size = std::mem::size_of::<ss_arena_options>();
+    super::struct_size::check("ss_arena_options", o.struct_size, size, size)?;
     Ok(ArenaOptions {
         segment_size: o.segment_size,
         strategy: Strategy::from_u32(o.strategy)?,
@@ -155,7 +162,7 @@ unsafe fn handle_arg(h: *const ss_arena_handle) -> Result<ArenaHandle> {
 /// Fills `*out` with the default options: 64 MiB segments by fd, 4096
 /// holds per segment, and an automatic large threshold (0: blocks above
 /// 1 MiB, or above a quarter of a smaller segment_size, get segments of
-/// their own).
+/// their own), and `struct_size`: the same as `SS_ARENA_OPTIONS_INIT`.
 ///
 /// # Safety
 /// `out` is NULL or points to a writable `ss_arena_options`.
@@ -165,6 +172,7 @@ pub unsafe extern "C" fn ss_arena_options_default(out: *mut ss_arena_options) ->
         out_arg(out, "out")?;
         let d = ArenaOptions::default();
         let o = ss_arena_options {
+            struct_size: std::mem::size_of::<ss_arena_options>(),
             segment_size: d.segment_size,
             strategy: d.strategy as u32,
             max_holds: d.max_holds as u32,
@@ -206,7 +214,10 @@ pub unsafe extern "C" fn ss_arena_open(options: *const ss_arena_options, out: *m
     })
 }
 
-/// Releases the handle and, once no storage made by
+/// Releases the handle (the one release verb that is not `_free`, for
+/// one release: `ss_arena_free` still names the deprecated block free; when
+/// that alias goes, `ss_arena_free` becomes this function's name) and, once
+/// no storage made by
 /// `ss_storage_new_in_arena` keeps it alive, the arena and its segments:
 /// blocks from `ss_arena_alloc` must not be used after that. Views other
 /// processes hold stay readable (they have their own mapping); a handle
@@ -252,15 +263,15 @@ pub unsafe extern "C" fn ss_arena_alloc(a: *const SsArena, size: usize, align: u
 /// `a` is NULL or a live `ss_arena` (other threads may use it meanwhile);
 /// `ptr` may be any value. The freed block must not be used after the call.
 #[no_mangle]
-pub unsafe extern "C" fn ss_arena_free(a: *const SsArena, ptr: *mut c_void) -> ss_status {
-    ffi_status!("ss_arena_free", {
+pub unsafe extern "C" fn ss_arena_dealloc(a: *const SsArena, ptr: *mut c_void) -> ss_status {
+    ffi_status!("ss_arena_dealloc", {
         // SAFETY: NULL or a live handle.
         unsafe { arena_arg(a) }?.free(ptr.cast())
     })
 }
 
 /// Shares a live block in O(1), no copy: takes one hold on it and writes
-/// the handle another process opens with `ss_arena_open_remote` (once).
+/// the handle another process opens with `ss_arena_view_open` (once).
 /// By fd, that process needs the segment's descriptor first
 /// (`ss_arena_segment_fd`, once per segment), or use `ss_arena_send`.
 ///
@@ -406,8 +417,8 @@ pub unsafe extern "C" fn ss_arena_import_segment_fd(h: *const ss_arena_handle, f
 /// `h` is NULL or points to a readable `ss_arena_handle`; `out` is NULL or
 /// points to a writable `ss_arena_view*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_arena_open_remote(h: *const ss_arena_handle, out: *mut *mut SsArenaView) -> ss_status {
-    ffi_status!("ss_arena_open_remote", {
+pub unsafe extern "C" fn ss_arena_view_open(h: *const ss_arena_handle, out: *mut *mut SsArenaView) -> ss_status {
+    ffi_status!("ss_arena_view_open", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a readable handle.
         let view = arena::open_remote(&unsafe { handle_arg(h) }?)?;
@@ -420,14 +431,14 @@ pub unsafe extern "C" fn ss_arena_open_remote(h: *const ss_arena_handle, out: *m
 /// Consumer: unmaps the cached remote segments that no view uses and
 /// whose producer retired them or died (also when its pid now belongs to
 /// another process); by name, a dead producer's name goes too. Their
-/// count goes to `out_released` (may be NULL). `ss_arena_open_remote`
+/// count goes to `out_released` (may be NULL). `ss_arena_view_open`
 /// does this by itself before it maps a new segment.
 ///
 /// # Safety
 /// `out_released` is NULL or points to a writable `size_t`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_arena_trim_remote_cache(out_released: *mut usize) -> ss_status {
-    ffi_status!("ss_arena_trim_remote_cache", {
+pub unsafe extern "C" fn ss_arena_remote_cache_trim(out_released: *mut usize) -> ss_status {
+    ffi_status!("ss_arena_remote_cache_trim", {
         let n = arena::trim_cache();
         if !out_released.is_null() {
             // SAFETY: non-NULL, so writable by the contract.
@@ -488,7 +499,7 @@ pub unsafe extern "C" fn ss_arena_view_size(v: *const SsArenaView) -> usize {
 #[no_mangle]
 pub unsafe extern "C" fn ss_arena_view_free(v: *mut SsArenaView) {
     ffi_value!("ss_arena_view_free", (), {
-        // SAFETY: NULL or a view from ss_arena_open_remote, not used after.
+        // SAFETY: NULL or a view from ss_arena_view_open, not used after.
         unsafe { free_handle(v) }
     })
 }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 pub const SS_HASH_FAST: c_int = 0;
 /// Stable hash: SHA-1, 40 hex characters (PyTorch's `stable_hash=True`).
 pub const SS_HASH_STABLE: c_int = 1;
-/// Longest digest `ss_hash_bytes` writes, with its NUL.
+/// Longest digest `ss_content_hash_bytes` writes, with its NUL.
 pub const SS_HASH_HEX_MAX: usize = 41;
 /// This library's format: raw storage bytes, binary tensor records.
 pub const SS_CONTENT_FORMAT_NATIVE: c_int = 0;
@@ -123,8 +123,14 @@ fn c_string(s: String) -> CString {
 /// `data` is NULL or readable for `nbytes` bytes, not written by another
 /// thread during the call; `buf` is NULL or writable for `buf_len` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn ss_hash_bytes(data: *const c_void, nbytes: usize, mode: c_int, buf: *mut c_char, buf_len: usize) -> ss_status {
-    ffi_status!("ss_hash_bytes", {
+pub unsafe extern "C" fn ss_content_hash_bytes(
+    data: *const c_void,
+    nbytes: usize,
+    mode: c_int,
+    buf: *mut c_char,
+    buf_len: usize,
+) -> ss_status {
+    ffi_status!("ss_content_hash_bytes", {
         let mode = HashMode::from_code(mode)?;
         // SAFETY: the caller passes NULL or nbytes readable bytes.
         let bytes = unsafe { bytes_arg(data, nbytes, "data") }?;
@@ -166,14 +172,14 @@ pub unsafe extern "C" fn ss_content_writer_open(path: *const c_char, format: c_i
 /// another thread during the call; `buf` is NULL or writable for `buf_len`
 /// bytes.
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_write_storage(
+pub unsafe extern "C" fn ss_content_writer_write_storage(
     w: *const SsContentWriter,
     data: *const c_void,
     nbytes: usize,
     buf: *mut c_char,
     buf_len: usize,
 ) -> ss_status {
-    ffi_status!("ss_content_write_storage", {
+    ffi_status!("ss_content_writer_write_storage", {
         // SAFETY: NULL or a live handle.
         let w = unsafe { handle(w, "writer") }?;
         if buf.is_null() && buf_len != 0 {
@@ -207,7 +213,7 @@ pub unsafe extern "C" fn ss_content_write_storage(
 /// readable for `nbytes` bytes, not written by another thread during the
 /// call; `shape` and `stride` are NULL or readable for `ndim` `int64_t`s.
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_write_tensor(
+pub unsafe extern "C" fn ss_content_writer_write_tensor(
     w: *const SsContentWriter,
     name: *const c_char,
     data: *const c_void,
@@ -218,7 +224,7 @@ pub unsafe extern "C" fn ss_content_write_tensor(
     shape: *const i64,
     stride: *const i64,
 ) -> ss_status {
-    ffi_status!("ss_content_write_tensor", {
+    ffi_status!("ss_content_writer_write_tensor", {
         // SAFETY: NULL or a live handle.
         let w = unsafe { handle(w, "writer") }?;
         // SAFETY: NULL or a NUL-terminated string.
@@ -353,12 +359,12 @@ pub unsafe extern "C" fn ss_content_reader_set_verify(r: *const SsContentReader,
 /// meanwhile); `name` is NULL or a NUL-terminated string; `out` is NULL or
 /// points to a writable `ss_content_tensor*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_read_tensor(
+pub unsafe extern "C" fn ss_content_reader_read_tensor(
     r: *const SsContentReader,
     name: *const c_char,
     out: *mut *mut SsContentTensor,
 ) -> ss_status {
-    ffi_status!("ss_content_read_tensor", {
+    ffi_status!("ss_content_reader_read_tensor", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a live handle; NULL or a NUL-terminated string.
         let (r, name) = unsafe { (handle(r, "reader")?, str_arg(name, "name")?) };
@@ -378,12 +384,12 @@ pub unsafe extern "C" fn ss_content_read_tensor(
 /// meanwhile); `hash` is NULL or a NUL-terminated string; `out` is NULL or
 /// points to a writable `ss_content_storage*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_read_storage(
+pub unsafe extern "C" fn ss_content_reader_read_storage(
     r: *const SsContentReader,
     hash: *const c_char,
     out: *mut *mut SsContentStorage,
 ) -> ss_status {
-    ffi_status!("ss_content_read_storage", {
+    ffi_status!("ss_content_reader_read_storage", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a live handle; NULL or a NUL-terminated string.
         let (r, hash) = unsafe { (handle(r, "reader")?, str_arg(hash, "hash")?) };
@@ -406,8 +412,8 @@ fn new_list(out: *mut *mut SsContentList, items: Vec<String>) {
 /// `r` is NULL or a live `ss_content_reader` (other threads may use it
 /// meanwhile); `out` is NULL or points to a writable `ss_content_list*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_list_tensors(r: *const SsContentReader, out: *mut *mut SsContentList) -> ss_status {
-    ffi_status!("ss_content_list_tensors", {
+pub unsafe extern "C" fn ss_content_reader_list_tensors(r: *const SsContentReader, out: *mut *mut SsContentList) -> ss_status {
+    ffi_status!("ss_content_reader_list_tensors", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a live handle.
         let names = unsafe { handle(r, "reader") }?.reader.list_tensors()?;
@@ -422,8 +428,8 @@ pub unsafe extern "C" fn ss_content_list_tensors(r: *const SsContentReader, out:
 /// `r` is NULL or a live `ss_content_reader` (other threads may use it
 /// meanwhile); `out` is NULL or points to a writable `ss_content_list*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_list_storages(r: *const SsContentReader, out: *mut *mut SsContentList) -> ss_status {
-    ffi_status!("ss_content_list_storages", {
+pub unsafe extern "C" fn ss_content_reader_list_storages(r: *const SsContentReader, out: *mut *mut SsContentList) -> ss_status {
+    ffi_status!("ss_content_reader_list_storages", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a live handle.
         let storages = unsafe { handle(r, "reader") }?.reader.list_storages()?;
@@ -447,12 +453,12 @@ pub unsafe extern "C" fn ss_content_list_storages(r: *const SsContentReader, out
 /// meanwhile); `out_checked` is NULL or points to a writable `uint64_t`;
 /// `out_problems` is NULL or points to a writable `ss_content_list*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_content_verify(
+pub unsafe extern "C" fn ss_content_reader_verify(
     r: *const SsContentReader,
     out_checked: *mut u64,
     out_problems: *mut *mut SsContentList,
 ) -> ss_status {
-    ffi_status!("ss_content_verify", {
+    ffi_status!("ss_content_reader_verify", {
         out_arg(out_problems, "out_problems")?;
         // SAFETY: NULL or a live handle.
         let r = unsafe { handle(r, "reader") }?;
@@ -548,7 +554,7 @@ pub unsafe extern "C" fn ss_content_tensor_offset(t: *const SsContentTensor) -> 
 /// format.
 ///
 /// # Safety
-/// `t` is NULL or a live tensor from `ss_content_read_tensor`.
+/// `t` is NULL or a live tensor from `ss_content_reader_read_tensor`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_conj(t: *const SsContentTensor) -> bool {
     ffi_value!("ss_content_tensor_conj", false, { with_tensor(t, false, |t| t.tensor.bits.conj) })
@@ -559,7 +565,7 @@ pub unsafe extern "C" fn ss_content_tensor_conj(t: *const SsContentTensor) -> bo
 /// format.
 ///
 /// # Safety
-/// `t` is NULL or a live tensor from `ss_content_read_tensor`.
+/// `t` is NULL or a live tensor from `ss_content_reader_read_tensor`.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_neg(t: *const SsContentTensor) -> bool {
     ffi_value!("ss_content_tensor_neg", false, { with_tensor(t, false, |t| t.tensor.bits.neg) })
@@ -615,7 +621,7 @@ pub unsafe extern "C" fn ss_content_tensor_storage_hash(t: *const SsContentTenso
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_free(t: *mut SsContentTensor) {
     ffi_value!("ss_content_tensor_free", (), {
-        // SAFETY: NULL or a handle from ss_content_read_tensor, not used after.
+        // SAFETY: NULL or a handle from ss_content_reader_read_tensor, not used after.
         unsafe { free_handle(t) }
     })
 }
@@ -662,7 +668,7 @@ pub unsafe extern "C" fn ss_content_storage_nbytes(s: *const SsContentStorage) -
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_storage_free(s: *mut SsContentStorage) {
     ffi_value!("ss_content_storage_free", (), {
-        // SAFETY: NULL or a handle from ss_content_read_storage, not used after.
+        // SAFETY: NULL or a handle from ss_content_reader_read_storage, not used after.
         unsafe { free_handle(s) }
     })
 }

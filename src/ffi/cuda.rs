@@ -129,7 +129,7 @@ struct CDeleter {
 // its context may be used from whichever thread frees the block.
 unsafe impl Send for CDeleter {}
 
-/// Ends this process's part in CUDA IPC: warns (see `ss_set_log_callback`)
+/// Ends this process's part in CUDA IPC: warns (see `ss_log_set_callback`)
 /// if consumers still hold blocks this producer freed, and removes the
 /// names of its ref-counter files so nothing is left in /dev/shm
 /// (consumers releasing later get `SS_ERR_PEER_GONE`). Runs by itself at
@@ -302,8 +302,12 @@ pub unsafe extern "C" fn ss_cuda_sent_free(sent: *mut SsCudaSent, out_in_limbo: 
 /// `cudaStream_t` of the handle's device; `out` is NULL or points to a
 /// writable `ss_cuda_received*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_cuda_open(ipc_handle: *const SsCudaIpcHandle, stream: *mut c_void, out: *mut *mut SsCudaReceived) -> ss_status {
-    ffi_status!("ss_cuda_open", {
+pub unsafe extern "C" fn ss_cuda_received_open(
+    ipc_handle: *const SsCudaIpcHandle,
+    stream: *mut c_void,
+    out: *mut *mut SsCudaReceived,
+) -> ss_status {
+    ffi_status!("ss_cuda_received_open", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a readable struct.
         let h = unsafe { handle(ipc_handle, "ipc_handle") }?.to_core()?;
@@ -342,7 +346,7 @@ pub unsafe extern "C" fn ss_cuda_received_size(received: *const SsCudaReceived) 
 }
 
 /// The consumer's release (the handle is freed whatever the result): waits
-/// for the work queued on the stream given to `ss_cuda_open`, unmaps the
+/// for the work queued on the stream given to `ss_cuda_received_open`, unmaps the
 /// memory if this was its last user here, and decrements the producer's
 /// counter slot atomically. `SS_ERR_PEER_GONE` when the producer is gone.
 /// NULL is a no-op.
@@ -356,7 +360,7 @@ pub unsafe extern "C" fn ss_cuda_received_free(received: *mut SsCudaReceived) ->
         if received.is_null() {
             return Ok(());
         }
-        // SAFETY: a handle from ss_cuda_open, not used after this call.
+        // SAFETY: a handle from ss_cuda_received_open, not used after this call.
         let r = unsafe { Box::from_raw(received) };
         cuda::global().received_free(r.0)
     })
@@ -371,8 +375,8 @@ pub unsafe extern "C" fn ss_cuda_received_free(received: *mut SsCudaReceived) ->
 /// # Safety
 /// `counter_name` is NULL or a NUL-terminated string.
 #[no_mangle]
-pub unsafe extern "C" fn ss_cuda_release_ipc_counter(counter_name: *const c_char, slot: u64) -> ss_status {
-    ffi_status!("ss_cuda_release_ipc_counter", {
+pub unsafe extern "C" fn ss_cuda_ipc_counter_release(counter_name: *const c_char, slot: u64) -> ss_status {
+    ffi_status!("ss_cuda_ipc_counter_release", {
         // SAFETY: NULL or a NUL-terminated string.
         let name = unsafe { str_arg(counter_name, "counter_name") }?;
         cuda::release_ipc_counter(name, slot)
@@ -382,7 +386,7 @@ pub unsafe extern "C" fn ss_cuda_release_ipc_counter(counter_name: *const c_char
 /// Gives back every block in limbo that no consumer refers to any more
 /// (running their deleters); `*out_freed` (may be NULL) gets how many.
 /// With limbo then empty, also closes the current ref-counter file if no
-/// send uses it. Call it when device memory runs short (`ss_cuda_malloc`
+/// send uses it. Call it when device memory runs short (`ss_cuda_alloc`
 /// does), as `torch.cuda.ipc_collect()`.
 ///
 /// # Safety
@@ -439,8 +443,8 @@ pub unsafe extern "C" fn ss_cuda_pointer_base(
 /// # Safety
 /// `out` is NULL or points to a writable `void*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_cuda_malloc(device: i32, nbytes: usize, out: *mut *mut c_void) -> ss_status {
-    ffi_status!("ss_cuda_malloc", {
+pub unsafe extern "C" fn ss_cuda_alloc(device: i32, nbytes: usize, out: *mut *mut c_void) -> ss_status {
+    ffi_status!("ss_cuda_alloc", {
         out_arg(out, "out")?;
         let ptr = cuda::device_alloc(device, nbytes)?;
         // SAFETY: checked above.
@@ -449,10 +453,10 @@ pub unsafe extern "C" fn ss_cuda_malloc(device: i32, nbytes: usize, out: *mut *m
     })
 }
 
-/// Frees memory from `ss_cuda_malloc`. NULL is a no-op.
+/// Frees memory from `ss_cuda_alloc`. NULL is a no-op.
 ///
 /// # Safety
-/// `device_ptr` is NULL or memory from `ss_cuda_malloc` on `device` that is
+/// `device_ptr` is NULL or memory from `ss_cuda_alloc` on `device` that is
 /// not freed yet; it must not be used after the call.
 #[no_mangle]
 pub unsafe extern "C" fn ss_cuda_free(device: i32, device_ptr: *mut c_void) -> ss_status {

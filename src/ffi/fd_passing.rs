@@ -18,8 +18,8 @@ use std::os::raw::c_int;
 /// for `nfds` `int`s. Neither may be written by another thread during the
 /// call.
 #[no_mangle]
-pub unsafe extern "C" fn ss_send_fds(sock: c_int, payload: *const c_void, len: usize, fds: *const c_int, nfds: usize) -> ss_status {
-    ffi_status!("ss_send_fds", {
+pub unsafe extern "C" fn ss_fds_send(sock: c_int, payload: *const c_void, len: usize, fds: *const c_int, nfds: usize) -> ss_status {
+    ffi_status!("ss_fds_send", {
         if payload.is_null() {
             return Err(null("payload"));
         }
@@ -52,7 +52,7 @@ pub unsafe extern "C" fn ss_send_fds(sock: c_int, payload: *const c_void, len: u
 /// `max_fds` `int`s; `out_len` and `out_nfds` are NULL or point to a writable
 /// `size_t`. No other thread may access `buf` or `fds` during the call.
 #[no_mangle]
-pub unsafe extern "C" fn ss_recv_fds(
+pub unsafe extern "C" fn ss_fds_recv(
     sock: c_int,
     buf: *mut c_void,
     len: usize,
@@ -61,7 +61,7 @@ pub unsafe extern "C" fn ss_recv_fds(
     max_fds: usize,
     out_nfds: *mut usize,
 ) -> ss_status {
-    ffi_status!("ss_recv_fds", {
+    ffi_status!("ss_fds_recv", {
         out_arg(out_len, "out_len")?;
         out_arg(out_nfds, "out_nfds")?;
         if buf.is_null() {

@@ -13,7 +13,7 @@ pub const SS_LOG_INFO: c_int = 2;
 
 /// Receives one message of the library: its level (`SS_LOG_WARNING`,
 /// `SS_LOG_INFO`), the text (NUL-terminated, valid only during the call, no
-/// trailing newline) and the `user_data` given to `ss_set_log_callback`.
+/// trailing newline) and the `user_data` given to `ss_log_set_callback`.
 pub type ss_log_fn = Option<unsafe extern "C" fn(level: c_int, message: *const c_char, user_data: *mut c_void)>;
 
 /// The callback and its `user_data`, as given by the host.
@@ -22,7 +22,7 @@ struct HostSink {
     user_data: *mut c_void,
 }
 
-// SAFETY: `ss_set_log_callback` requires a callback that may be called from
+// SAFETY: `ss_log_set_callback` requires a callback that may be called from
 // any thread with this `user_data`.
 unsafe impl Send for HostSink {}
 // SAFETY: as above; the sink only passes `user_data` back to the callback.
@@ -48,8 +48,8 @@ impl HostSink {
 /// it must not unwind and must not call into this library. `user_data` must
 /// stay valid for as long as `cb` is installed.
 #[no_mangle]
-pub unsafe extern "C" fn ss_set_log_callback(cb: ss_log_fn, user_data: *mut c_void) {
-    ffi_value!("ss_set_log_callback", (), {
+pub unsafe extern "C" fn ss_log_set_callback(cb: ss_log_fn, user_data: *mut c_void) {
+    ffi_value!("ss_log_set_callback", (), {
         log::set_sink(cb.map(|callback| {
             let sink = HostSink { callback, user_data };
             Arc::new(move |level: Level, message: &str| sink.call(level, message)) as log::Sink

@@ -37,8 +37,7 @@ pub struct SsMap {
 }
 
 impl SsMap {
-    /// Boxes a mapping and registers the handle as the owner of its data,
-    /// for `ss_map_from_data`.
+    /// Boxes a mapping and records its data range for `ss_map_lookup`.
     pub(crate) fn into_raw(mapping: Mapping) -> *mut SsMap {
         let filename = CString::new(mapping.filename()).unwrap_or_default();
         let raw = Box::into_raw(Box::new(SsMap { mapping, filename }));
@@ -122,8 +121,8 @@ pub unsafe extern "C" fn ss_map_open_fd(name: *const c_char, fd: c_int, flags: c
 /// `name` is NULL or a NUL-terminated string; `out` is NULL or points to a
 /// writable `ss_map*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_refcounted_map_open(name: *const c_char, flags: c_int, size: usize, out: *mut *mut SsMap) -> ss_status {
-    ffi_status!("ss_refcounted_map_open", {
+pub unsafe extern "C" fn ss_map_open_refcounted(name: *const c_char, flags: c_int, size: usize, out: *mut *mut SsMap) -> ss_status {
+    ffi_status!("ss_map_open_refcounted", {
         out_arg(out, "out")?;
         // SAFETY: the caller passes a NUL-terminated name or NULL.
         let name = unsafe { str_arg(name, "name") }?;
@@ -206,7 +205,7 @@ pub unsafe extern "C" fn ss_map_flags(map: *const SsMap) -> c_int {
     })
 }
 
-/// Whether `map` was opened with `ss_refcounted_map_open`.
+/// Whether `map` was opened with `ss_map_open_refcounted`.
 ///
 /// # Safety
 /// `map` is NULL or a live `ss_map` (other threads may use it meanwhile).
@@ -296,18 +295,19 @@ pub unsafe extern "C" fn ss_map_free(map: *mut SsMap) {
 }
 
 /// The live map whose data holds `ptr` (its start or any byte inside), or
-/// NULL: ATen's `fromDataPtr`. The handle is borrowed, not owned.
+/// NULL: ATen's `fromDataPtr`. The handle is borrowed, hence `const`: read
+/// it with the accessors; never pass it to `ss_map_free` or `ss_map_close`.
 ///
 /// # Safety
 /// Any `ptr` is allowed (it is only looked up, never read). The handle
 /// returned is borrowed: valid until its owner frees it.
 #[no_mangle]
-pub unsafe extern "C" fn ss_map_from_data(ptr: *const c_void) -> *mut SsMap {
-    ffi_value!("ss_map_from_data", std::ptr::null_mut(), {
+pub unsafe extern "C" fn ss_map_lookup(ptr: *const c_void) -> *const SsMap {
+    ffi_value!("ss_map_lookup", std::ptr::null(), {
         if ptr.is_null() {
-            return std::ptr::null_mut();
+            return std::ptr::null();
         }
-        registry::lookup(ptr as usize).map_or(std::ptr::null_mut(), |t| t as *mut SsMap)
+        registry::lookup(ptr as usize).map_or(std::ptr::null(), |t| t as *const SsMap)
     })
 }
 

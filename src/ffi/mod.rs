@@ -9,6 +9,7 @@ pub mod arena;
 pub mod args;
 pub mod content_store;
 pub mod cuda;
+pub mod deprecated;
 pub mod errors;
 pub mod fd_passing;
 pub mod fork;
@@ -20,6 +21,7 @@ pub mod storage;
 pub mod storage_utils;
 pub mod store;
 pub mod store_callbacks;
+pub mod struct_size;
 pub mod symm;
 
 pub use status::ss_status;

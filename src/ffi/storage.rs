@@ -135,7 +135,7 @@ pub unsafe extern "C" fn ss_storage_resize(s: *const SsStorage, nbytes: usize) -
 
 /// Moves the storage into an fd-backed shared segment (a copy, unless it
 /// is fd-backed already) and returns its descriptor and size. The fd
-/// stays owned by the storage: send it (`ss_send_fds`) or dup it, never
+/// stays owned by the storage: send it (`ss_fds_send`) or dup it, never
 /// close it. A 0-byte storage cannot be shared: `SS_ERR_INVALID_ARGUMENT`.
 ///
 /// # Safety

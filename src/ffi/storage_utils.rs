@@ -14,8 +14,8 @@ use std::os::raw::c_char;
 /// # Safety
 /// `buf` is NULL or writable for `len` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn ss_new_process_wide_shm_handle(buf: *mut c_char, len: usize) -> ss_status {
-    ffi_status!("ss_new_process_wide_shm_handle", {
+pub unsafe extern "C" fn ss_shm_name_new(buf: *mut c_char, len: usize) -> ss_status {
+    ffi_status!("ss_shm_name_new", {
         // SAFETY: the caller gives a buffer of len bytes or NULL.
         unsafe { copy_c_string(&new_process_wide_shm_handle(), buf, len, "buf") }
     })
@@ -27,8 +27,8 @@ pub unsafe extern "C" fn ss_new_process_wide_shm_handle(buf: *mut c_char, len: u
 /// # Safety
 /// `out` is NULL or points to a writable `ss_map*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_new_shm_fd_storage(size: usize, out: *mut *mut SsMap) -> ss_status {
-    ffi_status!("ss_new_shm_fd_storage", {
+pub unsafe extern "C" fn ss_map_new_shm_fd(size: usize, out: *mut *mut SsMap) -> ss_status {
+    ffi_status!("ss_map_new_shm_fd", {
         out_arg(out, "out")?;
         let m = new_shm_fd_storage(size)?;
         // SAFETY: checked above.
@@ -38,7 +38,7 @@ pub unsafe extern "C" fn ss_new_shm_fd_storage(size: usize, out: *mut *mut SsMap
 }
 
 /// Copies `nbytes` from `src` into a new fd-backed segment (as
-/// `ss_new_shm_fd_storage`) and returns its map: `share_memory_()`.
+/// `ss_map_new_shm_fd`) and returns its map: `share_memory_()`.
 /// Fails with `SS_ERR_NO_SPACE` when /dev/shm cannot hold it.
 ///
 /// # Safety
@@ -46,8 +46,8 @@ pub unsafe extern "C" fn ss_new_shm_fd_storage(size: usize, out: *mut *mut SsMap
 /// thread writes them during the call; `out` is NULL or points to a writable
 /// `ss_map*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_share_memory(src: *const c_void, nbytes: usize, out: *mut *mut SsMap) -> ss_status {
-    ffi_status!("ss_share_memory", {
+pub unsafe extern "C" fn ss_map_new_copy(src: *const c_void, nbytes: usize, out: *mut *mut SsMap) -> ss_status {
+    ffi_status!("ss_map_new_copy", {
         out_arg(out, "out")?;
         if src.is_null() {
             return Err(null("src"));

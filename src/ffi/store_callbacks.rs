@@ -1,4 +1,4 @@
-//! `ss_store_from_callbacks`: a store the host framework provides (say, a
+//! `ss_store_callbacks_open`: a store the host framework provides (say, a
 //! C++ framework's own c10d store) through a table of C functions.
 
 use super::args::out_arg;
@@ -49,10 +49,15 @@ pub type ss_store_free_ctx_fn = Option<unsafe extern "C" fn(ctx: *mut c_void)>;
 /// threads at once (a rendezvous runs on the caller's thread, a group may
 /// live on others), must not unwind (no C++ exception may escape them),
 /// and report failures as `ss_status` codes; the library adds the keys to
-/// the message.
+/// the message. Start from `SS_STORE_CALLBACKS_INIT`.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct SsStoreCallbacks {
+    /// `sizeof(ss_store_callbacks)` as the caller was built (set by
+    /// `SS_STORE_CALLBACKS_INIT`): 0 is refused (`SS_ERR_INVALID_ARGUMENT`),
+    /// a size larger than this library knows is `SS_ERR_UNSUPPORTED`;
+    /// functions past an older, smaller size are absent.
+    pub struct_size: usize,
     pub set: ss_store_set_fn,
     pub get: ss_store_get_fn,
     pub add: ss_store_add_fn,
@@ -225,7 +230,8 @@ impl Store for CallbackStore {
 /// A store whose operations call the host's functions in `cb` with `ctx`
 /// (the table is copied; `ctx` is the host's). `free_ctx(ctx)` runs once,
 /// when the last reference goes. A required function missing:
-/// `SS_ERR_NULL_POINTER`, and `ctx` stays the caller's to release.
+/// `SS_ERR_NULL_POINTER`, a bad `cb->struct_size` as that field says; in
+/// both cases `ctx` stays the caller's to release.
 ///
 /// # Safety
 /// `cb` is NULL or points to a readable `ss_store_callbacks` whose functions,
@@ -233,11 +239,13 @@ impl Store for CallbackStore {
 /// never unwinding) for as long as the store lives; `out` is NULL or points
 /// to a writable `ss_store*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_store_from_callbacks(cb: *const SsStoreCallbacks, ctx: *mut c_void, out: *mut *mut SsStore) -> ss_status {
-    ffi_status!("ss_store_from_callbacks", {
+pub unsafe extern "C" fn ss_store_callbacks_open(cb: *const SsStoreCallbacks, ctx: *mut c_void, out: *mut *mut SsStore) -> ss_status {
+    ffi_status!("ss_store_callbacks_open", {
         out_arg(out, "out")?;
         // SAFETY: NULL or a readable table.
         let cb = *unsafe { super::args::handle(cb, "cb") }?;
+        let size = std::mem::size_of::<SsStoreCallbacks>();
+        super::struct_size::check("ss_store_callbacks", cb.struct_size, size, size)?;
         let need = |present: bool, name: &str| if present { Ok(()) } else { Err(super::args::null(&format!("cb->{name}"))) };
         need(cb.set.is_some(), "set")?;
         need(cb.get.is_some(), "get")?;

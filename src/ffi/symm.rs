@@ -29,7 +29,7 @@ pub struct SsSymmMem {
 /// The object behind a handle.
 ///
 /// # Safety
-/// `h` is NULL or a handle from `ss_symm_rendezvous` whose block is live.
+/// `h` is NULL or a handle from `ss_symm_mem_rendezvous` whose block is live.
 unsafe fn symm_mem<'a>(h: *const SsSymmMem) -> Result<&'a SymmetricMemory> {
     // SAFETY: per the contract above; handles are SymmetricMemory addresses.
     unsafe { handle(h.cast::<SymmetricMemory>(), "symm_mem") }
@@ -151,7 +151,7 @@ pub extern "C" fn ss_symm_set_signal_pad_size(size: usize) -> ss_status {
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_alloc(
     device_type: c_int,
-    device_idx: c_int,
+    device_idx: i32,
     size: usize,
     group: *const c_char,
     out: *mut *mut c_void,
@@ -180,7 +180,7 @@ pub unsafe extern "C" fn ss_symm_alloc(
 #[no_mangle]
 pub unsafe extern "C" fn ss_symm_alloc_persistent(
     device_type: c_int,
-    device_idx: c_int,
+    device_idx: i32,
     size: usize,
     group: *const c_char,
     alloc_id: u64,
@@ -245,20 +245,21 @@ pub unsafe extern "C" fn ss_symm_free(ptr: *mut c_void) -> ss_status {
 /// in TMPDIR), checked with `SO_PEERCRED` to be the peer ranks' processes
 /// (pid from their rendezvous requests, same uid): ranks must share a pid
 /// and network namespace. A second call for the same block and group
-/// returns the same object. `*out` is owned by the block.
+/// returns the same object. `*out` is borrowed (hence `const`): the block
+/// owns it, and `ss_symm_free` of the block releases it.
 ///
 /// # Safety
 /// `ptr` may be any value (it is only looked up); `group` is NULL or a
 /// NUL-terminated string; `out` is NULL or points to a writable
-/// `ss_symm_mem*`.
+/// `const ss_symm_mem*`.
 #[no_mangle]
-pub unsafe extern "C" fn ss_symm_rendezvous(
+pub unsafe extern "C" fn ss_symm_mem_rendezvous(
     ptr: *mut c_void,
     group: *const c_char,
     timeout_ms: i64,
-    out: *mut *mut SsSymmMem,
+    out: *mut *const SsSymmMem,
 ) -> ss_status {
-    ffi_status!("ss_symm_rendezvous", {
+    ffi_status!("ss_symm_mem_rendezvous", {
         out_arg(out, "out")?;
         if ptr.is_null() {
             return Err(null("ptr"));
@@ -269,7 +270,7 @@ pub unsafe extern "C" fn ss_symm_rendezvous(
         let h = symm::rendezvous(ptr.cast(), group, timeout)?;
         // The allocation keeps the Arc, so the address stays valid until
         // ss_symm_free.
-        let p = std::sync::Arc::as_ptr(&h) as *mut SsSymmMem;
+        let p = std::sync::Arc::as_ptr(&h) as *const SsSymmMem;
         // SAFETY: checked above.
         unsafe { write_out(out, p) };
         Ok(())

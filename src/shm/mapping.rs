@@ -66,7 +66,7 @@ impl Mapping {
             Mapping::Refcounted(m) => Ok(m),
             Mapping::Plain(m) => Err(Error::new(
                 ErrorKind::Unsupported,
-                format!("<{}> is a plain mapping: reference counts need ss_refcounted_map_open", m.filename()),
+                format!("<{}> is a plain mapping: reference counts need ss_map_open_refcounted", m.filename()),
             )),
         }
     }

@@ -137,7 +137,7 @@ fn lock_until<'a, T>(m: &'a Mutex<T>, timeout: Timeout, group: &str) -> Result<M
             return Err(Error::new(
                 ErrorKind::Timeout,
                 format!(
-                    "ss_symm_rendezvous of group {group} timed out: another rendezvous of the same block (another \
+                    "ss_symm_mem_rendezvous of group {group} timed out: another rendezvous of the same block (another \
                      thread) is still running"
                 ),
             ));
@@ -183,13 +183,13 @@ pub fn get_alloc_size(ptr: *mut u8) -> Result<usize> {
 /// given at allocation), running the rendezvous on first use. It lives
 /// until the block is freed.
 pub fn rendezvous(ptr: *mut u8, group: Option<&str>, timeout: Timeout) -> Result<Arc<SymmetricMemory>> {
-    let a = live(ptr, "ss_symm_rendezvous")?;
+    let a = live(ptr, "ss_symm_mem_rendezvous")?;
     let name = match group {
         Some(g) => g.to_string(),
         None => lock(&a.state).group.clone().ok_or_else(|| {
             Error::new(
                 ErrorKind::InvalidArgument,
-                "ss_symm_rendezvous: `group_name` is neither specified during allocation nor passed to rendezvous().",
+                "ss_symm_mem_rendezvous: `group_name` is neither specified during allocation nor passed to rendezvous().",
             )
         })?,
     };

@@ -27,8 +27,9 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        cuda_share, sent_counter, cuda_open, cuda_release_ipc_counter, cuda_ipc_collect, cuda_limbo_size,
        cuda_ipc_teardown, cuda_pointer_base, cuda_malloc, cuda_free, cuda_ipc_handle_to_text,
        cuda_ipc_handle_from_text,
-       KVStore, store_file_open, store_torch_file_open, store_tcp_open, store_tcp_port, store_ref, store_set, store_get, store_add,
+       KVStore, store_file_open, store_tcp_open, store_tcp_port, store_ref, store_set, store_get, store_add,
        store_wait, store_check, store_compare_set, store_delete_key, store_num_keys, StoreCallbacks, store_from_callbacks,
+       store_torch_file_open, set_log_callback,
        SymmMem, symm_set_group_info, symm_get_group_info, symm_set_backend, symm_alloc, symm_alloc_persistent,
        symm_get_alloc_size, symm_free, symm_rendezvous, symm_rank, symm_world_size, symm_buffer_size,
        symm_signal_pad_size, symm_buffer_ptr, symm_signal_pad_ptr, symm_get_buffer, symm_barrier, symm_put_signal,
@@ -179,35 +180,35 @@ bytes after a 64-byte header. The last holder to close removes the name.
 """
 function open_refcounted(name::AbstractString, flags::Integer, size::Integer)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = ccall((:ss_refcounted_map_open, libstorage_sharing()), Cint, (Cstring, Cint, Csize_t, Ptr{Ptr{Cvoid}}),
+    st = ccall((:ss_map_open_refcounted, libstorage_sharing()), Cint, (Cstring, Cint, Csize_t, Ptr{Ptr{Cvoid}}),
                name, flags, size, out)
-    check("ss_refcounted_map_open", st)
+    check("ss_map_open_refcounted", st)
     return SharedMap(out[])
 end
 
 """An anonymous segment of `size` zero bytes, shared by its descriptor (`fd`)."""
 function new_fd_storage(size::Integer)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = ccall((:ss_new_shm_fd_storage, libstorage_sharing()), Cint, (Csize_t, Ptr{Ptr{Cvoid}}), size, out)
-    check("ss_new_shm_fd_storage", st)
+    st = ccall((:ss_map_new_shm_fd, libstorage_sharing()), Cint, (Csize_t, Ptr{Ptr{Cvoid}}), size, out)
+    check("ss_map_new_shm_fd", st)
     return SharedMap(out[])
 end
 
 """PyTorch's `share_memory_()`: a copy of `src` in a new fd-backed segment."""
 function share_memory(src::Vector{UInt8})
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = GC.@preserve src ccall((:ss_share_memory, libstorage_sharing()), Cint, (Ptr{Cvoid}, Csize_t, Ptr{Ptr{Cvoid}}),
+    st = GC.@preserve src ccall((:ss_map_new_copy, libstorage_sharing()), Cint, (Ptr{Cvoid}, Csize_t, Ptr{Ptr{Cvoid}}),
                                 pointer(src), length(src), out)
-    check("ss_share_memory", st)
+    check("ss_map_new_copy", st)
     return SharedMap(out[])
 end
 
 """A fresh process-wide segment name, "/torch_<pid>_<rand>_<n>"."""
 function new_segment_name()
     buf = zeros(UInt8, 64)
-    st = GC.@preserve buf ccall((:ss_new_process_wide_shm_handle, libstorage_sharing()), Cint, (Ptr{UInt8}, Csize_t),
+    st = GC.@preserve buf ccall((:ss_shm_name_new, libstorage_sharing()), Cint, (Ptr{UInt8}, Csize_t),
                                 pointer(buf), length(buf))
-    check("ss_new_process_wide_shm_handle", st)
+    check("ss_shm_name_new", st)
     return GC.@preserve buf unsafe_string(pointer(buf))
 end
 
@@ -286,7 +287,7 @@ end
 ATen's `fromDataPtr`: the raw handle of the live map holding `ptr`, or
 `C_NULL`. Borrowed: compare it with `m.handle`, never free it.
 """
-map_from_data(ptr::Ptr) = ccall((:ss_map_from_data, libstorage_sharing()), Ptr{Cvoid}, (Ptr{Cvoid},), ptr)
+map_from_data(ptr::Ptr) = ccall((:ss_map_lookup, libstorage_sharing()), Ptr{Cvoid}, (Ptr{Cvoid},), ptr)
 
 """
     close(m::SharedMap)
@@ -311,5 +312,6 @@ include("symm.jl")
 include("arena.jl")
 include("fork.jl")
 include("content_store.jl")
+include("log.jl")
 
 end # module

@@ -13,6 +13,7 @@ const SS_ARENA_NAME_LEN = 48
 `SS_ARENA_BY_NAME`), hold slots per segment, large-block threshold.
 """
 struct ArenaOptions
+    struct_size::Csize_t
     segment_size::Csize_t
     strategy::UInt32
     max_holds::UInt32
@@ -99,7 +100,7 @@ A new arena; unset options keep their defaults.
 """
 function open_arena(; segment_size=nothing, strategy=nothing, max_holds=nothing, large_threshold=nothing)
     d = arena_options_default()
-    o = Ref(ArenaOptions(something(segment_size, d.segment_size), something(strategy, d.strategy),
+    o = Ref(ArenaOptions(d.struct_size, something(segment_size, d.segment_size), something(strategy, d.strategy),
                          something(max_holds, d.max_holds), something(large_threshold, d.large_threshold)))
     out = Ref{Ptr{Cvoid}}(C_NULL)
     check("ss_arena_open", ccall((:ss_arena_open, libstorage_sharing()), Cint, (Ptr{ArenaOptions}, Ptr{Ptr{Cvoid}}), o, out))
@@ -117,7 +118,7 @@ end
 
 """Frees a block; one a consumer holds is reused only once released."""
 function arena_free(a::SharedArena, p::Ptr{Cvoid})
-    check("ss_arena_free", ccall((:ss_arena_free, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Cvoid}), live_arena(a, "ss_arena_free"), p))
+    check("ss_arena_dealloc", ccall((:ss_arena_dealloc, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Cvoid}), live_arena(a, "ss_arena_dealloc"), p))
     return nothing
 end
 
@@ -169,7 +170,7 @@ end
 """Consumer: opens a shared block as a view (its hold is the view's)."""
 function arena_open_remote(h::ArenaHandle)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    check("ss_arena_open_remote", ccall((:ss_arena_open_remote, libstorage_sharing()), Cint, (Ptr{ArenaHandle}, Ptr{Ptr{Cvoid}}), Ref(h), out))
+    check("ss_arena_view_open", ccall((:ss_arena_view_open, libstorage_sharing()), Cint, (Ptr{ArenaHandle}, Ptr{Ptr{Cvoid}}), Ref(h), out))
     return ArenaView(out[])
 end
 
@@ -204,7 +205,7 @@ end
 """Consumer: unmaps idle cached segments of retired or dead producers; returns how many went."""
 function arena_trim_remote_cache()
     released = Ref{Csize_t}(0)
-    check("ss_arena_trim_remote_cache", ccall((:ss_arena_trim_remote_cache, libstorage_sharing()), Cint, (Ptr{Csize_t},), released))
+    check("ss_arena_remote_cache_trim", ccall((:ss_arena_remote_cache_trim, libstorage_sharing()), Cint, (Ptr{Csize_t},), released))
     return Int(released[])
 end
 

@@ -34,10 +34,10 @@ characters) or `SS_HASH_STABLE` (SHA-1, PyTorch's stable hash).
 """
 function hash_bytes(data::DenseArray, mode::Integer=SS_HASH_FAST)
     buf = zeros(UInt8, SS_HASH_HEX_MAX)
-    st = GC.@preserve data buf ccall((:ss_hash_bytes, libstorage_sharing()), Cint,
+    st = GC.@preserve data buf ccall((:ss_content_hash_bytes, libstorage_sharing()), Cint,
                                      (Ptr{Cvoid}, Csize_t, Cint, Ptr{UInt8}, Csize_t),
                                      pointer(data), sizeof(data), mode, pointer(buf), length(buf))
-    check("ss_hash_bytes", st)
+    check("ss_content_hash_bytes", st)
     return unsafe_string(pointer(buf))
 end
 
@@ -94,11 +94,11 @@ end
 """Stores `data`'s bytes once per distinct content; returns the hash."""
 function write_storage(w::ContentWriter, data::DenseArray)
     buf = zeros(UInt8, SS_HASH_HEX_MAX)
-    h = live_handle(w, "ss_content_write_storage")
-    st = GC.@preserve data buf ccall((:ss_content_write_storage, libstorage_sharing()), Cint,
+    h = live_handle(w, "ss_content_writer_write_storage")
+    st = GC.@preserve data buf ccall((:ss_content_writer_write_storage, libstorage_sharing()), Cint,
                                      (Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Ptr{UInt8}, Csize_t),
                                      h, pointer(data), sizeof(data), pointer(buf), length(buf))
-    check("ss_content_write_storage", st)
+    check("ss_content_writer_write_storage", st)
     return unsafe_string(pointer(buf))
 end
 
@@ -112,14 +112,14 @@ C (row-major) order as PyTorch counts them.
 function write_tensor(w::ContentWriter, name::AbstractString, data::DenseArray, dtype::Integer, offset::Integer,
                       shape::AbstractVector{<:Integer}, stride::AbstractVector{<:Integer})
     length(shape) == length(stride) ||
-        throw(SSError("ss_content_write_tensor", SS_ERR_INVALID_ARGUMENT, "shape and stride lengths differ"))
+        throw(SSError("ss_content_writer_write_tensor", SS_ERR_INVALID_ARGUMENT, "shape and stride lengths differ"))
     sh = Vector{Int64}(shape)
     sd = Vector{Int64}(stride)
-    h = live_handle(w, "ss_content_write_tensor")
-    st = GC.@preserve data sh sd ccall((:ss_content_write_tensor, libstorage_sharing()), Cint,
+    h = live_handle(w, "ss_content_writer_write_tensor")
+    st = GC.@preserve data sh sd ccall((:ss_content_writer_write_tensor, libstorage_sharing()), Cint,
                                        (Ptr{Cvoid}, Cstring, Ptr{Cvoid}, Csize_t, Cint, Int64, Csize_t, Ptr{Int64}, Ptr{Int64}),
                                        h, name, pointer(data), sizeof(data), dtype, offset, length(sh), pointer(sh), pointer(sd))
-    check("ss_content_write_tensor", st)
+    check("ss_content_writer_write_tensor", st)
     return nothing
 end
 
@@ -163,18 +163,18 @@ end
 """The tensor entry `name` with its storage mapped read-only."""
 function read_tensor(r::ContentReader, name::AbstractString)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = ccall((:ss_content_read_tensor, libstorage_sharing()), Cint, (Ptr{Cvoid}, Cstring, Ptr{Ptr{Cvoid}}),
-               live_handle(r, "ss_content_read_tensor"), name, out)
-    check("ss_content_read_tensor", st)
+    st = ccall((:ss_content_reader_read_tensor, libstorage_sharing()), Cint, (Ptr{Cvoid}, Cstring, Ptr{Ptr{Cvoid}}),
+               live_handle(r, "ss_content_reader_read_tensor"), name, out)
+    check("ss_content_reader_read_tensor", st)
     return ContentTensor(out[])
 end
 
 """The storage named `hash`, mapped read-only."""
 function read_storage(r::ContentReader, hash::AbstractString)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = ccall((:ss_content_read_storage, libstorage_sharing()), Cint, (Ptr{Cvoid}, Cstring, Ptr{Ptr{Cvoid}}),
-               live_handle(r, "ss_content_read_storage"), hash, out)
-    check("ss_content_read_storage", st)
+    st = ccall((:ss_content_reader_read_storage, libstorage_sharing()), Cint, (Ptr{Cvoid}, Cstring, Ptr{Ptr{Cvoid}}),
+               live_handle(r, "ss_content_reader_read_storage"), hash, out)
+    check("ss_content_reader_read_storage", st)
     return ContentStorage(out[])
 end
 
@@ -190,18 +190,18 @@ end
 """Names of every tensor entry, sorted."""
 function list_tensors(r::ContentReader)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = ccall((:ss_content_list_tensors, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Ptr{Cvoid}}),
-               live_handle(r, "ss_content_list_tensors"), out)
-    check("ss_content_list_tensors", st)
+    st = ccall((:ss_content_reader_list_tensors, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Ptr{Cvoid}}),
+               live_handle(r, "ss_content_reader_list_tensors"), out)
+    check("ss_content_reader_list_tensors", st)
     return take_list(out[])
 end
 
 """Hashes of every storage, sorted."""
 function list_storages(r::ContentReader)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = ccall((:ss_content_list_storages, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Ptr{Cvoid}}),
-               live_handle(r, "ss_content_list_storages"), out)
-    check("ss_content_list_storages", st)
+    st = ccall((:ss_content_reader_list_storages, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Ptr{Cvoid}}),
+               live_handle(r, "ss_content_reader_list_storages"), out)
+    check("ss_content_reader_list_storages", st)
     return take_list(out[])
 end
 
@@ -209,9 +209,9 @@ end
 function verify(r::ContentReader)
     checked = Ref{UInt64}(0)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = ccall((:ss_content_verify, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{UInt64}, Ptr{Ptr{Cvoid}}),
-               live_handle(r, "ss_content_verify"), checked, out)
-    check("ss_content_verify", st)
+    st = ccall((:ss_content_reader_verify, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{UInt64}, Ptr{Ptr{Cvoid}}),
+               live_handle(r, "ss_content_reader_verify"), checked, out)
+    check("ss_content_reader_verify", st)
     return (checked[], take_list(out[]))
 end
 

@@ -105,9 +105,9 @@ end
 """Maps a tuple from another process; `stream` waits for the producer's event."""
 function cuda_open(handle::CudaIpcHandle; stream::Ptr=C_NULL)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = ccall((:ss_cuda_open, libstorage_sharing()), Cint, (Ptr{CudaIpcHandle}, Ptr{Cvoid}, Ptr{Ptr{Cvoid}}),
+    st = ccall((:ss_cuda_received_open, libstorage_sharing()), Cint, (Ptr{CudaIpcHandle}, Ptr{Cvoid}, Ptr{Ptr{Cvoid}}),
                Ref(handle), stream, out)
-    check("ss_cuda_open", st)
+    check("ss_cuda_received_open", st)
     return CudaReceived(out[])
 end
 
@@ -124,8 +124,8 @@ end
 
 """Decrements a ref-counter slot (a tuple dropped unopened); needs no GPU."""
 function cuda_release_ipc_counter(name::AbstractString, slot::Integer)
-    st = ccall((:ss_cuda_release_ipc_counter, libstorage_sharing()), Cint, (Cstring, UInt64), name, slot)
-    check("ss_cuda_release_ipc_counter", st)
+    st = ccall((:ss_cuda_ipc_counter_release, libstorage_sharing()), Cint, (Cstring, UInt64), name, slot)
+    check("ss_cuda_ipc_counter_release", st)
 end
 
 """Gives back limbo blocks no consumer uses; returns how many."""
@@ -155,8 +155,8 @@ end
 """`nbytes` of device memory on `device`, shareable with `cuda_share`."""
 function cuda_malloc(device::Integer, nbytes::Integer)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = ccall((:ss_cuda_malloc, libstorage_sharing()), Cint, (Int32, Csize_t, Ptr{Ptr{Cvoid}}), device, nbytes, out)
-    check("ss_cuda_malloc", st)
+    st = ccall((:ss_cuda_alloc, libstorage_sharing()), Cint, (Int32, Csize_t, Ptr{Ptr{Cvoid}}), device, nbytes, out)
+    check("ss_cuda_alloc", st)
     return out[]
 end
 

@@ -241,10 +241,10 @@ Sends `payload` (at least one byte) and the descriptors `fds` (they stay
 open here) over the connected Unix socket `sock`.
 """
 function send_fds(sock::Integer, payload::Vector{UInt8}, fds::Vector{Cint}=Cint[])
-    st = GC.@preserve payload fds ccall((:ss_send_fds, libstorage_sharing()), Cint,
+    st = GC.@preserve payload fds ccall((:ss_fds_send, libstorage_sharing()), Cint,
                                         (Cint, Ptr{Cvoid}, Csize_t, Ptr{Cint}, Csize_t),
                                         sock, payload, length(payload), fds, length(fds))
-    check("ss_send_fds", st)
+    check("ss_fds_send", st)
 end
 
 """
@@ -258,10 +258,10 @@ function recv_fds(sock::Integer, maxlen::Integer, maxfds::Integer)
     fds = fill(Cint(-1), maxfds)
     n = Ref{Csize_t}(0)
     nfds = Ref{Csize_t}(0)
-    st = GC.@preserve buf fds ccall((:ss_recv_fds, libstorage_sharing()), Cint,
+    st = GC.@preserve buf fds ccall((:ss_fds_recv, libstorage_sharing()), Cint,
                                     (Cint, Ptr{Cvoid}, Csize_t, Ptr{Csize_t}, Ptr{Cint}, Csize_t, Ptr{Csize_t}),
                                     sock, buf, length(buf), n, fds, length(fds), nfds)
-    check("ss_recv_fds", st)
+    check("ss_fds_recv", st)
     return (payload=buf[1:n[]], fds=fds[1:nfds[]])
 end
 

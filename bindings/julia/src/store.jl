@@ -49,9 +49,9 @@ end
 """
     store_torch_file_open(path, world_size, timeout_ms) -> KVStore
 
-A store over PyTorch's `FileStore` file at `path`, shared with PyTorch ranks
-that open the same file. `world_size` is PyTorch's (-1: the file is never
-removed); `timeout_ms` bounds lock waits (0: wait forever).
+A store over PyTorch's `FileStore` file at `path`, shared with
+`torch.distributed.FileStore(path, world_size)` of the same host
+(`world_size` -1: the file is never removed; `timeout_ms` 0: wait forever).
 """
 function store_torch_file_open(path::AbstractString, world_size::Integer, timeout_ms::Integer)
     out = Ref{Ptr{Cvoid}}(C_NULL)
@@ -209,12 +209,16 @@ The table of `ss_store_callbacks`: C function pointers (from `@cfunction`,
 in `storage_sharing.h`. Each returns an `ss_status` code as a `Cint`.
 """
 struct StoreCallbacks
+    struct_size::Csize_t
     set::Ptr{Cvoid}
     get::Ptr{Cvoid}
     add::Ptr{Cvoid}
     wait::Ptr{Cvoid}
     free_ctx::Ptr{Cvoid}
 end
+
+StoreCallbacks(set, get, add, wait, free_ctx) =
+    StoreCallbacks(Csize_t(sizeof(StoreCallbacks)), set, get, add, wait, free_ctx)
 
 """
     store_from_callbacks(cb::StoreCallbacks, ctx::Ptr{Cvoid}) -> KVStore
@@ -226,8 +230,8 @@ from any thread: keep them to code that is safe there.
 function store_from_callbacks(cb::StoreCallbacks, ctx::Ptr{Cvoid})
     out = Ref{Ptr{Cvoid}}(C_NULL)
     table = Ref(cb)
-    st = ccall((:ss_store_from_callbacks, libstorage_sharing()), Cint,
+    st = ccall((:ss_store_callbacks_open, libstorage_sharing()), Cint,
                (Ptr{StoreCallbacks}, Ptr{Cvoid}, Ptr{Ptr{Cvoid}}), table, ctx, out)
-    check("ss_store_from_callbacks", st)
+    check("ss_store_callbacks_open", st)
     return KVStore(out[])
 end

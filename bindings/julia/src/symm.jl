@@ -86,7 +86,7 @@ function symm_alloc(size::Integer; device_type::Integer=SS_DEVICE_CPU, device_id
     g = group_arg(group)
     out = Ref{Ptr{Cvoid}}(C_NULL)
     st = GC.@preserve g ccall((:ss_symm_alloc, libstorage_sharing()), Cint,
-                              (Cint, Cint, Csize_t, Ptr{UInt8}, Ptr{Ptr{Cvoid}}), device_type, device_idx, size, cptr(g), out)
+                              (Cint, Int32, Csize_t, Ptr{UInt8}, Ptr{Ptr{Cvoid}}), device_type, device_idx, size, cptr(g), out)
     check("ss_symm_alloc", st)
     return out[]
 end
@@ -102,7 +102,7 @@ function symm_alloc_persistent(size::Integer, alloc_id::Integer; device_type::In
     g = group_arg(group)
     out = Ref{Ptr{Cvoid}}(C_NULL)
     st = GC.@preserve g ccall((:ss_symm_alloc_persistent, libstorage_sharing()), Cint,
-                              (Cint, Cint, Csize_t, Ptr{UInt8}, UInt64, Ptr{Ptr{Cvoid}}),
+                              (Cint, Int32, Csize_t, Ptr{UInt8}, UInt64, Ptr{Ptr{Cvoid}}),
                               device_type, device_idx, size, cptr(g), alloc_id, out)
     check("ss_symm_alloc_persistent", st)
     return out[]
@@ -131,9 +131,9 @@ rank calls it with a block of the same size. `timeout_ms` 0 waits forever.
 function symm_rendezvous(ptr::Ptr{Cvoid}; group::Union{Nothing,AbstractString}=nothing, timeout_ms::Integer=0)
     g = group_arg(group)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = GC.@preserve g ccall((:ss_symm_rendezvous, libstorage_sharing()), Cint,
+    st = GC.@preserve g ccall((:ss_symm_mem_rendezvous, libstorage_sharing()), Cint,
                               (Ptr{Cvoid}, Ptr{UInt8}, Int64, Ptr{Ptr{Cvoid}}), ptr, cptr(g), timeout_ms, out)
-    check("ss_symm_rendezvous", st)
+    check("ss_symm_mem_rendezvous", st)
     return SymmMem(out[])
 end
 

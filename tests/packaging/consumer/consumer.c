@@ -27,8 +27,8 @@ static unsigned char pattern(size_t i) { return (unsigned char)(i * 31 + 7); }
 
 static int child(const char *name) {
     ss_map *m = NULL;
-    ss_status s = ss_refcounted_map_open(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_NOCREATE, SIZE, &m);
-    if (s != SS_OK) return fail("child: ss_refcounted_map_open", s);
+    ss_status s = ss_map_open_refcounted(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_NOCREATE, SIZE, &m);
+    if (s != SS_OK) return fail("child: ss_map_open_refcounted", s);
     unsigned char *p = ss_map_data(m);
     for (size_t i = 0; i < SIZE / 2; i++) {
         if (p[i] != pattern(i)) {
@@ -48,11 +48,11 @@ int main(int argc, char **argv) {
         return 1;
     }
     char name[64];
-    ss_status s = ss_new_process_wide_shm_handle(name, sizeof name);
-    if (s != SS_OK) return fail("ss_new_process_wide_shm_handle", s);
+    ss_status s = ss_shm_name_new(name, sizeof name);
+    if (s != SS_OK) return fail("ss_shm_name_new", s);
     ss_map *m = NULL;
-    s = ss_refcounted_map_open(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_EXCLUSIVE, SIZE, &m);
-    if (s != SS_OK) return fail("ss_refcounted_map_open", s);
+    s = ss_map_open_refcounted(name, SS_MAPPED_SHAREDMEM | SS_MAPPED_EXCLUSIVE, SIZE, &m);
+    if (s != SS_OK) return fail("ss_map_open_refcounted", s);
     unsigned char *p = ss_map_data(m);
     for (size_t i = 0; i < SIZE / 2; i++) p[i] = pattern(i);
 

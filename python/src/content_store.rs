@@ -138,9 +138,11 @@ impl PyContentReader {
 
     /// The entry `name`: (dtype name, hash, offset, shape, stride).
     #[allow(clippy::type_complexity)]
-    fn read_meta(&self, py: Python<'_>, name: &str) -> PyResult<(&'static str, String, i64, Vec<i64>, Vec<i64>)> {
-        let m = py.allow_threads(|| self.reader.read_meta(name)).or_raise()?;
-        Ok((m.dtype.torch_name(), m.storage_hash, m.offset, m.shape, m.stride))
+    /// (dtype, storage hash, offset, shape, stride, conj bit, neg bit).
+    #[allow(clippy::type_complexity)]
+    fn read_meta(&self, py: Python<'_>, name: &str) -> PyResult<(&'static str, String, i64, Vec<i64>, Vec<i64>, bool, bool)> {
+        let (m, bits) = py.allow_threads(|| self.reader.read_entry(name)).or_raise()?;
+        Ok((m.dtype.torch_name(), m.storage_hash, m.offset, m.shape, m.stride, bits.conj, bits.neg))
     }
 
     /// The storage named `hash`, mapped read-only.

@@ -150,12 +150,14 @@ class ContentStoreReader:
         if not os.path.exists(fn):
             raise FileNotFoundError(fn)
         try:
-            dtype, h, offset, shape, stride = self._reader().read_meta(name)
+            dtype, h, offset, shape, stride, conj, neg = self._reader().read_meta(name)
         except Error:
-            # An entry with metadata our parser does not take (a conjugate
-            # view's flags, say): PyTorch's own loader, weights only.
+            # An entry with metadata our parser does not take: PyTorch's own
+            # loader, weights only.
             return torch.load(fn, weights_only=True)
-        return (getattr(torch, dtype), h, offset, torch.Size(shape), tuple(stride), {})
+        # PyTorch's tensor metadata: the lazy bits that are set, and no others.
+        metadata = {key: True for key, bit in (("conj", conj), ("neg", neg)) if bit}
+        return (getattr(torch, dtype), h, offset, torch.Size(shape), tuple(stride), metadata)
 
     def read_tensor(self, name: str, *, device=None) -> torch.Tensor:
         dtype, h, storage_offset, size, stride, metadata = self.read_tensor_metadata(name)

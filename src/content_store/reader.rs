@@ -138,8 +138,6 @@ impl Reader {
 
     /// The entry `name` without its storage.
     pub fn read_meta(&self, name: &str) -> Result<TensorMeta> {
-        let mut parts = vec![layout::TENSORS];
-        parts.extend(tensor_name_parts(name)?);
         Ok(self.read_entry(name)?.0)
     }
 

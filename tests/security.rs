@@ -122,7 +122,7 @@ fn manager_folder_is_0700_and_other_uids_cannot_connect() {
             Ok(())
         });
     }
-    let out = cmd.output().unwrap();
+    let out = retry_while_busy(|| cmd.output());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("refused: PermissionDenied"),
@@ -164,7 +164,7 @@ fn manager_refuses_a_peer_of_another_uid_even_root() {
             Ok(())
         });
     }
-    let mut child = cmd.spawn().unwrap();
+    let mut child = retry_while_busy(|| cmd.spawn());
     let mut first_line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut first_line).unwrap();
     let socket = first_line.trim().to_string();
@@ -281,6 +281,19 @@ impl NobodyDir {
         std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
         copy
     }
+}
+
+/// Runs `exec` (a spawn of a freshly copied binary) again while it fails
+/// with ETXTBSY: a child that another test thread forks while the copy's
+/// descriptor is open holds it until that child execs.
+fn retry_while_busy<T>(mut exec: impl FnMut() -> std::io::Result<T>) -> T {
+    for _ in 0..200 {
+        match exec() {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => std::thread::sleep(std::time::Duration::from_millis(10)),
+            other => return other.unwrap(),
+        }
+    }
+    exec().unwrap()
 }
 
 impl Drop for NobodyDir {

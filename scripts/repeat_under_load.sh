@@ -27,6 +27,8 @@ for i in $(seq "$runs"); do
     chmod 0700 "$top"
     git clone -q "$repo" "$top/checkout"
     mkdir -m 0700 "$top/tmp"
+    # CMake caches name their source folder: each clone configures anew.
+    rm -rf "$shared_target"/ctests-*
     start=$SECONDS
     if (cd "$top/checkout" && TMPDIR="$top/tmp" CARGO_TARGET_DIR="$shared_target" CI=true bash -c "$cmd") > "$top/log" 2>&1; then
         echo "run $i: ok ($((SECONDS - start)) s)"

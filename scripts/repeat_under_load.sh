@@ -26,16 +26,17 @@ for i in $(seq "$runs"); do
     top="$(mktemp -d)"  # mode 0700
     chmod 0700 "$top"
     git clone -q "$repo" "$top/checkout"
+    commit="$(git -C "$top/checkout" rev-parse --short HEAD)"
     mkdir -m 0700 "$top/tmp"
     # CMake caches name their source folder: each clone configures anew.
     rm -rf "$shared_target"/ctests-*
     start=$SECONDS
     if (cd "$top/checkout" && TMPDIR="$top/tmp" CARGO_TARGET_DIR="$shared_target" CI=true bash -c "$cmd") > "$top/log" 2>&1; then
-        echo "run $i: ok ($((SECONDS - start)) s)"
+        echo "run $i at $commit: ok ($((SECONDS - start)) s)"
         rm -rf "$top"
     else
         failed=$((failed + 1))
-        echo "run $i: FAILED ($((SECONDS - start)) s), log: $top/log"
+        echo "run $i at $commit: FAILED ($((SECONDS - start)) s), log: $top/log"
         grep -E "^test .* FAILED|panicked at|^error|FAIL" "$top/log" | head -20
     fi
 done

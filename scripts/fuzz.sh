@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Opt-in coverage-guided fuzzing (libFuzzer through cargo-fuzz; needs the
 # nightly toolchain and `cargo install cargo-fuzz`, so CI does not run it:
-# CI runs the property-based tests/fuzz_parsers.rs, tests/tcpstore_fuzz.rs
-# and tests/torch_format_fuzz.rs over the same corpus).
+# CI runs the property-based tests/reliability/parsers_fuzzed.rs, tests/store/tcpstore_fed_hostile_bytes.rs
+# and tests/content_store/pytorch_format_fed_hostile_bytes.rs over the same corpus).
 # Each target starts from the committed corpus tests/corpus/<dir>; new
 # inputs go to a scratch folder. A crash leaves its input under
 # fuzz/artifacts/<target>/: add it to tests/corpus/<dir>/ as a regression case.

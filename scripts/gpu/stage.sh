@@ -9,7 +9,7 @@ target="${CARGO_TARGET_DIR:-$PWD/target}"
 mkdir -p "$dest"
 dest=$(cd "$dest" && pwd)
 
-exe() { # the executable cargo reports for a target, e.g. "tests/cuda_gpu.rs"
+exe() { # the executable cargo reports for a target, e.g. "tests/cuda/ipc_on_a_device.rs"
     # (cargo prints the path relative to the workspace, or absolute)
     local path
     path=$(grep -F "Executable $1 (" | sed -E 's/.*\((.*)\)$/\1/' | head -1)
@@ -18,8 +18,8 @@ exe() { # the executable cargo reports for a target, e.g. "tests/cuda_gpu.rs"
 tests=$(cargo test --release --no-run 2>&1)
 bench=$(cargo bench --bench cuda_ipc --no-run 2>&1)
 symm_bench=$(cargo bench --bench symm_cuda --no-run 2>&1)
-cp "$(echo "$tests" | exe "tests/cuda_gpu.rs")" "$dest/cuda_gpu"
-cp "$(echo "$tests" | exe "tests/symm_cuda.rs")" "$dest/symm_cuda"
+cp "$(echo "$tests" | exe "tests/cuda/ipc_on_a_device.rs")" "$dest/cuda_gpu"
+cp "$(echo "$tests" | exe "tests/symm/cuda_backend_across_processes.rs")" "$dest/symm_cuda"
 cp "$(echo "$symm_bench" | exe "benches/symm_cuda.rs")" "$dest/symm_cuda_bench"
 cp "$(echo "$tests" | exe "unittests src/lib.rs")" "$dest/lib_tests"
 cp "$(echo "$bench" | exe "benches/cuda_ipc.rs")" "$dest/cuda_ipc"

@@ -1,6 +1,6 @@
 //! The one mechanism every export runs its body through: panics become
 //! `SS_ERR_PANIC`, errors become a status plus the thread's last message.
-//! `tests/ffi_guard.rs` checks mechanically that every export uses it.
+//! `tests/api/exports_run_through_the_guard.rs` checks mechanically that every export uses it.
 
 use super::status::ss_status;
 use crate::error::{Error, ErrorKind, Result};

@@ -1,6 +1,6 @@
 //! The C ABI: every `extern "C"` function of the library, one file per
 //! area. Each body runs through `ffi_status!` or `ffi_value!`, so no panic
-//! crosses the boundary (checked by `tests/ffi_guard.rs`).
+//! crosses the boundary (checked by `tests/api/exports_run_through_the_guard.rs`).
 #![allow(non_camel_case_types)]
 
 #[macro_use]

@@ -1,4 +1,4 @@
-"""A PyTorch TCPStore rank for tests/store_tcp.rs.
+"""A PyTorch TCPStore rank for tests/store/tcpstore_protocol.rs.
 
 usage: tcpstore_peer.py server <use_libuv 0|1>
          PyTorch serves (world size 2); prints "PORT <n>", then plays the

@@ -1,7 +1,7 @@
 # Tests of the Julia module, for a machine with Julia:
 #   STORAGE_SHARING_LIB=<prefix>/lib/libstorage_sharing.so julia --project=bindings/julia bindings/julia/test/runtests.jl
 # (Julia cannot be installed on this project's CI machines; there,
-# tests/bindings_julia.rs checks every ccall against the C header.)
+# tests/api/julia_bindings_match_header.rs checks every ccall against the C header.)
 using Test
 using StorageSharing
 const SS = StorageSharing

@@ -1,7 +1,7 @@
 //! Round trips, files PyTorch wrote (tests/fixtures/torch_content_store),
 //! and hostile input. The fuzz-style tests are in
-//! tests/torch_format_fuzz.rs; the live interop test with torch in
-//! tests/torch_content_format.rs.
+//! tests/content_store/pytorch_format_fed_hostile_bytes.rs; the live interop test with torch in
+//! tests/content_store/pytorch_format_interop.rs.
 
 use super::pickle::{op, Pickler};
 use super::unpickle::{unpickle, Allow};

@@ -10,10 +10,14 @@
 //! fewer rounds.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use storage_sharing::store::{FileStore, Store, TcpStore};
+
+#[path = "common/echo_floor.rs"]
+mod echo_floor;
+use echo_floor::{echo_server, REPLY_BYTES, REQ_BYTES};
 
 const VALUE: &[u8] = &[b'x'; 32];
 const T: Option<Duration> = Some(Duration::from_secs(60));
@@ -28,31 +32,6 @@ fn script() -> String {
 
 fn torch_ok() -> bool {
     Command::new(python()).args(["-c", "import torch.distributed"]).output().is_ok_and(|o| o.status.success())
-}
-
-/// Bytes our client sends for one set+get (SET + COMPARE_SET of the 8-byte
-/// key and a 32-byte value, sentinel included) and the reply it reads.
-const REQ_BYTES: usize = (1 + 8 + 8 + 8 + 32) + (1 + 8 + 8 + 8 + 27 + 8 + 27); // key "/bench/k"
-const REPLY_BYTES: usize = 8 + 32;
-
-/// A thread that answers each REQ_BYTES-byte request with REPLY_BYTES
-/// bytes: the floor for one request-and-reply of that size.
-fn echo_server() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = l.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        for c in l.incoming() {
-            let mut c = c.unwrap();
-            c.set_nodelay(true).unwrap();
-            std::thread::spawn(move || {
-                let mut buf = [0u8; REQ_BYTES];
-                while c.read_exact(&mut buf).is_ok() {
-                    c.write_all(&buf[..REPLY_BYTES]).unwrap();
-                }
-            });
-        }
-    });
-    port
 }
 
 struct TorchServer {

@@ -16,7 +16,7 @@
 //! build of this bench to serve as "ours", for before/after comparisons).
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
@@ -24,6 +24,10 @@ use std::time::{Duration, Instant};
 use storage_sharing::store::tcp::protocol::{Request, VALIDATION_MAGIC};
 use storage_sharing::store::tcp::server::TcpServer;
 use storage_sharing::store::{Store, TcpStore};
+
+#[path = "common/echo_floor.rs"]
+mod echo_floor;
+use echo_floor::{echo_server, REPLY_BYTES, REQ_BYTES};
 
 const SERVE_ENV: &str = "SS_BENCH_STORE_SERVE";
 const VALUE: &[u8] = &[b'x'; 32];
@@ -198,30 +202,6 @@ fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
 fn show(v: Vec<f64>, digits: usize) -> String {
     let (m, lo, hi) = spread(v);
     format!("{m:.digits$} ({lo:.digits$}-{hi:.digits$})")
-}
-
-/// Bytes our client sends for one set+get (SET + COMPARE_SET of the 8-byte
-/// key and a 32-byte value, sentinel included) and the reply it reads.
-const REQ_BYTES: usize = (1 + 8 + 8 + 8 + 32) + (1 + 8 + 8 + 8 + 27 + 8 + 27);
-const REPLY_BYTES: usize = 8 + 32;
-
-/// A thread answering each REQ_BYTES-byte request with REPLY_BYTES bytes.
-fn echo_server() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = l.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        for c in l.incoming() {
-            let mut c = c.unwrap();
-            c.set_nodelay(true).unwrap();
-            std::thread::spawn(move || {
-                let mut buf = [0u8; REQ_BYTES];
-                while c.read_exact(&mut buf).is_ok() {
-                    c.write_all(&buf[..REPLY_BYTES]).unwrap();
-                }
-            });
-        }
-    });
-    port
 }
 
 /// Median µs of `n` calls of `f`, in 5 batches.

@@ -26,103 +26,78 @@ struct Mapped {
     flags: i32,
 }
 
-#[pyclass(frozen, module = "storage_sharing._native", name = "MapAllocator")]
-pub struct PyMapAllocator {
-    map: Mutex<Option<MapAllocator>>,
-    info: Mapped,
+/// One Python class over one of the allocators: the constructor, the
+/// getters and `close` both have, then the methods given in braces.
+macro_rules! map_class {
+    ($py_type:ident, $inner:ty, $name:literal, { $($methods:tt)* }) => {
+        #[pyclass(frozen, module = "storage_sharing._native", name = $name)]
+        pub struct $py_type {
+            map: Mutex<Option<$inner>>,
+            info: Mapped,
+        }
+
+        impl $py_type {
+            fn with<T>(&self, f: impl FnOnce(&$inner) -> storage_sharing::Result<T>) -> PyResult<T> {
+                let g = self.map.lock().unwrap_or_else(|p| p.into_inner());
+                let m = g.as_ref().ok_or_else(|| closed("map"))?;
+                f(m).or_raise()
+            }
+        }
+
+        #[pymethods]
+        impl $py_type {
+            #[new]
+            fn new(py: Python<'_>, name: &str, flags: i32, size: usize) -> PyResult<Self> {
+                let name = name.to_string();
+                let map = py.allow_threads(|| <$inner>::open(&name, flags, size)).or_raise()?;
+                let info = Mapped { address: map.data() as usize, size: map.len(), filename: map.filename().to_string(), flags: map.flags() };
+                Ok($py_type { map: Mutex::new(Some(map)), info })
+            }
+
+            #[getter]
+            fn address(&self) -> usize {
+                self.info.address
+            }
+            #[getter]
+            fn size(&self) -> usize {
+                self.info.size
+            }
+            #[getter]
+            fn filename(&self) -> &str {
+                &self.info.filename
+            }
+            #[getter]
+            fn flags(&self) -> i32 {
+                self.info.flags
+            }
+            #[getter]
+            fn closed(&self) -> bool {
+                self.map.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+            }
+
+            /// Unmaps; a refcounted map also drops this process's count (the
+            /// last one out removes the name). Later calls are no-ops.
+            fn close(&self, py: Python<'_>) -> PyResult<()> {
+                let taken = self.map.lock().unwrap_or_else(|p| p.into_inner()).take();
+                match taken {
+                    Some(mut m) => py.allow_threads(move || m.close()).or_raise(),
+                    None => Ok(()),
+                }
+            }
+
+            $($methods)*
+        }
+    };
 }
 
-#[pymethods]
-impl PyMapAllocator {
-    #[new]
-    fn new(py: Python<'_>, name: &str, flags: i32, size: usize) -> PyResult<Self> {
-        let name = name.to_string();
-        let map = py.allow_threads(|| MapAllocator::open(&name, flags, size)).or_raise()?;
-        let info = Mapped { address: map.data() as usize, size: map.len(), filename: map.filename().to_string(), flags: map.flags() };
-        Ok(PyMapAllocator { map: Mutex::new(Some(map)), info })
-    }
-
-    #[getter]
-    fn address(&self) -> usize {
-        self.info.address
-    }
-    #[getter]
-    fn size(&self) -> usize {
-        self.info.size
-    }
-    #[getter]
-    fn filename(&self) -> &str {
-        &self.info.filename
-    }
-    #[getter]
-    fn flags(&self) -> i32 {
-        self.info.flags
-    }
-    #[getter]
-    fn closed(&self) -> bool {
-        self.map.lock().unwrap_or_else(|p| p.into_inner()).is_none()
-    }
+map_class!(PyMapAllocator, MapAllocator, "MapAllocator", {
     /// The descriptor kept with KEEPFD (-1 otherwise).
     fn fd(&self) -> PyResult<i32> {
-        self.map.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|m| m.fd()).ok_or_else(|| closed("map"))
+        self.with(|m| Ok(m.fd()))
     }
+});
 
-    /// Unmaps (and unlinks with UNLINK); later calls are no-ops.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let taken = self.map.lock().unwrap_or_else(|p| p.into_inner()).take();
-        match taken {
-            Some(mut m) => py.allow_threads(move || m.close()).or_raise(),
-            None => Ok(()),
-        }
-    }
-}
-
-#[pyclass(frozen, module = "storage_sharing._native", name = "RefcountedMapAllocator")]
-pub struct PyRefcountedMapAllocator {
-    map: Mutex<Option<RefcountedMapAllocator>>,
-    info: Mapped,
-}
-
-impl PyRefcountedMapAllocator {
-    fn with<T>(&self, f: impl FnOnce(&RefcountedMapAllocator) -> storage_sharing::Result<T>) -> PyResult<T> {
-        let g = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        let m = g.as_ref().ok_or_else(|| closed("map"))?;
-        f(m).or_raise()
-    }
-}
-
-#[pymethods]
-impl PyRefcountedMapAllocator {
-    /// Creates (EXCLUSIVE: count 1) or opens (count + 1) `name`.
-    #[new]
-    fn new(py: Python<'_>, name: &str, flags: i32, size: usize) -> PyResult<Self> {
-        let name = name.to_string();
-        let map = py.allow_threads(|| RefcountedMapAllocator::open(&name, flags, size)).or_raise()?;
-        let info = Mapped { address: map.data() as usize, size: map.len(), filename: map.filename().to_string(), flags: map.flags() };
-        Ok(PyRefcountedMapAllocator { map: Mutex::new(Some(map)), info })
-    }
-
-    #[getter]
-    fn address(&self) -> usize {
-        self.info.address
-    }
-    #[getter]
-    fn size(&self) -> usize {
-        self.info.size
-    }
-    #[getter]
-    fn filename(&self) -> &str {
-        &self.info.filename
-    }
-    #[getter]
-    fn flags(&self) -> i32 {
-        self.info.flags
-    }
-    #[getter]
-    fn closed(&self) -> bool {
-        self.map.lock().unwrap_or_else(|p| p.into_inner()).is_none()
-    }
-
+map_class!(PyRefcountedMapAllocator, RefcountedMapAllocator, "RefcountedMapAllocator", {
     fn refcount(&self) -> PyResult<i32> {
         self.with(|m| m.refcount())
     }
@@ -133,13 +108,4 @@ impl PyRefcountedMapAllocator {
     fn decref(&self) -> PyResult<bool> {
         self.with(|m| m.decref())
     }
-
-    /// Drops this process's count; the last one out removes the name.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let taken = self.map.lock().unwrap_or_else(|p| p.into_inner()).take();
-        match taken {
-            Some(mut m) => py.allow_threads(move || m.close()).or_raise(),
-            None => Ok(()),
-        }
-    }
-}
+});

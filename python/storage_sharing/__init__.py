@@ -64,14 +64,6 @@ class Block(_BufferMixin):
     __slots__ = ()
 
     @property
-    def address(self) -> int:
-        return self._native.address
-
-    @property
-    def size(self) -> int:
-        return self._native.size
-
-    @property
     def freed(self) -> bool:
         return self._native.freed
 
@@ -101,14 +93,6 @@ class RemoteBlock(_BufferMixin):
     the producer's memory (no copy). Holds the block until it is gone."""
 
     __slots__ = ()
-
-    @property
-    def address(self) -> int:
-        return self._native.address
-
-    @property
-    def size(self) -> int:
-        return self._native.size
 
     @property
     def producer_pid(self) -> int:
@@ -229,14 +213,6 @@ class _MapBase(_BufferMixin):
 
     def __init__(self, *args, **kwargs) -> None:
         pass  # made by __new__; the ctypes array must not see the arguments
-
-    @property
-    def address(self) -> int:
-        return self._native.address
-
-    @property
-    def size(self) -> int:
-        return self._native.size
 
     @property
     def filename(self) -> str:

@@ -18,6 +18,16 @@ class BufferMixin:
 
     __slots__ = ()
 
+    @property
+    def address(self) -> int:
+        """Where the bytes start in this process."""
+        return self._native.address
+
+    @property
+    def size(self) -> int:
+        """How many bytes the buffer has."""
+        return self._native.size
+
     def memoryview(self) -> memoryview:
         """A writable ``memoryview`` of format ``'B'`` over the bytes
         (``memoryview(obj)`` itself has ctypes' format ``'<B'``, which

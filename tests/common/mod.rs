@@ -104,6 +104,40 @@ pub fn manager_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_ss_shm_manager"))
 }
 
+/// The descriptors of this process that are inotify instances.
+pub fn inotify_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t.as_os_str() == "anon_inode:inotify"))
+        .count()
+}
+
+/// `count` threads, each waiting in `get` for the key `{prefix}/{i}`, all
+/// started (with a little slack to reach their wait) when this returns.
+pub fn start_store_waiters<S: storage_sharing::store::Store + 'static>(
+    store: &std::sync::Arc<S>,
+    prefix: &str,
+    count: usize,
+    timeout: Duration,
+) -> Vec<std::thread::JoinHandle<storage_sharing::Result<Vec<u8>>>> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let entered = std::sync::Arc::new(AtomicUsize::new(0));
+    let threads = (0..count)
+        .map(|i| {
+            let (store, entered, key) = (store.clone(), entered.clone(), format!("{prefix}/{i}"));
+            std::thread::spawn(move || {
+                entered.fetch_add(1, Ordering::SeqCst);
+                store.get(key.as_bytes(), Some(timeout))
+            })
+        })
+        .collect();
+    assert!(wait_until(Duration::from_secs(30), || entered.load(Ordering::SeqCst) == count));
+    // Slack for the last threads to reach their wait (not a timing assertion).
+    std::thread::sleep(Duration::from_millis(300));
+    threads
+}
+
 /// Polls `cond` every 20 ms for up to `limit`; true once it held.
 pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + limit;

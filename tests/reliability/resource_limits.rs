@@ -15,7 +15,6 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::process::Stdio;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use storage_sharing::shm::flags::{EXCLUSIVE, SHAREDMEM};
@@ -167,32 +166,12 @@ fn mapping_budget_gives_no_space_and_leaves_nothing() {
 
 const STORE_WAITERS: usize = 40;
 
-fn inotify_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .flatten()
-        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t.as_os_str() == "anon_inode:inotify"))
-        .count()
-}
-
 /// 40 threads wait on distinct keys at RLIMIT_NOFILE 32; the parent sets
 /// them. Then, at the limit, a get names the real descriptor count.
 fn store_nofile(dir: &str) {
     set_limit(libc::RLIMIT_NOFILE, 32);
     let store = Arc::new(FileStore::open(dir).unwrap());
-    let entered = Arc::new(AtomicUsize::new(0));
-    let threads: Vec<_> = (0..STORE_WAITERS)
-        .map(|i| {
-            let (store, entered) = (store.clone(), entered.clone());
-            std::thread::spawn(move || {
-                entered.fetch_add(1, Ordering::SeqCst);
-                store.get(format!("w/{i}").as_bytes(), Some(Duration::from_secs(30)))
-            })
-        })
-        .collect();
-    assert!(wait_until(Duration::from_secs(30), || entered.load(Ordering::SeqCst) == STORE_WAITERS));
-    // Slack for the last threads to reach their wait (not a timing assertion).
-    std::thread::sleep(Duration::from_millis(300));
+    let threads = start_store_waiters(&store, "w", STORE_WAITERS, Duration::from_secs(30));
     println!("READY");
     std::io::stdout().flush().unwrap();
     let mut failed = Vec::new();

@@ -6,12 +6,11 @@
 #[path = "../common/mod.rs"]
 mod common;
 
-use common::{child_command, my_role, wait_until};
+use common::{child_command, inotify_fds, my_role, start_store_waiters, wait_until};
 use std::ffi::{CStr, CString};
 use std::os::raw::c_char;
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use storage_sharing::ffi::errors::ss_last_error_message;
 use storage_sharing::ffi::status::ss_status;
@@ -106,34 +105,13 @@ fn non_regular_keys(store: &FileStore, dir: &str) {
     println!("non-regular ok");
 }
 
-/// The descriptors of this process that are inotify instances.
-fn inotify_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .flatten()
-        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t.as_os_str() == "anon_inode:inotify"))
-        .count()
-}
-
 const WAITERS: usize = 160;
 
 /// More waiters than the default per-user inotify limit (128) share one
 /// instance, and no instance stays once the waits are over.
 fn many_waiters(store: FileStore) {
     let store = std::sync::Arc::new(store);
-    let entered = std::sync::Arc::new(AtomicUsize::new(0));
-    let threads: Vec<_> = (0..WAITERS)
-        .map(|i| {
-            let (store, entered) = (store.clone(), entered.clone());
-            std::thread::spawn(move || {
-                entered.fetch_add(1, Ordering::SeqCst);
-                store.get(format!("m/{i}").as_bytes(), Some(Duration::from_secs(60)))
-            })
-        })
-        .collect();
-    assert!(wait_until(Duration::from_secs(30), || entered.load(Ordering::SeqCst) == WAITERS));
-    // Slack for the last threads to reach their wait (not a timing assertion).
-    std::thread::sleep(Duration::from_millis(300));
+    let threads = start_store_waiters(&store, "m", WAITERS, Duration::from_secs(60));
     let held = inotify_fds();
     assert!(held <= 1, "{WAITERS} waiters on one store hold {held} inotify instances");
     for i in 0..WAITERS {

@@ -118,7 +118,7 @@ impl Segment {
                 return Err(Error::last_os_error(format!("unable to size <{what}> to {total} bytes")));
             }
             let base = map(fd.as_raw_fd(), total, &what)?;
-            if let Err(e) = reserve(fd.as_raw_fd(), base, 0, total, &what) {
+            if let Err(e) = reserve(fd.as_raw_fd(), base, 0, total, false, &what) {
                 // SAFETY: the mapping we just made, not used by anyone.
                 unsafe { libc::munmap(base.cast(), total) };
                 return Err(e);

@@ -16,6 +16,15 @@
 //! manager, so the user learns that earlier messages may be lost. This
 //! saves one round trip to the manager per open.
 //!
+//! A free of a name that is gone already (this process closed the last
+//! reference and removed it) is not sent at once: it waits in the
+//! connection's outbox and goes out in the same write as the next message
+//! (at most [`MAX_DEFERRED_FREES`] wait), so the manager is woken once for
+//! both. Nothing can leak meanwhile: the name no longer exists, and a
+//! manager that never gets the free (this process died) finds it gone.
+//! Frees of names that still exist are sent at once, as the manager counts
+//! a holder's references from its registrations and frees.
+//!
 //! Unlike libshm, a connection inherited across fork() is not reused by the
 //! child (replies would go to whichever process reads first): each process
 //! opens its own.
@@ -34,6 +43,8 @@ use std::time::{Duration, Instant};
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Registrations that may await their `OK` before `register` waits.
 pub const MAX_OWED_REPLIES: usize = 64;
+/// Frees of gone names that may wait for the next message.
+pub const MAX_DEFERRED_FREES: usize = 32;
 
 #[derive(Debug)]
 struct Conn {
@@ -47,6 +58,9 @@ struct Conn {
     /// The break was found by a `free`, whose caller cannot report it: the
     /// next call on this manager returns it (see [`client_for`]).
     unreported: bool,
+    /// Deferred frees of gone names, then the message being sent: one
+    /// write (the buffer is kept between calls).
+    outbox: Vec<u8>,
 }
 
 /// A connection to one manager.
@@ -78,7 +92,14 @@ impl Client {
         let stream = UnixStream::connect(path).map_err(|e| {
             Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not connect to the shared memory manager at <{path}>"))
         })?;
-        let conn = Conn { stream, owed: 0, partial: Vec::new(), broken: None, unreported: false };
+        let conn = Conn {
+            stream,
+            owed: 0,
+            partial: Vec::with_capacity(2),
+            broken: None,
+            unreported: false,
+            outbox: Vec::with_capacity((MAX_DEFERRED_FREES + 1) * ALLOC_INFO_SIZE),
+        };
         Ok(Client { path: path.to_string(), pid: std::process::id(), conn: Mutex::new(conn), timeout })
     }
 
@@ -97,6 +118,12 @@ impl Client {
         self.conn().broken.is_some()
     }
 
+    /// Neither broken nor holding an error for the next caller.
+    fn in_order(&self) -> bool {
+        let c = self.conn();
+        c.broken.is_none() && !c.unreported
+    }
+
     /// The error a `free` met and could not report, once.
     fn take_unreported(&self) -> Option<Error> {
         let mut c = self.conn();
@@ -110,8 +137,9 @@ impl Client {
     /// A connection inherited across fork() belongs to the parent: the
     /// child must not use it (nor wait on its lock, which a thread of the
     /// parent may have held at the fork).
-    fn check_owner(&self) -> Result<()> {
-        if self.pid != std::process::id() {
+    fn check_owner(&self) -> Result<u32> {
+        let me = std::process::id();
+        if self.pid != me {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!(
@@ -120,15 +148,15 @@ impl Client {
                 ),
             ));
         }
-        Ok(())
+        Ok(me)
     }
 
     /// Tells the manager this process maps (or is about to map) `filename`.
     /// The `OK` is checked later (see the module comment); call
     /// [`Client::sync`] to wait for it now.
     pub fn register(&self, filename: &str) -> Result<()> {
-        self.check_owner()?;
-        let msg = AllocInfo::new(std::process::id() as i32, false, filename)?.encode();
+        let me = self.check_owner()?;
+        let msg = AllocInfo::new(me as i32, false, filename)?.encode();
         let mut c = self.conn();
         let sent = self.collect(&mut c, MAX_OWED_REPLIES - 1).and_then(|()| self.send(&mut c, &msg));
         // The caller gets the error: it is reported.
@@ -144,11 +172,27 @@ impl Client {
     /// next call on this manager (see [`client_for`]). In a forked child,
     /// a connection of the parent is left alone: nothing is sent.
     pub fn free(&self, filename: &str) -> Result<()> {
-        if self.pid != std::process::id() {
+        self.free_message(filename, false)
+    }
+
+    /// [`Client::free`] for a name this process has just removed (it closed
+    /// the last reference): sent with the next message on this connection
+    /// (see the module comment), or now once enough wait.
+    pub fn free_gone(&self, filename: &str) -> Result<()> {
+        self.free_message(filename, true)
+    }
+
+    fn free_message(&self, filename: &str, gone: bool) -> Result<()> {
+        let me = std::process::id();
+        if self.pid != me {
             return Ok(());
         }
-        let msg = AllocInfo::new(std::process::id() as i32, true, filename)?.encode();
+        let msg = AllocInfo::new(me as i32, true, filename)?.encode();
         let mut c = self.conn();
+        if gone && c.broken.is_none() && c.outbox.len() < MAX_DEFERRED_FREES * ALLOC_INFO_SIZE {
+            c.outbox.extend_from_slice(&msg);
+            return Ok(());
+        }
         let was_broken = c.broken.is_some();
         let result = self.collect(&mut c, usize::MAX).and_then(|()| self.send(&mut c, &msg));
         if result.is_err() && !was_broken {
@@ -157,11 +201,15 @@ impl Client {
         result
     }
 
-    /// Waits until every registration sent so far has its `OK`.
+    /// Sends the deferred frees, then waits until every registration sent
+    /// so far has its `OK`.
     pub fn sync(&self) -> Result<()> {
         self.check_owner()?;
         let mut c = self.conn();
         c.unreported = false;
+        if !c.outbox.is_empty() {
+            self.collect(&mut c, usize::MAX).and_then(|()| self.send(&mut c, &[]))?;
+        }
         self.collect(&mut c, 0)
     }
 
@@ -171,11 +219,16 @@ impl Client {
         if let Some(e) = &c.broken {
             return Err(e.clone());
         }
+        if c.owed == 0 {
+            return Ok(());
+        }
         let deadline = Instant::now() + self.timeout;
         while c.owed > 0 {
             let must_wait = c.owed > max_owed;
             match self.read_replies(c, must_wait, deadline) {
-                Ok(0) if !must_wait => return Ok(()),
+                // One read takes every reply there is: no second try that
+                // would only find the socket empty.
+                Ok(_) if !must_wait => return Ok(()),
                 Ok(_) => {}
                 Err(e) => {
                     c.broken = Some(e.clone());
@@ -242,22 +295,31 @@ impl Client {
         format!("shared memory manager <{}>", self.path)
     }
 
-    fn send(&self, c: &mut Conn, msg: &[u8; ALLOC_INFO_SIZE]) -> Result<()> {
+    /// Writes the deferred frees and then `msg` (may be empty) in one go.
+    fn send(&self, c: &mut Conn, msg: &[u8]) -> Result<()> {
+        c.outbox.extend_from_slice(msg);
+        let fd = c.stream.as_raw_fd();
+        let out = &c.outbox;
         // MSG_NOSIGNAL: a dead manager must be an error, not SIGPIPE.
         let mut sent = 0;
-        while sent < msg.len() {
+        let mut failed = None;
+        while sent < out.len() {
             // SAFETY: the buffer range is valid for reading.
-            let n = unsafe { libc::send(c.stream.as_raw_fd(), msg[sent..].as_ptr().cast(), msg.len() - sent, libc::MSG_NOSIGNAL) };
+            let n = unsafe { libc::send(fd, out[sent..].as_ptr().cast(), out.len() - sent, libc::MSG_NOSIGNAL) };
             if n < 0 {
                 let errno = crate::error::errno();
                 if errno == libc::EINTR {
                     continue;
                 }
-                let e = Error::from_errno(errno, format!("could not send to the shared memory manager at <{}>", self.path));
-                c.broken = Some(e.clone());
-                return Err(e);
+                failed = Some(Error::from_errno(errno, format!("could not send to the shared memory manager at <{}>", self.path)));
+                break;
             }
             sent += n as usize;
+        }
+        c.outbox.clear();
+        if let Some(e) = failed {
+            c.broken = Some(e.clone());
+            return Err(e);
         }
         Ok(())
     }
@@ -280,8 +342,8 @@ fn connections() -> std::sync::MutexGuard<'static, Connections> {
 /// If this process's connection to `path` broke inside a `free` and no
 /// caller has seen the error yet, forgets the connection (the next call
 /// reconnects) and returns the error to report now.
-fn take_unreported(c: &mut Connections, path: &str) -> Option<Error> {
-    let client = c.by_path.get(path).filter(|cl| cl.pid == std::process::id())?;
+fn take_unreported(c: &mut Connections, path: &str, me: u32) -> Option<Error> {
+    let client = c.by_path.get(path).filter(|cl| cl.pid == me)?;
     let e = client.take_unreported()?;
     c.by_path.remove(path);
     Some(e.context(format!(
@@ -293,9 +355,11 @@ fn take_unreported(c: &mut Connections, path: &str) -> Option<Error> {
 /// A break found inside an earlier `free` on it (which had no caller to
 /// tell) is returned here once; the call after that reconnects.
 pub fn client_for(path: &str) -> Result<Arc<Client>> {
-    let me = std::process::id();
-    let mut c = connections();
-    if let Some(e) = take_unreported(&mut c, path) {
+    client_in(&mut connections(), path, std::process::id())
+}
+
+fn client_in(c: &mut Connections, path: &str, me: u32) -> Result<Arc<Client>> {
+    if let Some(e) = take_unreported(c, path, me) {
         return Err(e);
     }
     if let Some(client) = c.by_path.get(path) {
@@ -312,18 +376,25 @@ pub fn client_for(path: &str) -> Result<Arc<Client>> {
 /// process (as libshm), else a manager spawned now.
 pub fn default_client() -> Result<Arc<Client>> {
     let me = std::process::id();
-    let path = {
-        let c = connections();
-        c.default.clone().or_else(|| c.by_path.values().find(|cl| cl.pid == me).map(|cl| cl.path.clone()))
-    };
-    if let Some(path) = path {
-        if let Some(e) = take_unreported(&mut connections(), &path) {
-            return Err(e);
+    {
+        let mut c = connections();
+        // The common case, without copying the path: the default
+        // connection is this process's and in order.
+        if let Some(client) = c.default.as_ref().and_then(|d| c.by_path.get(d)) {
+            if client.pid == me && client.in_order() {
+                return Ok(client.clone());
+            }
         }
-        // A forked child reconnects to the same manager by path.
-        if let Ok(client) = client_for(&path) {
-            connections().default = Some(path);
-            return Ok(client);
+        let path = c.default.clone().or_else(|| c.by_path.values().find(|cl| cl.pid == me).map(|cl| cl.path.clone()));
+        if let Some(path) = path {
+            if let Some(e) = take_unreported(&mut c, &path, me) {
+                return Err(e);
+            }
+            // A forked child reconnects to the same manager by path.
+            if let Ok(client) = client_in(&mut c, &path, me) {
+                c.default = Some(path);
+                return Ok(client);
+            }
         }
     }
     // A daemon we cannot connect to is stopped again (see spawn).

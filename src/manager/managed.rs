@@ -73,13 +73,16 @@ impl ManagedMapAllocator {
 
     /// Closes the segment (count −1, removed at 0), then tells the manager.
     /// The free message has no reply; a gone manager is not an error here.
+    /// When this close removed the name, the free goes with the next
+    /// message to that manager ([`Client::free_gone`]).
     pub fn close(&mut self) -> Result<()> {
         if self.closed {
             return Ok(());
         }
         self.closed = true;
         let result = self.inner.close();
-        let _ = self.client.free(self.inner.filename());
+        let name = self.inner.filename();
+        let _ = if self.inner.name_removed() { self.client.free_gone(name) } else { self.client.free(name) };
         result
     }
 }

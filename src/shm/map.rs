@@ -158,7 +158,7 @@ impl MapAllocator {
         };
         let filled = match (grown_from, reserve) {
             (_, Reserve::Fill { at, bytes }) => reserve::write_all(opened.fd, at, bytes, name),
-            (Some(old), Reserve::Now) => reserve::reserve(opened.fd, base, old, size - old, name),
+            (Some(old), Reserve::Now) => reserve::reserve(opened.fd, base, old, size - old, in_shm_namespace(flags), name),
             (None, Reserve::Now) => Ok(()),
         };
         if let Err(e) = filled {

@@ -20,6 +20,8 @@ pub const HEADER_SIZE: usize = 64;
 pub struct RefcountedMapAllocator {
     map: MapAllocator,
     closed: bool,
+    /// `close` brought the count to 0 and the name is gone.
+    removed: bool,
 }
 
 impl RefcountedMapAllocator {
@@ -67,7 +69,7 @@ impl RefcountedMapAllocator {
         let reserve = fill.map_or(Reserve::Now, |bytes| Reserve::Fill { at: HEADER_SIZE, bytes });
         let mut map = MapAllocator::open_with(name, None, flags, total, reserve)?;
         map.set_unlink_on_close(false);
-        let this = RefcountedMapAllocator { map, closed: false };
+        let this = RefcountedMapAllocator { map, closed: false, removed: false };
         if this.map.created() || flags & EXCLUSIVE != 0 {
             this.count().store(1, Ordering::SeqCst);
         } else if let Err(e) = this.join() {
@@ -145,6 +147,11 @@ impl RefcountedMapAllocator {
         self.closed
     }
 
+    /// Whether `close` dropped the last reference and the name is gone.
+    pub fn name_removed(&self) -> bool {
+        self.removed
+    }
+
     /// Count + 1.
     pub fn incref(&self) -> Result<()> {
         self.check_open()?;
@@ -183,7 +190,7 @@ impl RefcountedMapAllocator {
         if last {
             match unlink_name(self.map.c_filename(), self.map.filename(), self.map.flags()) {
                 Err(e) if e.kind() != ErrorKind::NotFound => first = Err(e),
-                _ => {}
+                _ => self.removed = true,
             }
         }
         first.and(self.map.close())

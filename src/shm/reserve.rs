@@ -11,17 +11,35 @@
 use crate::error::{errno, Error, ErrorKind, Result};
 use std::os::fd::RawFd;
 
+/// Smallest reservation whose pages `reserve` enters in the mapping.
+const MAP_PAGES_FROM: usize = 64 << 10;
+
 /// Allocates the blocks or pages of `[offset, offset + len)` of `fd`
 /// (mapped shared and writable at `base`): posix_fallocate, or on a file
 /// system without it, MADV_POPULATE_WRITE over the mapping.
-pub fn reserve(fd: RawFd, base: *mut u8, offset: usize, len: usize, what: &str) -> Result<()> {
+///
+/// With `map_pages` (memory-backed objects only: on a disk file it would
+/// dirty every page), the reserved pages are also entered in the mapping
+/// at once, so the first writes through it do not fault one page at a
+/// time: measured on tmpfs, fallocate + MADV_POPULATE_WRITE before filling
+/// 1 MiB or 256 MiB beats fallocate and then faulting each page by about
+/// a quarter, and beats not reserving at all. Below 64 KiB it is skipped.
+pub fn reserve(fd: RawFd, base: *mut u8, offset: usize, len: usize, map_pages: bool, what: &str) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
     // SAFETY: posix_fallocate acts only on the descriptor and returns the error.
     let rc = unsafe { libc::posix_fallocate(fd, offset as libc::off_t, len as libc::off_t) };
     let result = match rc {
-        0 => Ok(()),
+        0 => {
+            // A few pages fault in faster than one more system call.
+            if map_pages && !base.is_null() && len >= MAP_PAGES_FROM {
+                // Only a speed-up: the pages are reserved already, so a
+                // failure here (a kernel without it) changes nothing.
+                let _ = populate_write(base, offset, len);
+            }
+            Ok(())
+        }
         libc::EOPNOTSUPP | libc::EINVAL => populate_write(base, offset, len),
         e => Err(space_error(e, "posix_fallocate")),
     };
@@ -103,7 +121,7 @@ mod tests {
         // SAFETY: reading into our buffer.
         assert_eq!(unsafe { libc::pread(fd, back.as_mut_ptr().cast(), back.len(), 0) }, 10_000);
         assert_eq!(back, src);
-        reserve(fd, std::ptr::null_mut(), 10_000, 90_000, "memfd").unwrap();
+        reserve(fd, std::ptr::null_mut(), 10_000, 90_000, false, "memfd").unwrap();
         // SAFETY: plain data filled by fstat.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: fd open, st valid.

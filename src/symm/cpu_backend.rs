@@ -94,7 +94,7 @@ impl CpuBlock {
         }
         let map = Arc::new(Mapping::map(fd.as_fd(), layout.block_size, "a symmetric block")?);
         // Real pages now: a full memory reports NoSpace here, not SIGBUS later.
-        crate::shm::reserve::reserve(fd.as_raw_fd(), map.base(), 0, layout.block_size, "symmetric block")?;
+        crate::shm::reserve::reserve(fd.as_raw_fd(), map.base(), 0, layout.block_size, false, "symmetric block")?;
         Ok(CpuBlock { fd, map, layout })
     }
 }

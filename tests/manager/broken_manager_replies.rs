@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 use storage_sharing::manager::protocol::ALLOC_INFO_SIZE;
 use storage_sharing::manager::ManagedMapAllocator;
-use storage_sharing::shm::flags::{EXCLUSIVE, SHAREDMEM};
-use storage_sharing::shm::new_process_wide_shm_handle;
+use storage_sharing::shm::flags::{EXCLUSIVE, NOCREATE, SHAREDMEM};
+use storage_sharing::shm::{new_process_wide_shm_handle, RefcountedMapAllocator};
 use storage_sharing::ErrorKind;
 
 /// A fake manager at a fresh socket: reads one registration per
@@ -42,7 +42,10 @@ fn fake_manager(tag: &str, reply: &'static [u8], hang_up: bool) -> (String, Path
 fn break_inside_free_is_reported_next(tag: &str, reply: &'static [u8], hang_up: bool, kind: ErrorKind) {
     let (sock, dir) = fake_manager(tag, reply, hang_up);
     let name = new_process_wide_shm_handle();
-    let m = ManagedMapAllocator::open(&sock, &name, SHAREDMEM | EXCLUSIVE, 4096).unwrap();
+    // Another holder keeps the name, so the free is sent at once (that of
+    // a name the close removed waits for the next message).
+    let keeper = RefcountedMapAllocator::open(&name, SHAREDMEM | EXCLUSIVE, 4096).unwrap();
+    let m = ManagedMapAllocator::open(&sock, &name, SHAREDMEM | NOCREATE, 4096).unwrap();
     // Let the manager's answer (or hang-up) arrive before the free.
     std::thread::sleep(Duration::from_millis(200));
     drop(m);
@@ -52,6 +55,7 @@ fn break_inside_free_is_reported_next(tag: &str, reply: &'static [u8], hang_up: 
     // Reported once: the next call reconnects.
     let again = ManagedMapAllocator::open(&sock, &new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE, 4096).unwrap();
     drop(again);
+    drop(keeper);
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -26,6 +26,7 @@ fn child_entry() {
         "consumer" => consumer(&mut parent),
         "keeper" => keeper(&mut parent),
         "drainer" => drainer(&mut parent),
+        "closer" => closer(&mut parent),
         other => panic!("unknown role {other}"),
     });
 }
@@ -53,6 +54,25 @@ fn producer_steps(parent: &mut Parent) {
     map.incref().unwrap();
     parent.send("incref");
     parent.wait_for_close();
+}
+
+/// Creates a managed segment and drops it (the last holder: its free
+/// waits for the next message to the manager), then, unless the argument
+/// is "after_free", creates a second one, whose registration carries
+/// that free. Reports the names and waits to be killed.
+fn closer(parent: &mut Parent) {
+    let first = Storage::new_using_filename(4096).unwrap();
+    let first_name = first.filename_handle().unwrap().filename;
+    drop(first);
+    if parent.arg == "after_free" {
+        parent.send(&format!("freed {first_name}"));
+        return parent.wait_for_close();
+    }
+    let second = Storage::new_using_filename(4096).unwrap();
+    let h = second.filename_handle().unwrap();
+    parent.send(&format!("mapped {first_name} {} {}", h.filename, h.manager_handle));
+    parent.wait_for_close();
+    drop(second);
 }
 
 fn segments_of(pid: i32) -> Vec<String> {
@@ -93,6 +113,28 @@ fn producer_killed_at_each_step() {
         }
         peer.kill9();
         assert_cleaned(pid, &manager);
+    }
+}
+
+#[test]
+fn killed_with_a_deferred_free_leaves_nothing() {
+    use_built_manager();
+    for when in ["after_free", "after_next_create"] {
+        let mut peer = Peer::spawn(ENTRY, "closer", when);
+        let pid = peer.pid();
+        let line = peer.recv();
+        let parts: Vec<&str> = line.split(' ').collect();
+        assert!(!shm_exists(parts[1]), "{when}: the dropped segment is still there");
+        if when == "after_next_create" {
+            assert!(shm_exists(parts[2]), "{when}: the live segment is missing");
+        }
+        peer.kill9();
+        // The manager's path is not reported in the first case: every
+        // segment of the child, and the child's manager, must go.
+        assert!(wait_until(CLEANUP, || segments_of(pid).is_empty()), "{when}: segments left: {:?}", segments_of(pid));
+        if let Some(manager) = parts.get(3) {
+            assert!(wait_until(CLEANUP, || !std::path::Path::new(manager).exists()), "manager {manager} still running");
+        }
     }
 }
 

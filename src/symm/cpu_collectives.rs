@@ -115,14 +115,17 @@ impl CpuCollectives {
         let (me, ws) = (self.mem.rank(), self.mem.world_size());
         let off = self.next_region();
         let mine = self.region(me, off);
-        copy(input, mine, bytes);
-        self.mem.barrier(0, timeout, 0)?;
         let (lo, hi) = self.slice_of(n, elem, me);
+        // Peers read every slice but this rank's own, which it reduces
+        // straight from its input.
+        copy(input, mine, lo * size);
+        copy(input.add(hi * size), mine.add(hi * size), (n - hi) * size);
+        self.mem.barrier(0, timeout, 0)?;
         if hi > lo {
             let at = lo * size;
-            // Own half first: it is in this core's cache already.
-            let srcs: Vec<*const u8> =
-                std::iter::once(me).chain((0..ws).filter(|&p| p != me)).map(|p| self.region(p, off).add(at) as *const u8).collect();
+            let srcs: Vec<*const u8> = std::iter::once(input.add(at))
+                .chain((0..ws).filter(|&p| p != me).map(|p| self.region(p, off).add(at) as *const u8))
+                .collect();
             reduce::reduce(&[mine.add(at), output.add(at)], &srcs, hi - lo, elem, op);
         }
         self.mem.barrier(0, timeout, 0)?;
@@ -189,7 +192,7 @@ impl CpuCollectives {
 /// Copies `bytes` from `src` to `dst`, which are equal or disjoint; an
 /// empty tensor's address may be null.
 unsafe fn copy(src: *const u8, dst: *mut u8, bytes: usize) {
-    if bytes != 0 && src != dst as *const u8 {
+    if bytes != 0 && !std::ptr::eq(src, dst) {
         std::ptr::copy_nonoverlapping(src, dst, bytes);
     }
 }

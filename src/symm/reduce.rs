@@ -392,7 +392,7 @@ mod tests {
     #[test]
     fn destination_may_be_a_source() {
         let mut a = vec![1i32, 2, 3];
-        let b = vec![10i32, 20, 30];
+        let b = [10i32, 20, 30];
         let p = a.as_mut_ptr() as *mut u8;
         // SAFETY: both hold 3 i32; the destination is exactly source 0.
         unsafe { reduce(&[p], &[p, b.as_ptr() as *const u8], 3, Elem::I32, ReduceOp::Sum) };

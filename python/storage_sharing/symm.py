@@ -134,6 +134,7 @@ class Group:
             self._scratch = s = _native.SymmScratch(size, self.name, self.timeout)
         return s
 
+
 def _store_of(pg):
     from torch.distributed import distributed_c10d as c10d
 

@@ -6,10 +6,14 @@ same spawned processes of one host.
 
 Each cell is the median latency over --iters calls (after a warm-up call)
 of all_reduce (sum), broadcast and all_gather of a float32 tensor of that
-size per rank; rank 0 prints the table.
+size per rank; rank 0 prints the table. "memcpy GiB/s" is the floor: rank
+0 copying a buffer as large as an all_gather's output (world_size times
+the size) between two tensors, timed in the same run; "symm GiB/s out"
+is what each rank receives per second (all_gather: the whole output).
 """
 
 import argparse
+import ctypes
 import statistics
 import time
 from datetime import timedelta
@@ -51,17 +55,21 @@ def rank_main(rank, world_size, port, max_kib, iters):
             "broadcast": (lambda: dist.broadcast(x, 0), lambda: symm.broadcast(x, 0)),
             "all_gather": (lambda: dist.all_gather(lst, x), lambda: symm.all_gather(lst, x)),
         }
+        src, dst = torch.ones(n * world_size), torch.empty(n * world_size)
+        dist.barrier()
+        # A plain single-threaded memcpy (torch's copy_ may split across threads).
+        floor = nbytes * world_size / (1 << 30) / timed(lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes * world_size), iters)
         for name, (gloo_fn, symm_fn) in cases.items():
             dist.barrier()
             g = timed(gloo_fn, iters)
             dist.barrier()
             s = timed(symm_fn, iters)
-            rows.append((name, nbytes, g, s))
+            rows.append((name, nbytes, g, s, floor))
     if rank == 0:
-        for name, nbytes, g, s in rows:
+        for name, nbytes, g, s, floor in rows:
             size = f"{nbytes >> 10} KiB" if nbytes < (1 << 20) else f"{nbytes >> 20} MiB"
             gib = nbytes * (world_size if name == "all_gather" else 1) / (1 << 30) / s
-            print(f"| {world_size} | {name} | {size} | {g * 1e6:.0f} | {s * 1e6:.0f} | {g / s:.1f}x | {gib:.2f} |", flush=True)
+            print(f"| {world_size} | {name} | {size} | {g * 1e6:.0f} | {s * 1e6:.0f} | {g / s:.1f}x | {gib:.2f} | {floor:.2f} |", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -72,8 +80,8 @@ def main():
     ap.add_argument("--max-kib", type=int, default=64 * 1024)
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
-    print("| ranks | op | size per rank | gloo µs | symm µs | speed-up | symm GiB/s out |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| ranks | op | size per rank | gloo µs | symm µs | speed-up | symm GiB/s out | memcpy GiB/s |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for ws in args.ranks:
         server = dist.TCPStore("127.0.0.1", 0, ws, is_master=True, wait_for_workers=False)
         torch.multiprocessing.spawn(rank_main, args=(ws, server.port, args.max_kib, args.iters), nprocs=ws)

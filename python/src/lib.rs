@@ -11,6 +11,7 @@ mod fd_server;
 mod manager;
 mod maps;
 mod symm;
+mod symm_collectives;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -35,6 +36,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<content_store::StoredBytes>()?;
     m.add_function(wrap_pyfunction!(content_store::content_hash, m)?)?;
     m.add_class::<symm::SymmBlock>()?;
+    m.add_class::<symm_collectives::SymmScratch>()?;
     m.add_function(wrap_pyfunction!(symm::symm_group_tcp, m)?)?;
     m.add_function(wrap_pyfunction!(symm::symm_group_store, m)?)?;
     m.add_function(wrap_pyfunction!(symm::symm_has_group, m)?)?;

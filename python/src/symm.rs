@@ -90,7 +90,7 @@ impl Store for PythonStore {
     }
 }
 
-fn timeout_of(seconds: Option<f64>) -> PyResult<Timeout> {
+pub(crate) fn timeout_of(seconds: Option<f64>) -> PyResult<Timeout> {
     match seconds {
         None => Ok(None),
         Some(s) if s.is_finite() && s >= 0.0 => Ok(Some(Duration::from_secs_f64(s))),
@@ -122,6 +122,24 @@ pub fn symm_has_group(name: &str) -> bool {
     symm::group::get_group_info(name).is_ok()
 }
 
+/// Allocates a CPU block of `size` bytes in `group` and runs its
+/// rendezvous (every rank must), without the GIL: its address here and
+/// its handle.
+pub(crate) fn alloc_block(py: Python<'_>, size: usize, group: &str, timeout: Option<f64>) -> PyResult<(usize, Arc<SymmetricMemory>)> {
+    let t = timeout_of(timeout)?;
+    py.allow_threads(|| -> Result<(usize, Arc<SymmetricMemory>)> {
+        let ptr = symm::alloc(DeviceType::Cpu, 0, size, Some(group))?;
+        match symm::rendezvous(ptr, Some(group), t) {
+            Ok(h) => Ok((ptr as usize, h)),
+            Err(e) => {
+                let _ = symm::free(ptr);
+                Err(e)
+            }
+        }
+    })
+    .or_raise()
+}
+
 /// A block of `size` bytes on every rank of a group, after its rendezvous.
 #[pyclass(frozen, module = "storage_sharing._native", name = "SymmBlock")]
 pub struct SymmBlock {
@@ -141,20 +159,7 @@ impl SymmBlock {
     #[new]
     #[pyo3(signature = (size, group, timeout=None))]
     fn new(py: Python<'_>, size: usize, group: &str, timeout: Option<f64>) -> PyResult<Self> {
-        let t = timeout_of(timeout)?;
-        let group = group.to_string();
-        let (ptr, handle) = py
-            .allow_threads(|| -> Result<(usize, Arc<SymmetricMemory>)> {
-                let ptr = symm::alloc(DeviceType::Cpu, 0, size, Some(&group))?;
-                match symm::rendezvous(ptr, Some(&group), t) {
-                    Ok(h) => Ok((ptr as usize, h)),
-                    Err(e) => {
-                        let _ = symm::free(ptr);
-                        Err(e)
-                    }
-                }
-            })
-            .or_raise()?;
+        let (ptr, handle) = alloc_block(py, size, group, timeout)?;
         Ok(SymmBlock { state: Mutex::new(Some((ptr, handle))) })
     }
 

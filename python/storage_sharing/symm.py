@@ -111,28 +111,28 @@ class Group:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
-        self._scratch: Optional[SymmTensor] = None
+        self._scratch: Optional[_native.SymmScratch] = None
 
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> SymmTensor:
         """A symmetric tensor of ``shape`` (every rank calls it alike)."""
         return SymmTensor(self, shape, dtype)
 
     def barrier(self, timeout=None) -> None:
-        self._scratch_bytes(1).barrier(0, timeout)
+        self._scratch_for(1).barrier(self._timeout(timeout))
 
-    def _scratch_bytes(self, nbytes: int) -> SymmTensor:
+    def _timeout(self, timeout):
+        return self.timeout if timeout is None else _seconds(timeout)
+
+    def _scratch_for(self, nbytes: int) -> "_native.SymmScratch":
+        """The group's scratch block, grown (a collective call: every rank
+        grows it alike) until a call may move ``nbytes`` per rank."""
         s = self._scratch
-        if s is None or s.tensor.numel() < nbytes:
+        if s is None or s.capacity < nbytes:
             size = max(_SCRATCH_MIN, 1 << max(0, nbytes - 1).bit_length())
             if s is not None:
                 s.close()
-            self._scratch = s = SymmTensor(self, (size,), torch.uint8)
+            self._scratch = s = _native.SymmScratch(size, self.name, self.timeout)
         return s
-
-    def _views(self, dtype: torch.dtype, numel: int):
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        s = self._scratch_bytes(numel * itemsize)
-        return s, [p[: numel * itemsize].view(dtype) for p in s.peers]
 
 
 def _store_of(pg):
@@ -216,10 +216,23 @@ def _bounds(numel: int, ws: int, r: int):
     return min(numel, r * per), min(numel, (r + 1) * per)
 
 
-def _flat_in(t: torch.Tensor) -> torch.Tensor:
+def _check_cpu(t: torch.Tensor) -> None:
     if t.device.type != "cpu":
         raise ValueError(f"symmetric collectives take CPU tensors, got one on {t.device}")
-    return t.reshape(-1)
+
+
+# The dtypes reduced in Rust; others go through torch (_all_reduce_torch).
+_NATIVE_REDUCE = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", *, group=None, timeout=None) -> torch.Tensor:
@@ -228,12 +241,32 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, group=None, timeout=None) -> t
     every rank gathers the slices. Returns ``tensor``."""
     g = _group(group)
     name = _op_name(op)
-    flat = _flat_in(tensor)
-    s, bufs = g._views(flat.dtype, flat.numel())
+    _check_cpu(tensor)
+    dtype_name = _NATIVE_REDUCE.get(tensor.dtype)
+    if dtype_name is None:
+        return _all_reduce_torch(g, tensor, name, timeout)
+    flat = tensor if tensor.is_contiguous() else tensor.contiguous()
+    n = flat.numel()
+    s = g._scratch_for(n * flat.element_size())
+    s.all_reduce(flat.data_ptr(), flat.data_ptr(), n, dtype_name, name, g._timeout(timeout))
+    if flat is not tensor:
+        tensor.copy_(flat)
+    return tensor
+
+
+def _all_reduce_torch(g: Group, tensor: torch.Tensor, name: str, timeout) -> torch.Tensor:
+    """all_reduce of a dtype without a native reduction (complex, bool,
+    ...): the same two steps over the scratch block, reduced by torch."""
+    flat = tensor.reshape(-1)
+    n, itemsize = flat.numel(), flat.element_size()
+    s = g._scratch_for(n * itemsize)
+    off = s.next_region()
+    bufs = [_bytes_at(s.buffer_address(r) + off, n * itemsize, s).view(flat.dtype) for r in range(g.world_size)]
     mine = bufs[g.rank]
     mine.copy_(flat)
-    s.barrier(0, timeout)
-    lo, hi = _bounds(flat.numel(), g.world_size, g.rank)
+    t = g._timeout(timeout)
+    s.barrier(t)
+    lo, hi = _bounds(n, g.world_size, g.rank)
     if hi > lo:
         # Only this rank reads its slice of every buffer, so it may
         # accumulate into its own.
@@ -241,49 +274,58 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, group=None, timeout=None) -> t
         for p in range(g.world_size):
             if p != g.rank:
                 _accumulate(acc, bufs[p][lo:hi], name)
-    s.barrier(0, timeout)
-    out = torch.empty_like(flat) if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous() else flat
+    s.barrier(t)
+    out = torch.empty_like(flat)
     for p in range(g.world_size):
-        plo, phi = _bounds(flat.numel(), g.world_size, p)
-        if phi > plo:
-            out[plo:phi].copy_(bufs[p][plo:phi])
-    s.barrier(0, timeout)
-    if out is not flat:
-        tensor.copy_(out.view(tensor.shape))
+        plo, phi = _bounds(n, g.world_size, p)
+        out[plo:phi].copy_(bufs[p][plo:phi])
+    tensor.copy_(out.view(tensor.shape))
     return tensor
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group=None, timeout=None) -> torch.Tensor:
     """Copies rank ``src``'s ``tensor`` into every rank's. Returns it."""
     g = _group(group)
-    flat = _flat_in(tensor)
-    s, bufs = g._views(flat.dtype, flat.numel())
-    if g.rank == src:
-        bufs[src].copy_(flat)
-    s.barrier(0, timeout)
-    if g.rank != src:
-        tensor.copy_(bufs[src].view(tensor.shape))
-    s.barrier(0, timeout)
+    _check_cpu(tensor)
+    flat = tensor if tensor.is_contiguous() else tensor.contiguous()
+    nbytes = flat.numel() * flat.element_size()
+    g._scratch_for(nbytes).broadcast(src, flat.data_ptr(), nbytes, g._timeout(timeout))
+    if flat is not tensor and g.rank != src:
+        tensor.copy_(flat)
     return tensor
+
+
+def _gather(g: Group, outputs: Sequence[torch.Tensor], input: torch.Tensor, timeout) -> None:
+    """Every rank's ``input`` into ``outputs[rank]``: straight into the
+    outputs that are contiguous and of ``input``'s dtype, through a
+    temporary into the others."""
+    _check_cpu(input)
+    flat = input if input.is_contiguous() else input.contiguous()
+    n = flat.numel()
+    nbytes = n * flat.element_size()
+    direct = []
+    for p, t in enumerate(outputs):
+        _check_cpu(t)
+        if t.numel() != n:
+            raise ValueError(f"output {p} has {t.numel()} elements; the input has {n}")
+        direct.append(t if t.is_contiguous() and t.dtype == flat.dtype else torch.empty(n, dtype=flat.dtype))
+    g._scratch_for(nbytes).all_gather(flat.data_ptr(), nbytes, [t.data_ptr() for t in direct], g._timeout(timeout))
+    for t, d in zip(outputs, direct):
+        if d is not t:
+            t.copy_(d.view(t.shape))
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=None, timeout=None) -> torch.Tensor:
     """``output`` (world_size times ``input``'s elements) gets every rank's
     ``input`` in rank order. Returns ``output``."""
     g = _group(group)
-    flat = _flat_in(input)
-    n = flat.numel()
+    n = input.numel()
     if output.numel() != n * g.world_size:
         raise ValueError(f"output has {output.numel()} elements; {g.world_size} ranks of {n} need {n * g.world_size}")
-    s, bufs = g._views(flat.dtype, n)
-    bufs[g.rank].copy_(flat)
-    s.barrier(0, timeout)
-    out = output.view(g.world_size, n) if output.is_contiguous() else torch.empty(g.world_size, n, dtype=output.dtype)
-    for p in range(g.world_size):
-        out[p].copy_(bufs[p])
-    s.barrier(0, timeout)
-    if out.data_ptr() != output.data_ptr():
-        output.copy_(out.view(output.shape))
+    whole = output if output.is_contiguous() and output.dtype == input.dtype else torch.empty(n * g.world_size, dtype=input.dtype)
+    _gather(g, list(whole.view(g.world_size, n).unbind(0)), input, timeout)
+    if whole is not output:
+        output.copy_(whole.view(output.shape))
     return output
 
 
@@ -293,12 +335,5 @@ def all_gather(tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, *, gro
     g = _group(group)
     if len(tensor_list) != g.world_size:
         raise ValueError(f"tensor_list has {len(tensor_list)} tensors for {g.world_size} ranks")
-    flat = _flat_in(tensor)
-    s, bufs = g._views(flat.dtype, flat.numel())
-    bufs[g.rank].copy_(flat)
-    s.barrier(0, timeout)
-    for p, t in enumerate(tensor_list):
-        t.copy_(bufs[p].view(t.shape))
-    s.barrier(0, timeout)
+    _gather(g, tensor_list, tensor, timeout)
     return list(tensor_list)
-

@@ -110,3 +110,124 @@ def store_only(rank, world_size, path, results):
         results.put((rank, "ok", [float(x) for x in lst]))
     except BaseException as e:
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+# Every dtype the collectives reduce natively, and one they hand to torch.
+NATIVE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
+ODD_SIZES = [1, 17, 1023, 70001]
+
+
+def rank_input(rank, n, dtype, lo, hi):
+    """Rank ``rank``'s integer-valued input (any rank can make any rank's):
+    sums and products of these are exact in every dtype, or wrap alike."""
+    g = torch.Generator().manual_seed(1000 * rank + n)
+    return torch.randint(lo, hi, (n,), generator=g).to(dtype)
+
+
+def expected(inputs, op, dtype):
+    """The reduction by torch itself, cast back as PyTorch casts."""
+    stacked = torch.stack([x.to(torch.float64) if x.is_floating_point() else x.to(torch.int64) for x in inputs])
+    if op == "sum":
+        r = stacked.sum(0)
+    elif op == "product":
+        r = stacked.prod(0)
+    elif op == "max":
+        r = stacked.max(0).values
+    else:
+        r = stacked.min(0).values
+    return r.to(dtype)
+
+
+def reductions_of_every_dtype(rank, world_size):
+    """all_reduce of each native dtype and op at sizes not divisible by
+    the world size, against torch's own reduction; returns the failures."""
+    failures = []
+    for dtype in NATIVE_DTYPES:
+        lo = 0 if dtype == torch.uint8 else -100 if dtype in (torch.int8, torch.int16, torch.int32, torch.int64) else -8
+        for n in ODD_SIZES:
+            for op in ["sum", "max", "min", "product"]:
+                # Products stay small (exact in bfloat16) except for the
+                # integers, which wrap alike in torch and here.
+                span = (lo, 100) if op != "product" or not dtype.is_floating_point else (-2, 3)
+                inputs = [rank_input(r, n, dtype, *span) for r in range(world_size)]
+                t = inputs[rank].clone()
+                symm.all_reduce(t, op=op)
+                want = expected(inputs, op, dtype)
+                if not torch.equal(t, want):
+                    bad = (t != want).nonzero()[:3].flatten().tolist()
+                    failures.append(f"{dtype} n={n} {op}: first wrong at {bad}")
+    # Random floats: the sum agrees with torch's to rounding.
+    for n in [3, 65_537]:
+        g = torch.Generator().manual_seed(n)
+        inputs = [torch.randn(n, generator=g) for _ in range(world_size)]
+        t = inputs[rank].clone()
+        symm.all_reduce(t)
+        if not torch.allclose(t, torch.stack(inputs).sum(0), rtol=1e-6, atol=1e-6):
+            failures.append(f"randn float32 n={n}")
+    # A dtype without a native reduction goes through torch.
+    z = torch.full((7,), complex(rank, 1), dtype=torch.complex64)
+    symm.all_reduce(z)
+    if not torch.equal(z, torch.full((7,), complex(sum(range(world_size)), world_size), dtype=torch.complex64)):
+        failures.append(f"complex64 sum: {z.tolist()}")
+    # A strided view of a bfloat16 tensor is reduced in place.
+    base = torch.full((9, 4), float(rank + 1), dtype=torch.bfloat16)
+    symm.all_reduce(base[:, 1], op="max")
+    col = torch.full((9,), float(world_size), dtype=torch.bfloat16)
+    if not torch.equal(base[:, 1], col) or not torch.equal(base[:, 0], torch.full((9,), float(rank + 1), dtype=torch.bfloat16)):
+        failures.append("strided bfloat16 max")
+    return failures
+
+
+def copies_of_every_dtype(rank, world_size):
+    """broadcast and all_gather of odd sizes and every native dtype, into
+    contiguous, strided and other-dtype outputs; returns the failures."""
+    failures = []
+    for dtype in NATIVE_DTYPES + [torch.bool, torch.complex128]:
+        for n in ODD_SIZES:
+            inputs = [rank_input(r, n, dtype, 0, 2 if dtype == torch.bool else 50) for r in range(world_size)]
+            root = n % world_size
+            b = inputs[rank].clone()
+            symm.broadcast(b, src=root)
+            if not torch.equal(b, inputs[root]):
+                failures.append(f"broadcast {dtype} n={n}")
+            lst = [torch.empty(n, dtype=dtype) for _ in range(world_size)]
+            symm.all_gather(lst, inputs[rank])
+            if not all(torch.equal(lst[r], inputs[r]) for r in range(world_size)):
+                failures.append(f"all_gather {dtype} n={n}")
+            whole = torch.empty(world_size, n, dtype=dtype)
+            symm.all_gather_into_tensor(whole, inputs[rank])
+            if not torch.equal(whole, torch.stack(inputs)):
+                failures.append(f"all_gather_into_tensor {dtype} n={n}")
+    # In place: the input is this rank's row of the output.
+    whole = torch.zeros(world_size, 13, dtype=torch.int32)
+    whole[rank] = rank + 1
+    symm.all_gather_into_tensor(whole, whole[rank])
+    if not torch.equal(whole, torch.arange(1, world_size + 1, dtype=torch.int32).repeat_interleave(13).view(world_size, 13)):
+        failures.append("all_gather_into_tensor in place")
+    # Strided outputs and outputs of another dtype go through a temporary.
+    mine = torch.full((6,), float(rank), dtype=torch.float32)
+    outs = [torch.zeros(6, 2, dtype=torch.float64)[:, 0] if r % 2 else torch.zeros(6, dtype=torch.float16) for r in range(world_size)]
+    symm.all_gather(outs, mine)
+    if [o.tolist() for o in outs] != [[float(r)] * 6 for r in range(world_size)]:
+        failures.append(f"all_gather strided/other dtype: {[o.tolist() for o in outs]}")
+    # A strided broadcast target.
+    grid = torch.full((5, 3), float(rank))
+    symm.broadcast(grid[:, 2], src=world_size - 1)
+    if grid[:, 2].tolist() != [float(world_size - 1)] * 5 or grid[:, 0].tolist() != [float(rank)] * 5:
+        failures.append("strided broadcast")
+    return failures
+
+
+def wrong_sizes_are_named(rank, world_size):
+    """Bad arguments raise before any rank waits; returns the messages."""
+    out = {}
+    try:
+        symm.all_gather([torch.empty(3) for _ in range(world_size)], torch.ones(4))
+    except ValueError as e:
+        out["gather"] = str(e)
+    try:
+        symm.broadcast(torch.ones(4), src=world_size)
+    except Exception as e:  # the native error: an invalid-argument class
+        out["broadcast"] = f"{type(e).__name__}: {e}"
+    symm.barrier()
+    return out

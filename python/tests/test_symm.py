@@ -115,3 +115,30 @@ def test_join_with_a_store_and_no_process_group(tmp_path):
         p.start()
     out = ok(collect(procs, results, 2), 2)
     assert out[0] == out[1] == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_reduce_of_every_dtype_and_odd_size_matches_torch(tmp_path, world_size):
+    server, procs, results = launch(workers.reductions_of_every_dtype, world_size, "tcp", tmp_path)
+    out = ok(collect(procs, results, world_size), world_size)
+    for r in range(world_size):
+        assert out[r] == [], out[r]
+    del server
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_broadcast_and_all_gather_of_every_dtype_and_odd_size(tmp_path, world_size):
+    server, procs, results = launch(workers.copies_of_every_dtype, world_size, "tcp", tmp_path)
+    out = ok(collect(procs, results, world_size), world_size)
+    for r in range(world_size):
+        assert out[r] == [], out[r]
+    del server
+
+
+def test_wrong_sizes_and_ranks_are_named(tmp_path):
+    server, procs, results = launch(workers.wrong_sizes_are_named, 2, "tcp", tmp_path)
+    out = ok(collect(procs, results, 2), 2)
+    for r in range(2):
+        assert "output 0 has 3 elements; the input has 4" in out[r]["gather"], out[r]
+        assert "source rank 2 is not in a group of 2" in out[r]["broadcast"], out[r]
+    del server

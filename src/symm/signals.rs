@@ -21,9 +21,15 @@ const FULL: u32 = 1;
 const EMPTY_WAITER_ASLEEP: u32 = 2;
 const FULL_PUTTER_ASLEEP: u32 = 3;
 
-/// How long to spin before sleeping: long enough for a peer that is running
-/// to answer, short enough not to burn a core while a peer is descheduled.
-const SPIN: Duration = Duration::from_micros(50);
+/// How long to spin on the core alone: a peer that is running answers
+/// within this.
+const SPIN_HOT: Duration = Duration::from_micros(5);
+/// How long to keep looking, yielding the core at each look, before
+/// sleeping. More ranks than cores (or other work on them) means the peer
+/// being waited for may be runnable but not running: a yield lets it (or
+/// another rank) run at once, where a futex sleep would add a wake-up's
+/// scheduling delay to every signal.
+const SPIN_YIELDING: Duration = Duration::from_millis(2);
 
 /// The wait ran past its deadline.
 #[derive(Debug, PartialEq, Eq)]
@@ -149,7 +155,8 @@ fn expire(slot: &AtomicU32, plain: u32, marked: u32) -> Result<(), Elapsed> {
     }
 }
 
-/// Spins for [`SPIN`], checking the clock every few rounds.
+/// Spins for [`SPIN_HOT`], then yields for up to [`SPIN_YIELDING`],
+/// checking the clock every few rounds.
 struct Spinner {
     start: Option<Instant>,
     rounds: u32,
@@ -160,13 +167,19 @@ impl Spinner {
         Spinner { start: None, rounds: 0 }
     }
 
-    /// True while the spin budget lasts (after a pause hint).
+    /// True while the spin budget lasts (after a pause hint, or past
+    /// [`SPIN_HOT`] a yield of the core).
     fn spinning(&mut self) -> bool {
         self.rounds = self.rounds.wrapping_add(1);
         if self.rounds % 64 == 0 {
             let start = *self.start.get_or_insert_with(Instant::now);
-            if start.elapsed() >= SPIN {
+            let spent = start.elapsed();
+            if spent >= SPIN_YIELDING {
                 return false;
+            }
+            if spent >= SPIN_HOT {
+                // SAFETY: sched_yield takes nothing and cannot fail on Linux.
+                unsafe { libc::sched_yield() };
             }
         }
         std::hint::spin_loop();

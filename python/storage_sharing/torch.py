@@ -43,6 +43,10 @@ _arena_pid = 0
 _allocs = 0
 _options = {"segment_size": DEFAULT_SEGMENT_SIZE, "large_threshold": DEFAULT_LARGE_THRESHOLD}
 _saved: dict = {}
+# Set on every storage over arena memory (made here or received): PyTorch
+# keeps a storage's Python object as long as its memory lives, so the mark
+# follows the storage through views and tensors.
+_MARK = "_storage_sharing_arena"
 
 
 def _reset_after_fork() -> None:
@@ -78,7 +82,12 @@ def new_storage(nbytes: int) -> torch.UntypedStorage:
     _allocs += 1
     if _allocs % _COLLECT_EVERY == 0:
         arena.collect()  # holds of consumers that died
-    return torch.frombuffer(block, dtype=torch.uint8, count=int(nbytes)).untyped_storage()
+    return _marked(torch.frombuffer(block, dtype=torch.uint8, count=int(nbytes)).untyped_storage())
+
+
+def _marked(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    setattr(storage, _MARK, True)
+    return storage
 
 
 def empty(*size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -116,7 +125,7 @@ def in_arena(obj) -> bool:
 
 def _rebuild_storage(handle: bytes, address: str, nbytes: int) -> torch.UntypedStorage:
     view = open_shared(Handle.from_bytes(handle), address)
-    return torch.frombuffer(view, dtype=torch.uint8, count=nbytes).untyped_storage()
+    return _marked(torch.frombuffer(view, dtype=torch.uint8, count=nbytes).untyped_storage())
 
 
 def _reduce_storage(storage):
@@ -137,6 +146,11 @@ def _reduce_storage(storage):
                 return (_rebuild_storage, (bytes(handle), arena.fd_server_address(), storage.nbytes()))
             arena.unshare(handle)
     return _saved["reduce_storage"](storage)
+
+
+def _is_shared(self) -> bool:
+    # Arena memory is shared memory, like PyTorch's own shared storages.
+    return getattr(self, _MARK, False) or _saved["is_shared"](self)
 
 
 def _new_shared(cls, size, *, device="cpu"):
@@ -193,9 +207,12 @@ def enable(segment_size: int = DEFAULT_SEGMENT_SIZE, large_threshold: int = DEFA
         _saved["reduce_storage"] = ForkingPickler._extra_reducers[torch.UntypedStorage]
         _saved["new_shared"] = inspect.getattr_static(torch.UntypedStorage, "_new_shared")
         _saved["own_new_shared"] = "_new_shared" in torch.UntypedStorage.__dict__
+        _saved["is_shared"] = inspect.getattr_static(torch.UntypedStorage, "is_shared")
+        _saved["own_is_shared"] = "is_shared" in torch.UntypedStorage.__dict__
         _saved["iter_init"] = _dataloader._MultiProcessingDataLoaderIter.__init__
         ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
         torch.UntypedStorage._new_shared = classmethod(_new_shared)
+        torch.UntypedStorage.is_shared = _is_shared
         _dataloader._MultiProcessingDataLoaderIter.__init__ = _iter_init
 
 
@@ -210,6 +227,10 @@ def disable() -> None:
             torch.UntypedStorage._new_shared = _saved["new_shared"]
         else:
             del torch.UntypedStorage._new_shared
+        if _saved["own_is_shared"]:
+            torch.UntypedStorage.is_shared = _saved["is_shared"]
+        else:
+            del torch.UntypedStorage.is_shared
         _dataloader._MultiProcessingDataLoaderIter.__init__ = _saved["iter_init"]
         _saved.clear()
 

@@ -114,3 +114,9 @@ class ManySmall(torch.utils.data.Dataset):
 
 def user_init(worker_id):
     os.environ["SS_TEST_WORKER_INIT"] = str(worker_id)
+
+
+def collate_noting_shared(samples):
+    """default_collate, plus whether the worker saw its batch's first tensor as shared."""
+    batch = torch.utils.data.default_collate(samples)
+    return batch, batch[0].is_shared()

@@ -77,3 +77,25 @@ def test_worker_kill9_leaves_received_batches_readable(shm_names):
         assert shm_names(pids) == []
     finally:
         st.disable()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_batches_report_shared_as_with_pytorch(method):
+    ds = w.SquareDataset(8)
+
+    def flags():
+        loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context=method,
+                            collate_fn=w.collate_noting_shared)
+        return [(in_worker, batch[0].is_shared(), batch[2]["label"].is_shared()) for batch, in_worker in loader]
+
+    expected = flags()
+    assert expected == [(True, True, True)] * 2, "PyTorch: shared in the worker and once received"
+    st.enable()
+    try:
+        assert flags() == expected
+        own = st.empty(4)
+        assert own.is_shared() and own[1:].is_shared() and own.untyped_storage().is_shared()
+        assert not torch.zeros(4).is_shared()
+    finally:
+        st.disable()
+    assert not torch.zeros(4).is_shared()

@@ -213,4 +213,5 @@ def test_disable_restores_pytorch(torch_enabled):
     assert torch.equal(y, torch.full((10,), 2.0))
     assert torch.UntypedStorage._new_shared(8).is_shared()
     st.enable()
-    assert not torch.UntypedStorage._new_shared(8).is_shared()
+    arena_storage = torch.UntypedStorage._new_shared(8)
+    assert st.in_arena(arena_storage) and arena_storage.is_shared()

@@ -1,18 +1,39 @@
 //! The PyTorch format's file bodies, from [`super::torch_format`], in the
 //! shapes the writer and reader use.
 
+use super::fork_aware::hash_pool;
 use super::meta::{TensorMeta, ViewBits};
 use super::torch_format;
 use crate::error::Result;
+use rayon::prelude::*;
 use std::io::Write;
 use std::ops::Range;
 
 /// Writes `torch.save(UntypedStorage)` of `data` to a new file (small
 /// records buffered, the data passed straight through).
 pub fn write_storage_file(f: &mut std::fs::File, data: &[u8]) -> std::io::Result<()> {
+    let crc = crc32(data);
     let mut w = std::io::BufWriter::with_capacity(64 << 10, f);
-    torch_format::write_storage_file(&mut w, data)?;
+    torch_format::write_storage_file_with_crc(&mut w, data, crc)?;
     w.flush()
+}
+
+/// CRC-32 of `data`; a big buffer in 1 MiB pieces on the hashing pool,
+/// their CRCs combined in order (the same value as one pass).
+fn crc32(data: &[u8]) -> u32 {
+    const PIECE: usize = 1 << 20;
+    let pool = if data.len() >= 4 * PIECE { hash_pool() } else { None };
+    let Some(pool) = pool else {
+        return crc32fast::hash(data);
+    };
+    let pieces: Vec<crc32fast::Hasher> = pool.install(|| {
+        data.par_chunks(PIECE).map(|c| crc32fast::Hasher::new_with_initial_len(crc32fast::hash(c), c.len() as u64)).collect()
+    });
+    let mut all = crc32fast::Hasher::new();
+    for p in &pieces {
+        all.combine(p);
+    }
+    all.finalize()
 }
 
 /// The bytes of a tensor entry.

@@ -7,8 +7,8 @@
 #
 #   SS_TEST_PYTHON=/path/to/python python/run_pytorch_content_store_tests.sh /tmp/test_content_store.py
 #
-# The Python must have torch, pytest and this package installed
-# (python/run_tests.sh installs it). The test file is PyTorch's: fetch it
+# The Python must have torch and this package installed (python/run_tests.sh
+# installs it); expecttest and pytest are installed if missing. The test file is PyTorch's: fetch it
 # from PyTorch's repository (the torch version's tag) into a temporary
 # folder, not into this repository.
 set -euo pipefail
@@ -17,6 +17,8 @@ py="${SS_TEST_PYTHON:?set SS_TEST_PYTHON to a Python with torch, pytest and stor
 test_file="${1:?usage: $0 path/to/pytorch/test/test_content_store.py}"
 [ -f "$test_file" ] || { echo "$0: no file $test_file" >&2; exit 2; }
 test_file="$(cd "$(dirname "$test_file")" && pwd)/$(basename "$test_file")"
+# PyTorch's test helpers need expecttest; pytest writes the reports.
+"$py" -c "import expecttest, pytest" 2>/dev/null || "$py" -m pip install --quiet expecttest pytest
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
@@ -26,12 +28,13 @@ run() { # $1: label; the rest: extra pytest arguments
     # From the test file's folder, as PyTorch runs its tests; pytest's exit
     # status is read from the report, not used to stop here.
     (cd "$(dirname "$test_file")" && PYTHONPATH="$here/pytorch_tests${PYTHONPATH:+:$PYTHONPATH}" \
-        "$py" -m pytest -q -p no:cacheprovider --junitxml="$work/$label.xml" "$@" "$test_file") \
+        "$py" -m pytest -p no:cacheprovider --junitxml="$work/$label.xml" "$@" "$test_file") \
         >"$work/$label.log" 2>&1 || true
-    tail -n 3 "$work/$label.log" | sed "s/^/[$label] /"
+    tail -n 1 "$work/$label.log" | sed "s/^/[$label] /"
 }
 run stock
 run ours -p ss_swap_content_store
+grep -h "names now from" "$work/ours.log" || { echo "$0: the names were not replaced" >&2; exit 1; }
 
 "$py" - "$work/stock.xml" "$work/ours.xml" "$work/ours.log" <<'PY'
 import sys

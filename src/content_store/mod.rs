@@ -16,8 +16,8 @@ pub mod reader;
 pub mod record;
 pub mod torch_default_hash;
 pub mod torch_format;
-mod torch_hash_table;
 mod torch_glue;
+mod torch_hash_table;
 pub mod writer;
 
 pub use check::{gc, verify, GcReport, Problem, VerifyReport};

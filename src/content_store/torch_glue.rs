@@ -26,9 +26,8 @@ fn crc32(data: &[u8]) -> u32 {
     let Some(pool) = pool else {
         return crc32fast::hash(data);
     };
-    let pieces: Vec<crc32fast::Hasher> = pool.install(|| {
-        data.par_chunks(PIECE).map(|c| crc32fast::Hasher::new_with_initial_len(crc32fast::hash(c), c.len() as u64)).collect()
-    });
+    let pieces: Vec<crc32fast::Hasher> = pool
+        .install(|| data.par_chunks(PIECE).map(|c| crc32fast::Hasher::new_with_initial_len(crc32fast::hash(c), c.len() as u64)).collect());
     let mut all = crc32fast::Hasher::new();
     for p in &pieces {
         all.combine(p);

@@ -257,3 +257,28 @@ def test_damaged_storage_file_is_an_error_not_a_crash(tmp_path):
     with pytest.raises(Exception) as info:
         ours.ContentStoreReader(str(tmp_path)).read_tensor("x")
     assert name in str(info.value)
+
+
+def test_default_hash_in_a_forked_child_after_the_parent_used_all_cores():
+    # The parent's big hash starts the hashing threads; a forked child has
+    # none of them and must hash on its own thread, not wait for them.
+    big = torch.randn(1 << 20).untyped_storage()
+    ours.hash_storage(big)
+    want = theirs.hash_storage(big)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.write(w, ours.hash_storage(big).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    # A hang here is the failure: the harness's timeout ends it.
+    _, status = os.waitpid(pid, 0)
+    got = os.read(r, 100).decode()
+    os.close(r)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert got == want

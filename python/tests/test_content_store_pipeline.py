@@ -109,16 +109,20 @@ def test_a_background_failure_is_raised_by_the_next_write(tmp_path):
 
 
 @pytest.mark.parametrize("place", PLACES)
-def test_a_forked_child_writes_while_the_parent_has_tensors_queued(tmp_path, place):
-    w = writer(tmp_path, place)
+@pytest.mark.parametrize("stable", [True, False])
+def test_a_forked_child_writes_while_the_parent_has_tensors_queued(tmp_path, place, stable):
+    # The default hash runs on the pool and fills its table while the
+    # parent's tensors are hashed: the child must use neither.
+    w = writer(tmp_path, place, stable)
     big = [torch.full((1 << 20,), float(i)) for i in range(8)]
     for i, t in enumerate(big):
         w.write_tensor(f"parent{i}", t)
+    child_tensor = torch.arange(float(1 << 20))
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            w.write_tensor("child", torch.arange(10.0))
+            w.write_tensor("child", child_tensor)
             w.flush()
             code = 0 if os.path.exists(tmp_path / "tensors" / "child") else 2
         finally:
@@ -128,7 +132,10 @@ def test_a_forked_child_writes_while_the_parent_has_tensors_queued(tmp_path, pla
     assert os.waitstatus_to_exitcode(status) == 0
     w.close()
     r = theirs.ContentStoreReader(str(tmp_path))
-    assert torch.equal(r.read_tensor("child"), torch.arange(10.0))
+    assert torch.equal(r.read_tensor("child"), child_tensor)
+    # The child named the storage as PyTorch does.
+    h = theirs.hash_storage(child_tensor.untyped_storage(), stable_hash=stable)
+    assert (tmp_path / "storages" / h).is_file()
     for i, t in enumerate(big):
         assert torch.equal(r.read_tensor(f"parent{i}"), t)
 

@@ -50,3 +50,18 @@ pub fn storage_data_range(file: &[u8]) -> Result<Range<usize>> {
 pub fn parse_tensor_file(file: &[u8]) -> Result<(TensorMeta, ViewBits)> {
     torch_format::parse_tensor_entry(file)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pieces' CRCs combined equal one pass, at and around the sizes
+    /// where the pool takes over.
+    #[test]
+    fn crc_in_pieces_is_the_crc_of_the_whole() {
+        for n in [0, 1, (4 << 20) - 1, 4 << 20, (9 << 20) + 7] {
+            let data: Vec<u8> = (0..n).map(|i| (i * 31 + i / 1021) as u8).collect();
+            assert_eq!(crc32(&data), crc32fast::hash(&data), "n = {n}");
+        }
+    }
+}

@@ -3,6 +3,8 @@ CPU cases of PyTorch's own tests, in our words, plus interop both ways."""
 
 import inspect
 import os
+import signal
+import time
 
 import pytest
 
@@ -14,6 +16,20 @@ from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 import storage_sharing.content_store as ours  # noqa: E402
 
 pytestmark = pytest.mark.torch
+
+
+def wait_child(pid, guard_s=120):
+    """The child's exit code; a child still running after guard_s (a
+    hang guard, far above the time it needs) is killed and fails the test."""
+    deadline = time.monotonic() + guard_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child hung (killed after {guard_s} s)")
 
 
 def same_storage(a, b):
@@ -276,9 +292,7 @@ def test_default_hash_in_a_forked_child_after_the_parent_used_all_cores():
         finally:
             os._exit(code)
     os.close(w)
-    # A hang here is the failure: the harness's timeout ends it.
-    _, status = os.waitpid(pid, 0)
+    assert wait_child(pid) == 0
     got = os.read(r, 100).decode()
     os.close(r)
-    assert os.waitstatus_to_exitcode(status) == 0
     assert got == want

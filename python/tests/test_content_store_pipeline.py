@@ -6,6 +6,8 @@ see queued tensors, errors come back, and a forked child writes too."""
 
 import io
 import os
+import signal
+import time
 import zipfile
 
 import pytest
@@ -21,6 +23,20 @@ pytestmark = pytest.mark.torch
 
 # Both ways of hashing, whatever this machine's core count picks.
 PLACES = ["caller", "pool"]
+
+
+def wait_child(pid, guard_s=120):
+    """The child's exit code; a child still running after guard_s (a
+    hang guard, far above the time it needs) is killed and fails the test."""
+    deadline = time.monotonic() + guard_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child hung (killed after {guard_s} s)")
 
 
 def writer(loc, place, stable=True):
@@ -87,7 +103,8 @@ def test_our_reader_sees_queued_tensors_while_the_writer_lives(tmp_path, place):
 
 def test_a_background_failure_is_raised_by_flush_naming_the_tensor(tmp_path):
     w = writer(tmp_path, "pool")
-    w.write_tensor("a", torch.ones(3))
+    # Bigger, so it is likely still being hashed when "a/b" is done.
+    w.write_tensor("a", torch.ones(1 << 20)[:3])
     # "a" is a tensor file, so "a/b" cannot be made; found only when written.
     w.write_tensor("a/b", torch.ones(5))
     with pytest.raises(Error) as info:
@@ -96,7 +113,11 @@ def test_a_background_failure_is_raised_by_flush_naming_the_tensor(tmp_path):
     w.flush()  # reported once
     w.write_tensor("c", torch.ones(2))
     w.close()
-    assert torch.equal(theirs.ContentStoreReader(str(tmp_path)).read_tensor("c"), torch.ones(2))
+    # Entries go out in the order written, so "a" made it, as it would
+    # have written in the call.
+    r = theirs.ContentStoreReader(str(tmp_path))
+    assert torch.equal(r.read_tensor("a"), torch.ones(1 << 20)[:3])
+    assert torch.equal(r.read_tensor("c"), torch.ones(2))
 
 
 def test_a_background_failure_is_raised_by_the_next_write(tmp_path):
@@ -127,9 +148,7 @@ def test_a_forked_child_writes_while_the_parent_has_tensors_queued(tmp_path, pla
             code = 0 if os.path.exists(tmp_path / "tensors" / "child") else 2
         finally:
             os._exit(code)
-    # A hang here is the failure: the harness's timeout ends it.
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert wait_child(pid) == 0
     w.close()
     r = theirs.ContentStoreReader(str(tmp_path))
     assert torch.equal(r.read_tensor("child"), child_tensor)

@@ -9,8 +9,10 @@
 //! - Two copies of one content hashed at the same time are stored once:
 //!   the first to claim the hash writes it, the others only add their
 //!   entries after it (no job ever waits inside the pool).
-//! - Entries of one name are published in submission order: a job whose
-//!   name was submitted again since skips its entry.
+//! - Tensor entries are published in submission order, each once its
+//!   storage is stored: an entry seen in the folder means every earlier
+//!   one is there too, the last tensor of a name wins, and a name that
+//!   cannot be made fails as it would written in the call.
 //! - Bytes in flight are bounded; a caller past the bound waits.
 //! - An error of a background job is kept and returned by the next
 //!   submit, or by [`Pipeline::flush`].
@@ -22,7 +24,7 @@ use super::meta::TensorMeta;
 use super::writer::{check_tensor, Writer};
 use super::Dtype;
 use crate::error::{Error, ErrorKind, Result};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -56,8 +58,11 @@ struct State {
     /// Hashes being stored, with the entries of other jobs that found
     /// the same content meanwhile.
     claims: HashMap<String, Vec<Entry>>,
-    /// The newest submission of each name still in flight.
-    latest: HashMap<String, u64>,
+    /// Entries whose storage is settled (`None`: it failed), by
+    /// submission number, waiting for the earlier ones.
+    ready: BTreeMap<u64, Option<Entry>>,
+    /// The submission number of the next entry to publish.
+    next_publish: u64,
     next_seq: u64,
     /// Hashes stored or found since the caller last took them.
     hashes: Vec<String>,
@@ -155,7 +160,7 @@ impl Pipeline {
             _ => pool.current_num_threads() <= HASH_HERE_UP_TO_THREADS,
         };
         let hash = if hash_here { Some(digest(data)) } else { None };
-        let seq = self.shared.admit(name, data.len())?;
+        let seq = self.shared.admit(data.len())?;
         let mut entry = Entry { name: name.to_string(), meta, seq };
         let shared = self.shared.clone();
         match hash {
@@ -248,7 +253,7 @@ impl Shared {
 
     /// Counts a submission in (waiting while too much is in flight);
     /// returns its sequence number, or a background error.
-    fn admit(&self, name: &str, len: usize) -> Result<u64> {
+    fn admit(&self, len: usize) -> Result<u64> {
         let mut st = self.lock();
         if let Some(e) = st.error.take() {
             return Err(e);
@@ -260,7 +265,6 @@ impl Shared {
         st.jobs += 1;
         let seq = st.next_seq;
         st.next_seq += 1;
-        st.latest.insert(name.to_string(), seq);
         Ok(seq)
     }
 
@@ -329,28 +333,26 @@ impl Shared {
         self.publish(&mut st, &hash, stored, entries);
     }
 
-    /// Writes the entries of a stored hash (or records why it was not),
-    /// and counts them out.
+    /// Marks the entries of a hash settled (stored, or failed with the
+    /// error kept), then publishes every entry whose turn has come.
     fn publish(&self, st: &mut State, hash: &str, stored: Result<()>, entries: Vec<Entry>) {
+        let ok = stored.is_ok();
         match stored {
-            Ok(()) => {
-                st.hashes.push(hash.to_string());
-                for e in &entries {
-                    // Under the lock: a newer entry of the name cannot be
-                    // published between the check and the write.
-                    if st.latest.get(&e.name) == Some(&e.seq) {
-                        if let Err(err) = self.writer.write_entry(&e.name, &e.meta) {
-                            st.fail(err);
-                        }
-                    }
-                }
-            }
+            Ok(()) => st.hashes.push(hash.to_string()),
             Err(err) => st.fail(err.context(format!("tensor {:?}", entries[0].name))),
         }
-        for e in &entries {
-            if st.latest.get(&e.name) == Some(&e.seq) {
-                st.latest.remove(&e.name);
+        for e in entries {
+            let seq = e.seq;
+            st.ready.insert(seq, ok.then_some(e));
+        }
+        // Under the lock, so entries go out one at a time, in order.
+        while let Some(entry) = st.ready.remove(&st.next_publish) {
+            if let Some(e) = entry {
+                if let Err(err) = self.writer.write_entry(&e.name, &e.meta) {
+                    st.fail(err);
+                }
             }
+            st.next_publish += 1;
             st.jobs -= 1;
         }
         self.changed.notify_all();

@@ -121,8 +121,9 @@ class ContentStoreWriter:
             return
         try:
             native.flush()
-        except Error as e:
-            warnings.warn(f"ContentStoreWriter({self.loc!r}): queued tensors failed to be written: {e}", RuntimeWarning, stacklevel=1)
+        except Exception as e:  # nothing may leave __del__; at exit, modules may be gone
+            if warnings is not None:
+                warnings.warn(f"ContentStoreWriter({self.loc!r}): queued tensors failed to be written: {e}", RuntimeWarning, stacklevel=1)
 
     def write_storage(self, storage: torch.UntypedStorage) -> str:
         if storage.device.type == "cpu":

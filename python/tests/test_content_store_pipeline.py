@@ -193,3 +193,11 @@ def test_pipelined_storage_files_hold_what_torch_save_writes(tmp_path, place, st
             if not record.endswith("serialization_id"):
                 assert got.read(record) == want.read(record), record
         assert len(ours_bytes) == len(stream.getvalue())
+
+
+def test_a_failure_still_pending_when_the_writer_is_deleted_is_a_warning(tmp_path):
+    w = writer(tmp_path, "pool")
+    w.write_tensor("a", torch.ones(3))
+    w.write_tensor("a/b", torch.ones(5))
+    with pytest.warns(RuntimeWarning, match="a/b"):
+        del w

@@ -34,11 +34,13 @@ def make_tensors(total_mib, tensor_mib):
     return out
 
 
-def run_case(module, tensors, stable, root):
+def run_case(module, tensors, stable, root, hash_where):
     loc = tempfile.mkdtemp(dir=root)
     try:
         t0 = time.perf_counter()
         w = module.ContentStoreWriter(loc, stable_hash=stable)
+        if module is ours and hash_where != "auto":
+            w._writer().set_hash_where(hash_where)
         for i, t in enumerate(tensors):
             w.write_tensor(f"t{i}", t)
         del w
@@ -59,6 +61,13 @@ def main():
     ap.add_argument("--tensor-mib", type=int, default=16)
     ap.add_argument("--dir", default=None, help="where the stores are written (default: the temp folder)")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--hashes", default="stable,default", help="which hashes to time: stable, default or both")
+    ap.add_argument(
+        "--hash-where",
+        default="auto",
+        choices=["auto", "caller", "pool"],
+        help="where our writer hashes: in write_tensor's call, or in its pool over a copy (auto: by core count)",
+    )
     args = ap.parse_args()
     tensors = make_tensors(args.total_mib, args.tensor_mib)
     gib = sum(t.nbytes for t in tensors) / (1 << 30)
@@ -67,12 +76,12 @@ def main():
     print(f"{len(tensors)} tensors, {gib:.2f} GiB, half duplicates; {os.cpu_count()} CPUs\n")
     print("| hash | module | write s | write GiB/s | read s | read GiB/s | write speed-up |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for stable in [True, False]:
+    for stable in [h == "stable" for h in args.hashes.split(",")]:
         times = {}
         for name, module in [("torch", theirs), ("storage_sharing", ours)]:
             best = None
             for _ in range(args.repeat):
-                w, r = run_case(module, tensors, stable, args.dir)
+                w, r = run_case(module, tensors, stable, args.dir, args.hash_where)
                 best = (w, r) if best is None else (min(best[0], w), min(best[1], r))
             times[name] = best
         for name in ["torch", "storage_sharing"]:

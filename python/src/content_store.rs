@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use std::path::PathBuf;
 use std::sync::Arc;
 use storage_sharing::content_store::torch_default_hash::torch_default_hash_hex;
-use storage_sharing::content_store::{hash_hex, Dtype, Format, HashMode, Reader, StorageBytes, Writer};
+use storage_sharing::content_store::{hash_hex, Digest, Dtype, Format, HashMode, HashWhere, Pipeline, Reader, StorageBytes, Writer};
 
 /// The bytes at `address`, `nbytes` long.
 ///
@@ -34,10 +34,19 @@ fn checked_address(address: usize, nbytes: usize) -> PyResult<()> {
 /// PyTorch's `hash_storage` of the bytes: SHA-1 with `stable`, its
 /// default (seeded Philox) hash otherwise.
 fn digest(data: &[u8], stable: bool) -> String {
+    digest_fn(stable)(data)
+}
+
+fn sha1_hex(data: &[u8]) -> String {
+    hash_hex(data, HashMode::Stable)
+}
+
+/// The digest function of `digest`, for the background writer.
+fn digest_fn(stable: bool) -> Digest {
     if stable {
-        hash_hex(data, HashMode::Stable)
+        sha1_hex
     } else {
-        torch_default_hash_hex(data)
+        torch_default_hash_hex
     }
 }
 
@@ -56,7 +65,8 @@ fn parse_dtype(name: &str) -> PyResult<Dtype> {
 
 #[pyclass(frozen, module = "storage_sharing._native", name = "ContentWriter")]
 pub struct PyContentWriter {
-    writer: Writer,
+    writer: Arc<Writer>,
+    pipeline: Pipeline,
 }
 
 #[pymethods]
@@ -68,7 +78,8 @@ impl PyContentWriter {
     fn new(py: Python<'_>, path: PathBuf, durable: bool) -> PyResult<Self> {
         let writer = py.allow_threads(|| Writer::open(&path, Format::Torch)).or_raise()?;
         writer.set_durable(durable);
-        Ok(PyContentWriter { writer })
+        let writer = Arc::new(writer);
+        Ok(PyContentWriter { pipeline: Pipeline::new(writer.clone()), writer })
     }
 
     /// Hashes and stores the bytes unless present; returns the hash.
@@ -115,6 +126,59 @@ impl PyContentWriter {
             self.writer.write_tensor_hashed(name, &hash, data, dtype, offset, &shape, &stride).map(|_| hash)
         })
         .or_raise()
+    }
+
+    /// Queues the tensor `name` over a copy of the storage's bytes (taken
+    /// in the call), to be hashed and written in the background. Returns
+    /// the hash when the work was done in the call (a forked child), else
+    /// None. A background error comes back from a later call.
+    #[allow(clippy::too_many_arguments)]
+    fn submit_tensor(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        address: usize,
+        nbytes: usize,
+        stable: bool,
+        dtype: &str,
+        offset: i64,
+        shape: Vec<i64>,
+        stride: Vec<i64>,
+    ) -> PyResult<Option<String>> {
+        checked_address(address, nbytes)?;
+        let dtype = parse_dtype(dtype)?;
+        // SAFETY: the caller holds the storage across the call; the bytes
+        // are copied before it returns.
+        let data = unsafe { bytes_at(address, nbytes) };
+        py.allow_threads(|| self.pipeline.submit_tensor(name, data, digest_fn(stable), dtype, offset, &shape, &stride)).or_raise()
+    }
+
+    /// Where submitted storages are hashed: "auto", "caller" or "pool".
+    fn set_hash_where(&self, at: &str) -> PyResult<()> {
+        let at = match at {
+            "auto" => HashWhere::Auto,
+            "caller" => HashWhere::Caller,
+            "pool" => HashWhere::Pool,
+            _ => return Err(invalid(format!("hash place {at:?}: expected \"auto\", \"caller\" or \"pool\""))),
+        };
+        self.pipeline.set_hash_where(at);
+        Ok(())
+    }
+
+    /// Waits for the queued tensors; raises the first background error.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        py.allow_threads(|| self.pipeline.flush()).or_raise()
+    }
+
+    /// Waits for the queued tensors, raising nothing (for readers).
+    fn wait_idle(&self, py: Python<'_>) {
+        py.allow_threads(|| self.pipeline.wait_idle())
+    }
+
+    /// Hashes of the storages the background stored or found since the
+    /// last call.
+    fn take_hashes(&self) -> Vec<String> {
+        self.pipeline.take_hashes()
     }
 
     /// (storages written, deduplicated, tensors written, bytes written).

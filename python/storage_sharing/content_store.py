@@ -6,6 +6,12 @@ are PyTorch's (each side reads what the other wrote). What differs:
 * hashing and writing run natively with the GIL released; the default
   (non-stable) hash is PyTorch's value computed without torch.compile,
   on all cores for big storages;
+* ``write_tensor`` copies the storage's bytes and returns: the copies are
+  hashed on all cores and written in the background, one stored while
+  the next are hashed. Our readers of the same folder in this process
+  wait for that work; anything else sees the files after ``flush()``,
+  ``close()`` or the writer's deletion. A background error is raised by
+  the next ``write_tensor``, ``flush()`` or ``close()``;
 * a store may be reopened and added to, by several writers at once;
 * reading copies the stored bytes into a fresh CPU storage once (no
   unpickling); entries are parsed by a restricted reader, and an entry it
@@ -17,6 +23,8 @@ copied to the CPU to be written.
 """
 
 import os
+import warnings
+import weakref
 from collections import defaultdict
 from typing import Dict, Optional
 
@@ -37,6 +45,17 @@ _NATIVE_DTYPES = {
     torch.bool, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn, torch.uint16,
     torch.uint32, torch.uint64,
 }  # fmt: skip
+
+
+# Writers with a native half, so that a reader of the same folder can wait
+# for what they still have queued.
+_live_writers: "weakref.WeakSet[ContentStoreWriter]" = weakref.WeakSet()
+
+
+def _wait_for_writers(real_loc: str) -> None:
+    for w in list(_live_writers):
+        if w._real_loc == real_loc and w._native is not None:
+            w._native.wait_idle()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -61,14 +80,50 @@ class ContentStoreWriter:
 
     def __init__(self, loc: str, stable_hash: bool = False) -> None:
         self.loc: str = loc
-        self.seen_storage_hashes: set = set()
+        self._seen: set = set()
         self.stable_hash = stable_hash
         self._native: Optional[_native.ContentWriter] = None
+        self._real_loc = ""
+
+    @property
+    def seen_storage_hashes(self) -> set:
+        """Hashes of the storages written or found (queued work included)."""
+        if self._native is not None:
+            self._native.wait_idle()
+            self._seen.update(self._native.take_hashes())
+        return self._seen
+
+    @seen_storage_hashes.setter
+    def seen_storage_hashes(self, value: set) -> None:
+        self._seen = value
 
     def _writer(self) -> "_native.ContentWriter":
         if self._native is None:
             self._native = _native.ContentWriter(os.fspath(self.loc))
+            self._real_loc = os.path.realpath(self.loc)
+            _live_writers.add(self)
         return self._native
+
+    def flush(self) -> None:
+        """Waits until every tensor written so far is in the folder; raises
+        the first error of that background work."""
+        if self._native is not None:
+            self._native.flush()
+
+    def close(self) -> None:
+        """flush(), then lets go of the store."""
+        self.flush()
+        self._native = None
+
+    def __del__(self) -> None:
+        native = getattr(self, "_native", None)
+        if native is None:
+            return
+        try:
+            native.flush()
+        except Exception as e:  # nothing may leave __del__; at exit, modules may be gone
+            if warnings is not None:
+                warnings.warn(f"ContentStoreWriter({self.loc!r}): queued tensors failed to be written: {e}", RuntimeWarning, stacklevel=1)
 
     def write_storage(self, storage: torch.UntypedStorage) -> str:
         if storage.device.type == "cpu":
@@ -77,7 +132,7 @@ class ContentStoreWriter:
             h = hash_storage(storage, stable_hash=self.stable_hash)
             cpu = storage.cpu()
             self._writer().write_storage_hashed(h, cpu.data_ptr(), cpu.nbytes())
-        self.seen_storage_hashes.add(h)
+        self._seen.add(h)
         return h
 
     def compute_tensor_metadata(self, t: torch.Tensor, h=None):
@@ -89,7 +144,7 @@ class ContentStoreWriter:
         storage = t.untyped_storage()
         extra = torch._utils.get_tensor_metadata(t)
         if storage.device.type == "cpu" and not extra and t.dtype in _NATIVE_DTYPES:
-            h = self._writer().write_tensor(
+            h = self._writer().submit_tensor(
                 name,
                 storage.data_ptr(),
                 storage.nbytes(),
@@ -99,7 +154,8 @@ class ContentStoreWriter:
                 list(t.shape),
                 list(t.stride()),
             )
-            self.seen_storage_hashes.add(h)
+            if h is not None:
+                self._seen.add(h)
             return
         # Conjugate/negative views, other dtypes and devices: PyTorch's
         # entry, our storage file.
@@ -121,8 +177,11 @@ class ContentStoreReader:
         if cache:
             self.storage_cache = defaultdict(dict)
         self._native: Optional[_native.ContentReader] = None
+        self._real_loc = os.path.realpath(loc)
 
     def _reader(self) -> "_native.ContentReader":
+        # Tensors a writer of this folder still has queued come first.
+        _wait_for_writers(self._real_loc)
         if self._native is None:
             self._native = _native.ContentReader(os.fspath(self.loc))
         return self._native
@@ -146,11 +205,12 @@ class ContentStoreReader:
         return s
 
     def read_tensor_metadata(self, name: str):
+        reader = self._reader()
         fn = os.path.join(self.loc, "tensors", name)
         if not os.path.exists(fn):
             raise FileNotFoundError(fn)
         try:
-            dtype, h, offset, shape, stride, conj, neg = self._reader().read_meta(name)
+            dtype, h, offset, shape, stride, conj, neg = reader.read_meta(name)
         except Error:
             # An entry with metadata our parser does not take: PyTorch's own
             # loader, weights only.

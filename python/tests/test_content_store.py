@@ -3,6 +3,8 @@ CPU cases of PyTorch's own tests, in our words, plus interop both ways."""
 
 import inspect
 import os
+import signal
+import time
 
 import pytest
 
@@ -14,6 +16,20 @@ from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 import storage_sharing.content_store as ours  # noqa: E402
 
 pytestmark = pytest.mark.torch
+
+
+def wait_child(pid, guard_s=120):
+    """The child's exit code; a child still running after guard_s (a
+    hang guard, far above the time it needs) is killed and fails the test."""
+    deadline = time.monotonic() + guard_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child hung (killed after {guard_s} s)")
 
 
 def same_storage(a, b):
@@ -125,7 +141,9 @@ def test_signatures_are_pytorchs():
 @pytest.mark.parametrize("stable", [True, False])
 def test_hash_equals_pytorchs_for_many_lengths(stable):
     g = torch.Generator().manual_seed(7)
-    for n in [0, 1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65, 1000, 4097, (1 << 18) + 3]:
+    # The last length runs past the default hash's table of values (the
+    # first 16 MiB of a storage).
+    for n in [0, 1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65, 1000, 4097, (1 << 18) + 3, (17 << 20) + 3]:
         s = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).untyped_storage()
         assert ours.hash_storage(s, stable_hash=stable) == theirs.hash_storage(s, stable_hash=stable), n
 
@@ -248,9 +266,33 @@ def test_missing_tensor_is_file_not_found(tmp_path):
 def test_damaged_storage_file_is_an_error_not_a_crash(tmp_path):
     w = ours.ContentStoreWriter(str(tmp_path), stable_hash=True)
     w.write_tensor("x", torch.randn(64))
+    w.flush()  # the files are in the folder from here on
     (name,) = os.listdir(tmp_path / "storages")
     with open(tmp_path / "storages" / name, "r+b") as f:
         f.truncate(100)
     with pytest.raises(Exception) as info:
         ours.ContentStoreReader(str(tmp_path)).read_tensor("x")
     assert name in str(info.value)
+
+
+def test_default_hash_in_a_forked_child_after_the_parent_used_all_cores():
+    # The parent's big hash starts the hashing threads; a forked child has
+    # none of them and must hash on its own thread, not wait for them.
+    big = torch.randn(1 << 20).untyped_storage()
+    ours.hash_storage(big)
+    want = theirs.hash_storage(big)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.write(w, ours.hash_storage(big).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    assert wait_child(pid) == 0
+    got = os.read(r, 100).decode()
+    os.close(r)
+    assert got == want

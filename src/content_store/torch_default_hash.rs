@@ -23,6 +23,8 @@
 //! The elements are independent and XOR is associative, so big storages
 //! are hashed on all cores.
 
+use super::fork_aware::hash_pool;
+use super::torch_hash_table;
 use rayon::prelude::*;
 
 /// The seeds of the five runs, `(a, b)` each.
@@ -39,8 +41,10 @@ const PHILOX_B: u32 = 0xBB67_AE85;
 const PHILOX_SA: u32 = 0xD251_1F53;
 const PHILOX_SB: u32 = 0xCD9E_8D57;
 
-/// Elements per parallel task.
-const TASK: usize = 1 << 16;
+/// Elements per parallel task: a block of the table.
+const TASK: usize = torch_hash_table::BLOCK;
+/// Words converted at a time for the table's loop.
+const WORDS: usize = 4096;
 
 /// The first output word of Philox4x32-10 for counter `(i, 0, 0, 0)` and
 /// key `(seed, 0)`.
@@ -178,22 +182,94 @@ fn runs_over(data: &[u8], first: usize, count: usize) -> [i32; 5] {
     acc
 }
 
+/// The run's multipliers and addends for elements `first..first + LANES`:
+/// the low 32 bits of `a` and `b` above.
+#[inline(always)]
+fn coefficient_lanes(seeds: (u32, u32), first: u32) -> ([u32; LANES], [u32; LANES]) {
+    let ra = philox_lanes(seeds.0, first);
+    let rb = philox_lanes(seeds.1, first);
+    let a = std::array::from_fn(|l| (((ra[l] ^ 0x8000_0000) as i32).wrapping_abs().rem_euclid(i32::MAX) + 1) as u32);
+    let b = std::array::from_fn(|l| ((rb[l] ^ 0x8000_0000) as i32).wrapping_abs() as u32);
+    (a, b)
+}
+
+/// Fills a table block's multipliers `a` and addends `b` of `run` for the
+/// elements from `first`.
+fn fill_coefficients(first: usize, run: usize, a: &mut [u32], b: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked just above).
+            return unsafe { fill_avx2(first, run, a, b) };
+        }
+    }
+    fill_plain(first, run, a, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn fill_avx2(first: usize, run: usize, a: &mut [u32], b: &mut [u32]) {
+    fill_plain(first, run, a, b)
+}
+
+#[inline(always)]
+fn fill_plain(first: usize, run: usize, a: &mut [u32], b: &mut [u32]) {
+    for (j, (a, b)) in a.chunks_exact_mut(LANES).zip(b.chunks_exact_mut(LANES)).enumerate() {
+        // The kernel's offset is the index as int32, read as uint32.
+        let (ca, cb) = coefficient_lanes(SEEDS[run], (first + j * LANES) as u32);
+        a.copy_from_slice(&ca);
+        b.copy_from_slice(&cb);
+    }
+}
+
+/// [`runs_over`] with the table block of these elements.
+fn runs_from_table(data: &[u8], table: &[u32], first: usize, count: usize) -> [i32; 5] {
+    let mut acc = [0i32; 5];
+    let mut words = [0u32; WORDS];
+    let mut done = 0;
+    while done < count {
+        let k = WORDS.min(count - done);
+        let start = (first + done) * 4;
+        if start + 4 * k <= data.len() {
+            for (w, b) in words[..k].iter_mut().zip(data[start..start + 4 * k].chunks_exact(4)) {
+                *w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        } else {
+            // The last word, zero-padded.
+            for (j, w) in words[..k].iter_mut().enumerate() {
+                *w = element(data, first + done + j) as u32;
+            }
+        }
+        acc = xor_runs(acc, torch_hash_table::runs_with(table, done, &words[..k]));
+        done += k;
+    }
+    acc
+}
+
+fn xor_runs(mut a: [i32; 5], b: [i32; 5]) -> [i32; 5] {
+    for (x, y) in a.iter_mut().zip(b) {
+        *x ^= y;
+    }
+    a
+}
+
 /// PyTorch's default `hash_storage` of `data`: 40 lowercase hex digits.
 pub fn torch_default_hash_hex(data: &[u8]) -> String {
     let n = data.len().div_ceil(4);
-    let runs = if n <= TASK {
-        runs_over(data, 0, n)
-    } else {
-        let tasks = n.div_ceil(TASK);
-        (0..tasks).into_par_iter().map(|t| runs_over(data, t * TASK, TASK.min(n - t * TASK))).reduce(
-            || [0i32; 5],
-            |mut a, b| {
-                for (x, y) in a.iter_mut().zip(b) {
-                    *x ^= y;
-                }
-                a
-            },
-        )
+    let tasks = n.div_ceil(TASK);
+    let task = |t: usize| {
+        let (first, count) = (t * TASK, TASK.min(n - t * TASK));
+        match torch_hash_table::block(t, fill_coefficients) {
+            Some(table) => runs_from_table(data, table, first, count),
+            None => runs_over(data, first, count),
+        }
+    };
+    // The content store's own pool (fork-aware): in a forked child, or
+    // for one task, the calling thread does it all.
+    let pool = if tasks > 1 { hash_pool() } else { None };
+    let runs = match pool {
+        Some(pool) => pool.install(|| (0..tasks).into_par_iter().map(task).reduce(|| [0i32; 5], xor_runs)),
+        None => (0..tasks).map(task).fold([0i32; 5], xor_runs),
     };
     let mut out = String::with_capacity(40);
     for r in runs {
@@ -214,6 +290,20 @@ mod tests {
         let floats: Vec<u8> = (0..10).flat_map(|v| (v as f32).to_le_bytes()).collect();
         assert_eq!(torch_default_hash_hex(&floats), "cd771c3fc5d83224dbb2cb6b306299cf88bade7f");
         assert_eq!(torch_default_hash_hex(&2i64.to_le_bytes()), "251bcb7d2b3c46c15a4f1ed8baa41a7186845fdb");
+    }
+
+    /// Past the table's blocks the values are computed: the digest is
+    /// the same either way.
+    #[test]
+    fn table_and_computed_values_agree_across_the_table_end() {
+        let words = torch_hash_table::TABLE_BLOCKS * TASK + 2 * TASK + 1;
+        let data: Vec<u8> = (0..words * 4 - 1).map(|i| (i * 13 + i / 1013) as u8).collect();
+        let n = data.len().div_ceil(4);
+        let serial = (0..n.div_ceil(TASK)).map(|t| runs_over(&data, t * TASK, TASK.min(n - t * TASK))).fold([0i32; 5], xor_runs);
+        let want: String = serial.iter().flat_map(|r| r.to_be_bytes()).map(|b| format!("{b:02x}")).collect();
+        assert_eq!(torch_default_hash_hex(&data), want);
+        // Again, now that the table is filled.
+        assert_eq!(torch_default_hash_hex(&data), want);
     }
 
     #[test]

@@ -157,22 +157,33 @@ impl Writer {
         Ok(())
     }
 
-    fn store_hashed(&self, hash: &str, data: &[u8]) -> Result<()> {
-        if self.seen.lock().is_some_and(|seen| seen.contains(hash)) {
-            self.deduplicated.fetch_add(1, Ordering::Relaxed);
-            return Ok(());
-        }
-        let dir = self.root.join(layout::STORAGES);
-        let expected = match self.format {
-            Format::Native => Some(data.len() as u64),
-            Format::Torch => None,
+    /// Whether the store has the storage `hash` of `len` bytes already
+    /// (counted as deduplicated if so). Nothing is read: a file under the
+    /// name is complete, since files appear only by rename.
+    pub(crate) fn has_storage(&self, hash: &str, len: usize) -> bool {
+        let present = self.seen.lock().is_some_and(|seen| seen.contains(hash)) || {
+            let expected = match self.format {
+                Format::Native => Some(len as u64),
+                Format::Torch => None,
+            };
+            // One of the wrong size was damaged later and is replaced.
+            let path = self.root.join(layout::STORAGES).join(hash);
+            std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file() && expected.map_or(true, |n| m.len() == n))
         };
-        // A file under the name is complete (files appear only by rename);
-        // one of the wrong size was damaged later and is replaced.
-        let present = std::fs::symlink_metadata(dir.join(hash)).is_ok_and(|m| m.is_file() && expected.map_or(true, |n| m.len() == n));
         if present {
             self.deduplicated.fetch_add(1, Ordering::Relaxed);
-        } else {
+        }
+        present
+    }
+
+    /// Counts a storage another thread is storing as deduplicated.
+    pub(crate) fn note_deduplicated(&self) {
+        self.deduplicated.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn store_hashed(&self, hash: &str, data: &[u8]) -> Result<()> {
+        if !self.has_storage(hash, data.len()) {
+            let dir = self.root.join(layout::STORAGES);
             let durable = self.durable.load(Ordering::Relaxed);
             match self.format {
                 Format::Native => fsio::write_atomic(&dir, hash, durable, |f| fsio::write_all(f, data))?,
@@ -224,21 +235,35 @@ impl Writer {
         shape: &[i64],
         stride: &[i64],
     ) -> Result<String> {
-        let parts = tensor_name_parts(name)?;
         let meta = TensorMeta { dtype, storage_hash: hash.clone(), offset, shape: shape.to_vec(), stride: stride.to_vec() };
-        check_fits(&meta, data.len() as u64, ErrorKind::InvalidArgument).map_err(|e| e.context(format!("tensor {name:?}")))?;
+        check_tensor(name, &meta, data.len())?;
         self.store_hashed(&hash, data)?;
+        self.write_entry(name, &meta)?;
+        Ok(hash)
+    }
+
+    /// Writes the entry `name` for `meta`, whose storage is stored already
+    /// (and was checked with [`check_tensor`]).
+    pub(crate) fn write_entry(&self, name: &str, meta: &TensorMeta) -> Result<()> {
+        let parts = tensor_name_parts(name)?;
         let entry = match self.format {
-            Format::Native => record::encode(&meta),
-            Format::Torch => torch_glue::tensor_file(&meta),
+            Format::Native => record::encode(meta),
+            Format::Torch => torch_glue::tensor_file(meta),
         };
         let (file, folders) = parts.split_last().expect("a valid name has a part");
-        let dir = fsio::make_dirs(&self.root.join(layout::TENSORS), folders)?;
+        let dir = fsio::make_dirs(&self.root.join(layout::TENSORS), folders).map_err(|e| e.context(format!("tensor {name:?}")))?;
         fsio::write_atomic(&dir, file, self.durable.load(Ordering::Relaxed), |f| fsio::write_all(f, &entry))
             .map_err(|e| e.context(format!("tensor {name:?}")))?;
         self.tensors.fetch_add(1, Ordering::Relaxed);
-        Ok(hash)
+        Ok(())
     }
+}
+
+/// Checks a tensor entry before anything is written: a valid name, and a
+/// view inside the storage's `nbytes`.
+pub(crate) fn check_tensor(name: &str, meta: &TensorMeta, nbytes: usize) -> Result<()> {
+    tensor_name_parts(name)?;
+    check_fits(meta, nbytes as u64, ErrorKind::InvalidArgument).map_err(|e| e.context(format!("tensor {name:?}")))
 }
 
 /// A shared flock on the store's lock file (created if absent).

@@ -39,9 +39,15 @@ const MAX_HASH_LEN: usize = 128;
 /// Writes `torch.save(storage)` for a CPU UntypedStorage holding `data`.
 /// The data is written once, in place, aligned to 64 bytes in the file.
 pub fn write_storage_file(w: &mut impl Write, data: &[u8]) -> io::Result<()> {
+    write_storage_file_with_crc(w, data, crc32fast::hash(data))
+}
+
+/// [`write_storage_file`] with the CRC-32 of `data` computed by the
+/// caller, so the data is read once more only to be written.
+pub fn write_storage_file_with_crc(w: &mut impl Write, data: &[u8], data_crc: u32) -> io::Result<()> {
     let pkl = storage_pickle(data.len() as u64);
-    let id = serialization_id(&[&pkl, data]);
-    write_archive(w, &pkl, Some(data), &id)
+    let id = serialization_id(&pkl, Some((data_crc, data.len() as u64)));
+    write_archive(w, &pkl, Some((data, data_crc)), &id)
 }
 
 /// The bytes of [`write_storage_file`].
@@ -63,21 +69,21 @@ pub fn tensor_file(meta: &TensorMeta) -> Vec<u8> {
 pub fn tensor_file_with_bits(meta: &TensorMeta, bits: ViewBits) -> Vec<u8> {
     debug_assert_eq!(meta.shape.len(), meta.stride.len(), "shape and stride of one tensor");
     let pkl = tensor_pickle(meta, bits);
-    let id = serialization_id(&[&pkl]);
+    let id = serialization_id(&pkl, None);
     let mut out = Vec::with_capacity(1024);
     write_archive(&mut out, &pkl, None, &id).expect("writing to a Vec cannot fail");
     out
 }
 
 /// The records in the order torch.save writes them.
-fn write_archive(w: &mut impl Write, pkl: &[u8], data: Option<&[u8]>, id: &str) -> io::Result<()> {
+fn write_archive(w: &mut impl Write, pkl: &[u8], data: Option<(&[u8], u32)>, id: &str) -> io::Result<()> {
     let mut z = ZipWriter::new(w);
     z.add(&format!("{ARCHIVE}/data.pkl"), pkl)?;
     z.add(&format!("{ARCHIVE}/.format_version"), FORMAT_VERSION_RECORD)?;
     z.add(&format!("{ARCHIVE}/.storage_alignment"), ALIGNMENT_RECORD)?;
     z.add(&format!("{ARCHIVE}/byteorder"), BYTEORDER_RECORD)?;
-    if let Some(data) = data {
-        z.add(&format!("{ARCHIVE}/data/0"), data)?;
+    if let Some((data, crc)) = data {
+        z.add_with_crc(&format!("{ARCHIVE}/data/0"), data, crc)?;
     }
     z.add(&format!("{ARCHIVE}/version"), VERSION_RECORD)?;
     z.add(&format!("{ARCHIVE}/.data/serialization_id"), id.as_bytes())?;
@@ -87,16 +93,18 @@ fn write_archive(w: &mut impl Write, pkl: &[u8], data: Option<&[u8]>, id: &str) 
 
 /// torch writes 40 decimal digits of its own choosing that nothing in
 /// torch.load reads; ours come from the records' CRC-32s and sizes, so
-/// the same content always gives the same file.
-fn serialization_id(records: &[&[u8]]) -> String {
-    let mut crc = crc32fast::Hasher::new();
-    let mut len = 0u64;
-    for r in records {
-        crc.update(r);
-        len += r.len() as u64;
+/// the same content always gives the same file: the pickle's CRC-32, the
+/// CRC-32 of the pickle and the data together, and their total length.
+/// `data` is the data's CRC-32 and length, if the file has data.
+fn serialization_id(pkl: &[u8], data: Option<(u32, u64)>) -> String {
+    let first = crc32fast::hash(pkl);
+    let mut crc = crc32fast::Hasher::new_with_initial(first);
+    let mut len = pkl.len() as u64;
+    if let Some((data_crc, data_len)) = data {
+        crc.combine(&crc32fast::Hasher::new_with_initial_len(data_crc, data_len));
+        len += data_len;
     }
-    let first = crc32fast::hash(records[0]) as u64;
-    format!("{:020}{:020}", (first << 32) | crc.finalize() as u64, len)
+    format!("{:020}{:020}", ((first as u64) << 32) | crc.finalize() as u64, len)
 }
 
 /// `('storage', torch.storage.UntypedStorage, '0', 'cpu', nbytes)` as a

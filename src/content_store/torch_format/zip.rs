@@ -72,9 +72,16 @@ impl<W: Write> ZipWriter<W> {
         Ok(())
     }
 
-    /// Adds one record. The CRC is computed while the data is written, in
-    /// slices that stay in cache, so the data is read from memory once.
+    /// Adds one record, computing its CRC-32.
     pub fn add(&mut self, name: &str, data: &[u8]) -> io::Result<()> {
+        self.add_with_crc(name, data, crc32fast::hash(data))
+    }
+
+    /// Adds one record whose CRC-32 the caller computed already (a big
+    /// storage's, computed once on several cores). The data goes to the
+    /// inner writer in one call: a buffered writer passes it straight to
+    /// the file as one large write.
+    pub fn add_with_crc(&mut self, name: &str, data: &[u8], crc: u32) -> io::Result<()> {
         let size = data.len() as u64;
         let header_offset = self.pos;
         let big = size >= U32_MARK;
@@ -110,12 +117,7 @@ impl<W: Write> ZipWriter<W> {
         header[extra_len_at..extra_len_at + 2].copy_from_slice(&extra_len.to_le_bytes());
         self.put(&header)?;
 
-        let mut crc = crc32fast::Hasher::new();
-        for chunk in data.chunks(1 << 20) {
-            crc.update(chunk);
-            self.put(chunk)?;
-        }
-        let crc = crc.finalize();
+        self.put(data)?;
 
         let mut desc = Vec::with_capacity(24);
         put_u32(&mut desc, DESCRIPTOR_SIG);

@@ -22,6 +22,7 @@ the default mode (its value there depends on the device's generator) and
 copied to the CPU to be written.
 """
 
+import atexit
 import os
 import warnings
 import weakref
@@ -50,6 +51,15 @@ _NATIVE_DTYPES = {
 # Writers with a native half, so that a reader of the same folder can wait
 # for what they still have queued.
 _live_writers: "weakref.WeakSet[ContentStoreWriter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_live_writers() -> None:
+    # A writer kept alive until exit (a module global, a cycle) may never
+    # see __del__: its queued tensors are written here, before the
+    # interpreter goes.
+    for w in list(_live_writers):
+        w.__del__()
 
 
 def _wait_for_writers(real_loc: str) -> None:

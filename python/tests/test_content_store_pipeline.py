@@ -7,6 +7,8 @@ see queued tensors, errors come back, and a forked child writes too."""
 import io
 import os
 import signal
+import subprocess
+import sys
 import time
 import zipfile
 
@@ -201,3 +203,21 @@ def test_a_failure_still_pending_when_the_writer_is_deleted_is_a_warning(tmp_pat
     w.write_tensor("a/b", torch.ones(5))
     with pytest.warns(RuntimeWarning, match="a/b"):
         del w
+
+
+def test_a_writer_alive_at_exit_has_written_everything(tmp_path):
+    # A module-level writer is never collected before the interpreter
+    # exits; what it queued must still reach the folder.
+    script = (
+        "import torch\n"
+        "from storage_sharing.content_store import ContentStoreWriter\n"
+        f"W = ContentStoreWriter({str(tmp_path)!r})\n"
+        "for i in range(8):\n"
+        "    W.write_tensor(f't{i}', torch.full((1 << 18,), float(i)))\n"
+        "import threading\n"
+        "threading.Thread(target=lambda w=W: threading.Event().wait(), daemon=True).start()\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    r = ours.ContentStoreReader(str(tmp_path))
+    for i in range(8):
+        assert torch.equal(r.read_tensor(f"t{i}"), torch.full((1 << 18,), float(i)))

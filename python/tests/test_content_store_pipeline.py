@@ -6,10 +6,8 @@ see queued tensors, errors come back, and a forked child writes too."""
 
 import io
 import os
-import signal
 import subprocess
 import sys
-import time
 import zipfile
 
 import pytest
@@ -21,24 +19,12 @@ import torch.utils._content_store as theirs  # noqa: E402
 import storage_sharing.content_store as ours  # noqa: E402
 from storage_sharing._errors import Error  # noqa: E402
 
+from _forks import wait_child  # noqa: E402
+
 pytestmark = pytest.mark.torch
 
 # Both ways of hashing, whatever this machine's core count picks.
 PLACES = ["caller", "pool"]
-
-
-def wait_child(pid, guard_s=120):
-    """The child's exit code; a child still running after guard_s (a
-    hang guard, far above the time it needs) is killed and fails the test."""
-    deadline = time.monotonic() + guard_s
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail(f"the forked child hung (killed after {guard_s} s)")
 
 
 def writer(loc, place, stable=True):

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use std::path::PathBuf;
 use std::sync::Arc;
 use storage_sharing::content_store::torch_default_hash::torch_default_hash_hex;
-use storage_sharing::content_store::{hash_hex, Digest, Dtype, Format, HashMode, HashWhere, Pipeline, Reader, StorageBytes, Writer};
+use storage_sharing::content_store::{hash_hex, Digest, Dtype, Format, HashMode, HashWhere, Pipeline, Reader, StorageFile, Writer};
 
 /// The bytes at `address`, `nbytes` long.
 ///
@@ -209,9 +209,10 @@ impl PyContentReader {
         Ok((m.dtype.torch_name(), m.storage_hash, m.offset, m.shape, m.stride, bits.conj, bits.neg))
     }
 
-    /// The storage named `hash`, mapped read-only.
+    /// The storage named `hash`, its file open and parsed, to be copied
+    /// out once by `StoredBytes.copy_to`.
     fn open_storage(&self, py: Python<'_>, hash: &str) -> PyResult<StoredBytes> {
-        Ok(StoredBytes { bytes: py.allow_threads(|| self.reader.read_storage(hash)).or_raise()? })
+        Ok(StoredBytes { file: py.allow_threads(|| self.reader.open_storage_file(hash)).or_raise()? })
     }
 
     fn list_tensors(&self, py: Python<'_>) -> PyResult<Vec<String>> {
@@ -219,37 +220,43 @@ impl PyContentReader {
     }
 }
 
-/// A stored storage's bytes, mapped while this object lives.
+/// A stored storage's file, open while this object lives.
 #[pyclass(frozen, module = "storage_sharing._native", name = "StoredBytes")]
 pub struct StoredBytes {
-    bytes: Arc<StorageBytes>,
+    file: StorageFile,
 }
 
 #[pymethods]
 impl StoredBytes {
     #[getter]
     fn nbytes(&self) -> usize {
-        self.bytes.bytes().len()
+        self.file.len()
     }
 
     #[getter]
     fn hash(&self) -> &str {
-        self.bytes.hash()
+        self.file.hash()
     }
 
-    /// Copies the bytes to `address`, which must have room for `nbytes`.
+    /// Reads the bytes from the file to `address`, which must have room
+    /// for `nbytes`, checking them against the file's CRC-32 on the way
+    /// (a damaged file raises; the destination then holds what was read).
     fn copy_to(&self, py: Python<'_>, address: usize, room: usize) -> PyResult<()> {
-        let src = self.bytes.bytes();
-        if room < src.len() {
-            return Err(invalid(format!("destination has {room} bytes; the storage has {}", src.len())));
+        let len = self.file.len();
+        if room < len {
+            return Err(invalid(format!("destination has {room} bytes; the storage has {len}")));
         }
-        checked_address(address, src.len())?;
-        let dst = address;
+        checked_address(address, len)?;
         py.allow_threads(|| {
-            // SAFETY: the caller owns `room` writable bytes at `address`
-            // (a fresh storage), which cannot overlap a read-only mapping.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) }
-        });
-        Ok(())
+            let dst: &mut [u8] = if len == 0 {
+                &mut []
+            } else {
+                // SAFETY: the caller owns `room` >= len writable bytes at
+                // `address` (a fresh storage) for the length of the call.
+                unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) }
+            };
+            self.file.read_into(dst)
+        })
+        .or_raise()
     }
 }

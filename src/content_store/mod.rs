@@ -4,6 +4,7 @@
 
 pub mod bounds;
 pub mod check;
+mod copy_out;
 pub mod dtype;
 mod fork_aware;
 mod fsio;
@@ -26,5 +27,5 @@ pub use hash::{hash_hex, HashMode};
 pub use layout::Format;
 pub use meta::{TensorMeta, ViewBits};
 pub use pipeline::{Digest, HashWhere, Pipeline};
-pub use reader::{EntryListing, OddObject, Reader, StorageBytes, Tensor};
+pub use reader::{EntryListing, OddObject, Reader, StorageBytes, StorageFile, Tensor};
 pub use writer::{WriteStats, Writer};

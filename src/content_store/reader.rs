@@ -1,10 +1,13 @@
 //! Reading a store, which may come from anyone: names are checked before
 //! they touch the file system, no symbolic link below the root is
 //! followed, records are size-limited and fully checked, and a view that
-//! reaches past its storage is refused. Storages are mapped read-only,
-//! never copied, and a storage read twice while in use is one mapping.
+//! reaches past its storage is refused. Storages are mapped read-only
+//! (a storage read twice while in use is one mapping), or copied straight
+//! from their file into the caller's memory with their CRC-32 checked
+//! ([`Reader::open_storage_file`]).
 
 use super::bounds::check_fits;
+use super::copy_out;
 use super::fork_aware::CacheLock;
 use super::fsio;
 use super::hash::{hash_hex, is_digest, HashMode};
@@ -15,6 +18,7 @@ use super::{record, torch_glue};
 use crate::error::{Error, ErrorKind, Result};
 use memmap2::{Mmap, MmapOptions};
 use std::collections::HashMap;
+use std::fs::File;
 use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -33,6 +37,56 @@ pub struct StorageBytes {
     map: Option<Mmap>,
     range: Range<usize>,
     verified: AtomicBool,
+}
+
+/// A storage's file, open and parsed, for copying its bytes out once
+/// (see [`StorageFile::read_into`]); nothing of it is mapped.
+pub struct StorageFile {
+    hash: String,
+    file: File,
+    range: Range<usize>,
+    /// The CRC-32 the file holds for the bytes (PyTorch format; 0: none).
+    crc: u32,
+    /// Hash the bytes copied and compare with the name.
+    verify: Option<HashMode>,
+}
+
+impl StorageFile {
+    pub fn hash(&self) -> &str {
+        &self.hash
+    }
+
+    /// How many bytes the storage has.
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+
+    /// Copies the bytes into `dst`, which must be exactly as long, with
+    /// `pread` (one copy, no page faults on a mapping). In the PyTorch
+    /// format they are checked against the CRC-32 of their zip record in
+    /// the same pass: a damaged file is an error (`Corrupt`) here, where
+    /// [`Reader::read_storage`] hands out whatever is stored, as
+    /// PyTorch's own reader does. A file without a CRC (0), or in the
+    /// native format (named by its content hash: see
+    /// [`Reader::set_verify`]), is copied unchecked.
+    pub fn read_into(&self, dst: &mut [u8]) -> Result<()> {
+        let len = self.range.len();
+        if dst.len() != len {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("storage {} has {len} bytes; the destination has {}", self.hash, dst.len()),
+            ));
+        }
+        copy_out::read_checked(&self.file, self.range.start as u64, dst, self.crc, &format!("storage {}", self.hash))?;
+        if let Some(mode) = self.verify {
+            check_bytes(&self.hash, dst, mode)?;
+        }
+        Ok(())
+    }
 }
 
 impl StorageBytes {
@@ -170,6 +224,16 @@ impl Reader {
         Ok((meta, bits))
     }
 
+    fn check_storage_name(&self, hash: &str) -> Result<()> {
+        if !self.is_storage_name(hash) {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("{hash:?} is not a storage hash of this {} store", self.format.name()),
+            ));
+        }
+        Ok(())
+    }
+
     fn is_storage_name(&self, hash: &str) -> bool {
         match self.format {
             Format::Native => is_digest(hash, self.hash),
@@ -181,12 +245,7 @@ impl Reader {
     /// The storage named `hash`, mapped read-only; the same mapping while
     /// any earlier result for it is alive.
     pub fn read_storage(&self, hash: &str) -> Result<Arc<StorageBytes>> {
-        if !self.is_storage_name(hash) {
-            return Err(Error::new(
-                ErrorKind::InvalidArgument,
-                format!("{hash:?} is not a storage hash of this {} store", self.format.name()),
-            ));
-        }
+        self.check_storage_name(hash)?;
         let cached = self.cache.lock().and_then(|cache| cache.get(hash).and_then(Weak::upgrade));
         let storage = match cached {
             Some(s) => s,
@@ -214,7 +273,26 @@ impl Reader {
         Ok(storage)
     }
 
+    /// The storage named `hash`, open and parsed, for copying its bytes
+    /// out once with [`StorageFile::read_into`] (the way to read a
+    /// storage into memory of one's own; no mapping is kept, and no
+    /// cache). With [`Reader::set_verify`] on, the bytes copied are
+    /// hashed and compared with the name as well.
+    pub fn open_storage_file(&self, hash: &str) -> Result<StorageFile> {
+        self.check_storage_name(hash)?;
+        let (file, _map, range, crc) = self.open_parsed(hash)?;
+        let verify = self.verify.load(Ordering::Relaxed).then_some(self.hash);
+        Ok(StorageFile { hash: hash.to_string(), file, range, crc, verify })
+    }
+
     fn map_storage(&self, hash: &str) -> Result<StorageBytes> {
+        let (_file, map, range, _crc) = self.open_parsed(hash)?;
+        Ok(StorageBytes { hash: hash.to_string(), map, range, verified: AtomicBool::new(false) })
+    }
+
+    /// The storage's file, mapped, where its bytes lie in it, and the
+    /// CRC-32 it holds for them (0: none).
+    fn open_parsed(&self, hash: &str) -> Result<(File, Option<Mmap>, Range<usize>, u32)> {
         let file = fsio::open_regular(&self.root_fd, &self.root, &[layout::STORAGES, hash], "storage").map_err(|e| {
             if e.kind() == ErrorKind::NotFound {
                 Error::new(ErrorKind::NotFound, format!("no storage {hash} in {}", self.root.display()))
@@ -236,18 +314,18 @@ impl Reader {
                     .map_err(|e| Error::new(ErrorKind::Io, format!("unable to map storage {hash}: {e}")))?,
             )
         };
-        let range = match self.format {
-            Format::Native => 0..len,
+        let (range, crc) = match self.format {
+            Format::Native => (0..len, 0),
             Format::Torch => {
                 let all: &[u8] = map.as_deref().unwrap_or(&[]);
-                let r = torch_glue::storage_data_range(all).map_err(|e| e.context(format!("storage {hash}")))?;
+                let (r, crc) = torch_glue::storage_data_record(all).map_err(|e| e.context(format!("storage {hash}")))?;
                 if r.start > r.end || r.end > len {
                     return Err(Error::new(ErrorKind::Corrupt, format!("storage {hash}: data range {r:?} outside its {len}-byte file")));
                 }
-                r
+                (r, crc)
             }
         };
-        Ok(StorageBytes { hash: hash.to_string(), map, range, verified: AtomicBool::new(false) })
+        Ok((file, map, range, crc))
     }
 
     /// Names of every tensor entry that is a regular file, sorted (links,
@@ -336,9 +414,13 @@ type StorageScan = (Vec<(String, u64)>, Vec<OddObject>);
 
 /// Hashes a storage's bytes and compares with its name.
 pub fn check_hash(storage: &StorageBytes, mode: HashMode) -> Result<()> {
-    let got = hash_hex(storage.bytes(), mode);
-    if got != storage.hash {
-        return Err(Error::new(ErrorKind::Corrupt, format!("storage {} has bytes whose {} hash is {got}", storage.hash, mode.name())));
+    check_bytes(&storage.hash, storage.bytes(), mode)
+}
+
+fn check_bytes(hash: &str, bytes: &[u8], mode: HashMode) -> Result<()> {
+    let got = hash_hex(bytes, mode);
+    if got != hash {
+        return Err(Error::new(ErrorKind::Corrupt, format!("storage {hash} has bytes whose {} hash is {got}", mode.name())));
     }
     Ok(())
 }

@@ -40,9 +40,10 @@ pub fn tensor_file(meta: &TensorMeta) -> Vec<u8> {
     torch_format::tensor_file(meta)
 }
 
-/// Where the storage's bytes sit inside a storage file.
-pub fn storage_data_range(file: &[u8]) -> Result<Range<usize>> {
-    torch_format::storage_data_range(file)
+/// Where the storage's bytes sit inside a storage file, and the CRC-32
+/// its zip record gives for them (0: none).
+pub fn storage_data_record(file: &[u8]) -> Result<(Range<usize>, u32)> {
+    torch_format::storage_data_record(file)
 }
 
 /// A tensor entry, with its conjugate/negative bits, through the

@@ -193,6 +193,12 @@ impl<'a> Archive<'a> {
 /// `data.pkl` names one untyped storage `0` of exactly that many bytes.
 /// The data's own CRC is not read here (the content hash covers it).
 pub fn storage_data_range(file: &[u8]) -> Result<Range<usize>> {
+    Ok(storage_data_record(file)?.0)
+}
+
+/// [`storage_data_range`] and the CRC-32 the zip gives for the data (0:
+/// none was stored), for checking the bytes as they are copied out.
+pub fn storage_data_record(file: &[u8]) -> Result<(Range<usize>, u32)> {
     let archive = Archive::parse(file)?;
     let storage = match archive.pickle(Allow::StorageFile)? {
         Value::Storage(s) => s,
@@ -205,7 +211,7 @@ pub fn storage_data_range(file: &[u8]) -> Result<Range<usize>> {
     if rec.data.len() as u64 != storage.nbytes {
         return Err(corrupt(format!("storage file's pickle says {} bytes but {} holds {}", storage.nbytes, rec.name, rec.data.len())));
     }
-    Ok(rec.data.clone())
+    Ok((rec.data.clone(), rec.crc))
 }
 
 /// How a storage file's data stands against the CRC-32 its zip record

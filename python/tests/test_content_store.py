@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 import torch.utils._content_store as theirs  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 
+import storage_sharing  # noqa: E402
 import storage_sharing.content_store as ours  # noqa: E402
 
 from _forks import wait_child  # noqa: E402
@@ -259,6 +260,28 @@ def test_damaged_storage_file_is_an_error_not_a_crash(tmp_path):
     with pytest.raises(Exception) as info:
         ours.ContentStoreReader(str(tmp_path)).read_tensor("x")
     assert name in str(info.value)
+
+
+@pytest.mark.parametrize("writer", [theirs, ours], ids=["torch_wrote", "we_wrote"])
+def test_a_flipped_data_byte_is_reported_on_read(tmp_path, writer):
+    # The bytes are checked against their zip record's CRC-32 as they are
+    # copied in; PyTorch's reader checks no CRC and hands the damage out.
+    x = torch.arange(1 << 20, dtype=torch.float32)
+    w = writer.ContentStoreWriter(str(tmp_path), stable_hash=True)
+    w.write_tensor("x", x)
+    del w  # the files are in the folder from here on
+    (name,) = os.listdir(tmp_path / "storages")
+    path = tmp_path / "storages" / name
+    data = path.read_bytes()
+    at = data.index(x.numpy()[-100:].tobytes())
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x04]))
+    with pytest.raises(storage_sharing.Error) as info:
+        ours.ContentStoreReader(str(tmp_path)).read_tensor("x")
+    assert info.value.kind == "Corrupt"
+    assert name in str(info.value) and "CRC-32" in str(info.value)
+    assert not torch.equal(theirs.ContentStoreReader(str(tmp_path)).read_tensor("x"), x)
 
 
 def test_default_hash_in_a_forked_child_after_the_parent_used_all_cores():

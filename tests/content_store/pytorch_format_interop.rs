@@ -96,3 +96,43 @@ print("ok")
     assert_eq!((m.dtype, bytes), (Dtype::UInt8, (0..7).collect::<Vec<u8>>()));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A storage copied out of its file (the way the Python reader reads) is
+/// checked against the zip record's CRC-32 in the same pass: a flipped
+/// byte is refused as `Corrupt`, where the mapping hands the bytes out
+/// unchecked, as PyTorch's reader does.
+#[test]
+fn a_flipped_byte_is_reported_when_a_storage_is_copied_out() {
+    use storage_sharing::content_store::{hash_hex, HashMode, Reader};
+    use storage_sharing::ErrorKind;
+    let dir = std::env::temp_dir().join(format!("ss_torch_cs_flip_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("storages")).unwrap();
+    // Big enough to span several pieces of the copy.
+    let data: Vec<u8> = (0..(3 << 20) + 5).map(|i: usize| (i * 13 + i / 4093) as u8).collect();
+    let hash = hash_hex(&data, HashMode::Stable);
+    let path = dir.join("storages").join(&hash);
+    let file = storage_file(&data);
+    std::fs::write(&path, &file).unwrap();
+
+    let reader = Reader::open(&dir).unwrap();
+    let stored = reader.open_storage_file(&hash).unwrap();
+    assert_eq!(stored.len(), data.len());
+    let mut out = vec![0u8; data.len()];
+    stored.read_into(&mut out).unwrap();
+    assert!(out == data, "the bytes copied out are the stored ones");
+    let e = stored.read_into(&mut out[1..]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+
+    // One bit flipped in the last piece of the data.
+    let at = storage_data_range(&file).unwrap().start + data.len() - 7;
+    let mut damaged = file.clone();
+    damaged[at] ^= 0x10;
+    std::fs::write(&path, &damaged).unwrap();
+    let e = reader.open_storage_file(&hash).unwrap().read_into(&mut out).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(e.message().contains(&hash) && e.message().contains("CRC-32"), "{e}");
+    let mapped = reader.read_storage(&hash).unwrap();
+    assert_eq!(mapped.bytes()[data.len() - 7], data[data.len() - 7] ^ 0x10, "the mapping is not checked");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -14,8 +14,11 @@ are PyTorch's (each side reads what the other wrote). What differs:
   the next ``write_tensor``, ``flush()`` or ``close()``;
 * a store may be reopened and added to, by several writers at once;
 * reading copies the stored bytes into a fresh CPU storage once (no
-  unpickling); entries are parsed by a restricted reader, and an entry it
-  cannot parse is handed to ``torch.load(weights_only=True)``.
+  unpickling), checking them against their zip record's CRC-32 on the way:
+  a damaged storage file raises ``Error`` (kind ``Corrupt``), where
+  PyTorch's reader returns the damaged bytes; entries are parsed by a
+  restricted reader, and an entry it cannot parse is handed to
+  ``torch.load(weights_only=True)``.
 
 Storages not on the CPU are hashed by PyTorch's own ``hash_storage`` for
 the default mode (its value there depends on the device's generator) and

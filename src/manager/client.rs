@@ -30,6 +30,7 @@
 //! opens its own.
 
 use super::protocol::{AllocInfo, ALLOC_INFO_SIZE, OK_REPLY};
+use super::reglog::{RegLog, ATTACH_NAME, DRAIN_FLAG, LOG_REPLY};
 use super::spawn;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fork_safe::ForkSafeMutex;
@@ -61,6 +62,12 @@ struct Conn {
     /// Deferred frees of gone names, then the message being sent: one
     /// write (the buffer is kept between calls).
     outbox: Vec<u8>,
+    /// The registration log offered at connect, until the first reply says
+    /// whether the manager took it (ours: `LG`; libshm's: `OK`).
+    offered_log: Option<RegLog>,
+    /// The log the manager took: registrations and frees go there once no
+    /// socket registration awaits its reply (see `use_log`).
+    log: Option<RegLog>,
 }
 
 /// A connection to one manager.
@@ -99,8 +106,95 @@ impl Client {
             broken: None,
             unreported: false,
             outbox: Vec::with_capacity((MAX_DEFERRED_FREES + 1) * ALLOC_INFO_SIZE),
+            offered_log: None,
+            log: None,
         };
-        Ok(Client { path: path.to_string(), pid: std::process::id(), conn: Mutex::new(conn), timeout })
+        let client = Client { path: path.to_string(), pid: std::process::id(), conn: Mutex::new(conn), timeout };
+        client.offer_log();
+        Ok(client)
+    }
+
+    /// Sends a registration log's descriptor with the attach registration;
+    /// its reply is collected with the others. Without a log (memfd
+    /// refused, say) everything goes over the socket, as with libshm.
+    fn offer_log(&self) {
+        let Ok((log, fd)) = RegLog::create() else { return };
+        let Ok(msg) = AllocInfo::new(self.pid as i32, false, ATTACH_NAME) else { return };
+        let mut c = self.conn();
+        let sock = c.stream.as_raw_fd();
+        match crate::fdpass::send_fds(sock, &msg.encode(), &[fd.as_raw_fd()]) {
+            Ok(n) if n == ALLOC_INFO_SIZE => {
+                c.owed += 1;
+                c.offered_log = Some(log);
+            }
+            Ok(n) => {
+                // The rest of the record must still go, or the stream is cut.
+                let rest = msg.encode()[n..].to_vec();
+                if self.send(&mut c, &rest).is_ok() {
+                    c.owed += 1;
+                    c.offered_log = Some(log);
+                }
+            }
+            Err(e) => c.broken = Some(e),
+        }
+    }
+
+    /// Whether a message may go to the log: the manager took it and every
+    /// socket registration has its reply, so the manager has read all that
+    /// was sent on the socket before (a log record read before an earlier
+    /// socket registration of the same name would undo the order).
+    fn use_log(c: &Conn) -> bool {
+        c.log.is_some() && c.owed == 0 && c.broken.is_none()
+    }
+
+    /// Appends `msg` to the log (after any deferred frees), first asking
+    /// the manager to read a full log and waiting for its `OK`.
+    fn append_to_log(&self, c: &mut Conn, msg: Option<&[u8; ALLOC_INFO_SIZE]>) -> Result<()> {
+        let mut records: Vec<[u8; ALLOC_INFO_SIZE]> =
+            c.outbox.chunks_exact(ALLOC_INFO_SIZE).map(|r| r.try_into().expect("whole records")).collect();
+        c.outbox.clear();
+        records.extend(msg.copied());
+        for rec in &records {
+            if !c.log.as_ref().expect("log in use").append(rec) {
+                self.drain_log(c)?;
+                if !c.log.as_ref().expect("log in use").append(rec) {
+                    let e = Error::new(
+                        ErrorKind::Protocol,
+                        format!("the shared memory manager <{}> did not read the registration log", self.path),
+                    );
+                    c.broken = Some(e.clone());
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Asks the manager to read the log now and waits for its `OK`.
+    fn drain_log(&self, c: &mut Conn) -> Result<()> {
+        let mut drain = [0u8; ALLOC_INFO_SIZE];
+        drain[..4].copy_from_slice(&(self.pid as i32).to_ne_bytes());
+        drain[4] = DRAIN_FLAG;
+        self.send(c, &drain)?;
+        c.owed += 1;
+        self.collect(c, 0)
+    }
+
+    /// Finds a manager that closed the connection without a system call
+    /// that could wake it: a peek that does not wait.
+    fn check_alive(&self, c: &mut Conn) -> Result<()> {
+        let mut b = 0u8;
+        // SAFETY: reading at most one byte into `b`, without consuming it.
+        let n = unsafe { libc::recv(c.stream.as_raw_fd(), (&mut b as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        let e = if n == 0 {
+            Error::new(ErrorKind::PeerGone, format!("Other end has closed the connection (shared memory manager <{}>)", self.path))
+        } else if n < 0 && !matches!(crate::error::errno(), libc::EAGAIN | libc::EINTR) {
+            Error::from_errno(crate::error::errno(), self.what())
+        } else {
+            return Ok(());
+        };
+        c.broken = Some(e.clone());
+        Err(e)
     }
 
     pub fn path(&self) -> &str {
@@ -111,6 +205,12 @@ impl Client {
         // Every update under the lock leaves Conn consistent (no user code
         // runs there), so a poisoned lock still holds valid data.
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether registrations and frees go to the registration log now
+    /// (our manager took it, and no socket registration awaits a reply).
+    pub fn uses_registration_log(&self) -> bool {
+        Self::use_log(&self.conn())
     }
 
     /// Whether the connection broke (a later `client_for` reconnects).
@@ -158,10 +258,16 @@ impl Client {
         let me = self.check_owner()?;
         let msg = AllocInfo::new(me as i32, false, filename)?.encode();
         let mut c = self.conn();
-        let sent = self.collect(&mut c, MAX_OWED_REPLIES - 1).and_then(|()| self.send(&mut c, &msg));
-        // The caller gets the error: it is reported.
+        // The caller gets any error: it is reported.
         c.unreported = false;
-        sent?;
+        // The log's offer does not count against the limit.
+        let limit = MAX_OWED_REPLIES - 1 + usize::from(c.offered_log.is_some());
+        self.collect(&mut c, limit)?;
+        if Self::use_log(&c) {
+            self.check_alive(&mut c)?;
+            return self.append_to_log(&mut c, Some(&msg));
+        }
+        self.send(&mut c, &msg)?;
         c.owed += 1;
         Ok(())
     }
@@ -189,6 +295,20 @@ impl Client {
         }
         let msg = AllocInfo::new(me as i32, true, filename)?.encode();
         let mut c = self.conn();
+        if c.broken.is_none() && c.owed > 0 {
+            // Replies that are there already may allow the log.
+            if let Err(e) = self.collect(&mut c, usize::MAX) {
+                c.unreported = true;
+                return Err(e);
+            }
+        }
+        if Self::use_log(&c) {
+            let result = self.append_to_log(&mut c, Some(&msg));
+            if result.is_err() {
+                c.unreported = true;
+            }
+            return result;
+        }
         if gone && c.broken.is_none() && c.outbox.len() < MAX_DEFERRED_FREES * ALLOC_INFO_SIZE {
             c.outbox.extend_from_slice(&msg);
             return Ok(());
@@ -202,11 +322,18 @@ impl Client {
     }
 
     /// Sends the deferred frees, then waits until every registration sent
-    /// so far has its `OK`.
+    /// so far has its `OK` (with a registration log: until the manager has
+    /// read the log).
     pub fn sync(&self) -> Result<()> {
         self.check_owner()?;
         let mut c = self.conn();
         c.unreported = false;
+        self.collect(&mut c, 0)?;
+        if Self::use_log(&c) {
+            // Everything in the log is read once the manager answers.
+            self.append_to_log(&mut c, None)?;
+            return self.drain_log(&mut c);
+        }
         if !c.outbox.is_empty() {
             self.collect(&mut c, usize::MAX).and_then(|()| self.send(&mut c, &[]))?;
         }
@@ -278,7 +405,18 @@ impl Client {
         c.partial.extend_from_slice(&buf[..n as usize]);
         let mut got = 0;
         while c.partial.len() >= 2 {
-            if &c.partial[..2] != OK_REPLY {
+            let reply = [c.partial[0], c.partial[1]];
+            let valid = match c.offered_log.take() {
+                // The first reply answers the log's offer.
+                Some(log) if &reply == LOG_REPLY => {
+                    c.log = Some(log);
+                    true
+                }
+                // libshm's manager took it as a registration of a name
+                // that never exists (it unlinks it, harmlessly, once we go).
+                _ => &reply == OK_REPLY,
+            };
+            if !valid {
                 return Err(Error::new(
                     ErrorKind::Protocol,
                     format!("Shared memory manager didn't respond with an OK (manager <{}>, got {:?})", self.path, &c.partial[..2]),

@@ -8,6 +8,7 @@ pub mod gc;
 pub mod managed;
 pub mod protocol;
 pub mod reclaim;
+pub mod reglog;
 pub mod segment_users;
 pub mod segments;
 pub mod server;

@@ -14,13 +14,14 @@
 
 use super::protocol::{AllocInfo, ALLOC_INFO_SIZE, OK_REPLY};
 use super::reclaim::{Reclaimer, IN_FLIGHT_GRACE};
+use super::reglog::{recv_with_fds, RegLog, ATTACH_NAME, DRAIN_FLAG, LOG_REPLY};
 use super::segment_users::shm_path;
 use crate::error::{Error, ErrorKind, Result};
 use crate::shm::names::validate_shm_name;
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::io::{ErrorKind as IoKind, Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -135,6 +136,10 @@ struct Session {
     /// A reply could not be sent (the client is gone or stopped reading):
     /// no more replies, but what it sent still counts.
     mute: bool,
+    /// The client's registration log, once it sent one (see `reglog`).
+    log: Option<RegLog>,
+    /// Descriptors received and not yet claimed by a message.
+    fds: Vec<OwnedFd>,
 }
 
 /// The daemon's state: listening socket, sessions, and what it tracks.
@@ -230,6 +235,9 @@ impl Server {
                 self.note("stop signal");
                 break;
             }
+            // What clients wrote to their logs counts before anything is
+            // decided below.
+            self.drain_all_logs();
             for (i, id) in ids.iter().enumerate() {
                 let rev = fds[i + 2].revents;
                 if rev & libc::POLLIN != 0 {
@@ -253,6 +261,7 @@ impl Server {
         // Stopping: nobody will tell us about these clients any more, nor
         // can a receiver register, so everything tracked that no live
         // process uses goes now, in flight or not.
+        self.drain_all_logs();
         self.sessions.clear();
         self.reclaim.give_up_in_flight();
         let removed = self.reclaim.recheck_all(|_| false);
@@ -323,7 +332,9 @@ impl Server {
                     self.note(format!("client {id} connected (pid {peer_pid})"));
                     self.idle_since = None;
                     self.reclaim.trust_counts();
-                    self.sessions.insert(id, Session { stream, peer_pid, pending: Vec::new(), held: HashMap::new(), mute: false });
+                    let session =
+                        Session { stream, peer_pid, pending: Vec::new(), held: HashMap::new(), mute: false, log: None, fds: Vec::new() };
+                    self.sessions.insert(id, session);
                 }
                 Err(e) if e.kind() == IoKind::WouldBlock => return,
                 Err(e) if e.kind() == IoKind::Interrupted => {}
@@ -342,7 +353,7 @@ impl Server {
         let mut buf = [0u8; 64 * ALLOC_INFO_SIZE];
         loop {
             let Some(s) = self.sessions.get_mut(&id) else { return };
-            match s.stream.read(&mut buf) {
+            match recv_with_fds(s.stream.as_raw_fd(), &mut buf, &mut s.fds) {
                 Ok(0) => return self.drop_session(id, "closed"),
                 Ok(n) => {
                     s.pending.extend_from_slice(&buf[..n]);
@@ -363,6 +374,8 @@ impl Server {
     /// several registrations (its socket closed, so the first reply fails)
     /// has registered them all, and all are abandoned with it.
     fn handle_pending(&mut self, id: u64) -> Result<()> {
+        // The log's records were written before this message was sent.
+        self.drain_log(id)?;
         let mut reply_failed = None;
         loop {
             let s = self.sessions.get_mut(&id).expect("live session");
@@ -372,7 +385,25 @@ impl Server {
             let mut rec = [0u8; ALLOC_INFO_SIZE];
             rec.copy_from_slice(&s.pending[..ALLOC_INFO_SIZE]);
             s.pending.drain(..ALLOC_INFO_SIZE);
+            let (has_log, has_fd) = (s.log.is_some(), !s.fds.is_empty());
+            if rec[4] == DRAIN_FLAG && has_log {
+                self.drain_log(id)?;
+                if let Err(e) = self.reply(id, OK_REPLY) {
+                    reply_failed.get_or_insert(e);
+                }
+                continue;
+            }
             let msg = AllocInfo::decode(&rec)?;
+            if !msg.free && msg.filename == ATTACH_NAME && !has_log && has_fd {
+                let s = self.sessions.get_mut(&id).expect("live session");
+                let fd = s.fds.remove(0);
+                s.log = Some(RegLog::adopt(&fd)?);
+                s.fds.clear();
+                if let Err(e) = self.reply(id, LOG_REPLY) {
+                    reply_failed.get_or_insert(e);
+                }
+                continue;
+            }
             validate_shm_name(&msg.filename).map_err(|e| Error::new(ErrorKind::Protocol, e.message().to_string()))?;
             if msg.free {
                 self.on_free(id, &msg.filename);
@@ -408,18 +439,58 @@ impl Server {
         }
     }
 
-    fn on_register(&mut self, id: u64, name: &str) -> Result<()> {
-        // Recorded before the reply: a client gone before reading it has
-        // still registered the name (it may have created it since).
+    /// Reads the records `id` appended to its log since the last time and
+    /// counts them as messages (registrations get no reply there). An
+    /// invalid record ends it: the session is to be dropped.
+    fn drain_log(&mut self, id: u64) -> Result<()> {
+        let mut recs = Vec::new();
+        match self.sessions.get(&id).and_then(|s| s.log.as_ref()) {
+            Some(log) => log.take_new(&mut recs)?,
+            None => return Ok(()),
+        }
+        for rec in recs {
+            let msg = AllocInfo::decode(&rec)?;
+            validate_shm_name(&msg.filename).map_err(|e| Error::new(ErrorKind::Protocol, e.message().to_string()))?;
+            if msg.free {
+                self.on_free(id, &msg.filename);
+            } else {
+                self.count_registration(id, &msg.filename);
+            }
+        }
+        Ok(())
+    }
+
+    /// Every session's log; a session whose log is broken is dropped.
+    fn drain_all_logs(&mut self) {
+        let ids: Vec<u64> = self.sessions.iter().filter(|(_, s)| s.log.is_some()).map(|(id, _)| *id).collect();
+        for id in ids {
+            if let Err(e) = self.drain_log(id) {
+                self.drop_session(id, e.message());
+            }
+        }
+    }
+
+    fn count_registration(&mut self, id: u64, name: &str) {
         self.reclaim.track(name);
         let s = self.sessions.get_mut(&id).expect("live session");
         *s.held.entry(name.to_string()).or_default() += 1;
+    }
+
+    fn on_register(&mut self, id: u64, name: &str) -> Result<()> {
+        // Recorded before the reply: a client gone before reading it has
+        // still registered the name (it may have created it since).
+        self.count_registration(id, name);
+        self.reply(id, OK_REPLY)
+    }
+
+    fn reply(&mut self, id: u64, reply: &[u8; 2]) -> Result<()> {
+        let s = self.sessions.get_mut(&id).expect("live session");
         if s.mute {
             return Ok(());
         }
         // The reply is 2 bytes; a client that never reads them fills its
         // socket buffer and is dropped instead of blocking everyone.
-        match s.stream.write(OK_REPLY) {
+        match s.stream.write(reply) {
             Ok(2) => Ok(()),
             Ok(_) | Err(_) => {
                 s.mute = true;
@@ -445,6 +516,9 @@ impl Server {
     }
 
     fn drop_session(&mut self, id: u64, why: &str) {
+        // Its last records (a client killed right after writing one) count;
+        // a broken log ends at its first bad record.
+        let _ = self.drain_log(id);
         let Some(s) = self.sessions.remove(&id) else { return };
         self.note(format!("client {id} (pid {}) gone: {why}; {} names held", s.peer_pid, s.held.len()));
         // Its references stay in the headers for good: each name it held

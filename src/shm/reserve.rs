@@ -23,16 +23,25 @@ const MAP_PAGES_FROM: usize = 64 << 10;
 /// at once, so the first writes through it do not fault one page at a
 /// time: measured on tmpfs, fallocate + MADV_POPULATE_WRITE before filling
 /// 1 MiB or 256 MiB beats fallocate and then faulting each page by about
-/// a quarter, and beats not reserving at all. Below 64 KiB it is skipped.
+/// a quarter, and beats not reserving at all. Below 64 KiB the populate
+/// call alone reserves (no posix_fallocate), where the kernel has it.
 pub fn reserve(fd: RawFd, base: *mut u8, offset: usize, len: usize, map_pages: bool, what: &str) -> Result<()> {
     if len == 0 {
         return Ok(());
+    }
+    // A small memory-backed segment: MADV_POPULATE_WRITE alone allocates
+    // the pages (a full tmpfs fails it) and maps them, one call instead of
+    // posix_fallocate plus a page fault per page at the first writes.
+    if map_pages && !base.is_null() && len < MAP_PAGES_FROM {
+        match populate_write(base, offset, len) {
+            Err(e) if e.kind() == ErrorKind::Unsupported => {}
+            result => return result.map_err(|e| e.context(format!("unable to reserve {len} bytes for <{what}>"))),
+        }
     }
     // SAFETY: posix_fallocate acts only on the descriptor and returns the error.
     let rc = unsafe { libc::posix_fallocate(fd, offset as libc::off_t, len as libc::off_t) };
     let result = match rc {
         0 => {
-            // A few pages fault in faster than one more system call.
             if map_pages && !base.is_null() && len >= MAP_PAGES_FROM {
                 // Only a speed-up: the pages are reserved already, so a
                 // failure here (a kernel without it) changes nothing.

@@ -237,9 +237,14 @@ fn client_errors_are_specific() {
     let _ = std::fs::remove_file(&sock);
     let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
     let sock = sock.to_str().unwrap().to_string();
+    // Each fake answers the registration that offers the registration log
+    // at connect with `OK`, as libshm's manager does: the client keeps
+    // using the socket.
     let client = || {
         let c = Client::connect_with_timeout(&sock, Duration::from_millis(300)).unwrap();
-        (c, listener.accept().unwrap().0)
+        let mut conn = listener.accept().unwrap().0;
+        conn.write_all(b"OK").unwrap();
+        (c, conn)
     };
 
     let (silent, _conn) = client();

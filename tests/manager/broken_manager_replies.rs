@@ -13,8 +13,8 @@ use storage_sharing::shm::flags::{EXCLUSIVE, NOCREATE, SHAREDMEM};
 use storage_sharing::shm::{new_process_wide_shm_handle, RefcountedMapAllocator};
 use storage_sharing::ErrorKind;
 
-/// A fake manager at a fresh socket: reads one registration per
-/// connection, then answers `reply` (nothing if empty) and, with
+/// A fake manager at a fresh socket: answers the registration log's offer
+/// with `OK`, reads one registration per connection, then answers `reply` (nothing if empty) and, with
 /// `hang_up`, closes the connection.
 fn fake_manager(tag: &str, reply: &'static [u8], hang_up: bool) -> (String, PathBuf) {
     let dir = std::env::temp_dir().join(format!("ss-mgr-err-{}-{tag}", std::process::id()));
@@ -26,6 +26,10 @@ fn fake_manager(tag: &str, reply: &'static [u8], hang_up: bool) -> (String, Path
             let Ok(mut conn) = conn else { return };
             std::thread::spawn(move || {
                 let mut msg = [0u8; ALLOC_INFO_SIZE];
+                // The registration log's offer, declined as libshm does.
+                if conn.read_exact(&mut msg).is_err() || conn.write_all(b"OK").is_err() {
+                    return;
+                }
                 if conn.read_exact(&mut msg).is_err() {
                     return;
                 }

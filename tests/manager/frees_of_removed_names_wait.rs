@@ -2,7 +2,8 @@
 //! reference) waits for the next message to that manager and goes in the
 //! same write; the free of a segment that still exists goes at once. The
 //! manager is a socket served by a thread of this test that records every
-//! message in the order it arrives and answers registrations with OK.
+//! message in the order it arrives and answers registrations with OK (so,
+//! like libshm's manager, it declines the registration log).
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixListener;
@@ -10,6 +11,7 @@ use std::path::PathBuf;
 use std::sync::mpsc::{channel, Receiver};
 use std::time::Duration;
 use storage_sharing::manager::protocol::{AllocInfo, ALLOC_INFO_SIZE};
+use storage_sharing::manager::reglog::ATTACH_NAME;
 use storage_sharing::manager::{client_for, ManagedMapAllocator};
 use storage_sharing::shm::flags::{EXCLUSIVE, NOCREATE, SHAREDMEM};
 use storage_sharing::shm::new_process_wide_shm_handle;
@@ -28,6 +30,10 @@ fn recording_manager(tag: &str) -> (String, PathBuf, Receiver<(String, String)>)
             let msg = AllocInfo::decode(&rec).unwrap();
             if !msg.free && conn.write_all(b"OK").is_err() {
                 return;
+            }
+            // The registration log's offer (answered `OK` as libshm does).
+            if msg.filename == ATTACH_NAME {
+                continue;
             }
             let kind = if msg.free { "F" } else { "R" };
             if tx.send((kind.to_string(), msg.filename)).is_err() {

@@ -47,6 +47,20 @@ fn child_role() {
     .unwrap();
     let e = storage_sharing::cuda::counters::CounterFile::create().unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NoSpace, "CounterFile::create: {e}");
+    // Small segments (reserved by populating the mapping, not by
+    // posix_fallocate): one larger than the 32 KiB left, then one page
+    // once nothing is left.
+    let e = MapAllocator::open(&new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE, 48 << 10).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoSpace, "48 KiB segment: {e}");
+    assert!(e.to_string().contains("no space"), "{e}");
+    println!("small map: {e}");
+    let rest =
+        MapAllocator::open(&new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE | storage_sharing::shm::flags::UNLINK, 32 << 10).unwrap();
+    let e = RefcountedMapAllocator::open(&new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE, 4096).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoSpace, "4 KiB refcounted segment: {e}");
+    let e = storage_sharing::storage::Storage::new_using_filename(4096).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoSpace, "4 KiB new_using_filename: {e}");
+    drop(rest);
     drop(filler);
     // Nothing is left behind, and what fits still works.
     let left: Vec<_> = std::fs::read_dir("/dev/shm").unwrap().collect();

@@ -64,6 +64,30 @@ pub fn send_fds(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<usize> {
     }
 }
 
+/// Moves the descriptors of the `SCM_RIGHTS` control messages of `msg`
+/// into `fds` (they are ours from then on).
+///
+/// # Safety
+/// `msg` is a header that `recvmsg` has just filled, its control buffer
+/// still alive, and its descriptors not taken yet.
+pub unsafe fn take_passed_fds(msg: &libc::msghdr, fds: &mut Vec<OwnedFd>) {
+    // SAFETY: walking the control messages the kernel wrote into the
+    // caller's buffer (the caller's contract).
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+                for i in 0..bytes / std::mem::size_of::<RawFd>() {
+                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(msg, cmsg);
+        }
+    }
+}
+
 /// Receives one message into `buf` with up to `max_fds` descriptors
 /// (close-on-exec). Returns the payload length (0 when the peer closed)
 /// and the descriptors. If the kernel had to drop descriptors, everything
@@ -101,17 +125,7 @@ pub fn recv_fds(sock: RawFd, buf: &mut [u8], max_fds: usize) -> Result<(usize, V
     if max_fds > 0 {
         // SAFETY: walking the control messages the kernel wrote into our buffer.
         unsafe {
-            let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-            while !cmsg.is_null() {
-                if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                    let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
-                    let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
-                    for i in 0..bytes / std::mem::size_of::<RawFd>() {
-                        fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
-                    }
-                }
-                cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-            }
+            take_passed_fds(&msg, &mut fds);
         }
     }
     if msg.msg_flags & libc::MSG_CTRUNC != 0 {

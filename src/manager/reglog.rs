@@ -182,20 +182,8 @@ pub fn recv_with_fds(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std
     if n < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    // SAFETY: walking the control messages the kernel wrote into our buffer.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
-                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
-                for i in 0..bytes / std::mem::size_of::<RawFd>() {
-                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
-                }
-            }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-        }
-    }
+    // SAFETY: recvmsg has just filled `msg`; `control` is still alive.
+    unsafe { crate::fdpass::take_passed_fds(&msg, fds) };
     Ok(n as usize)
 }
 

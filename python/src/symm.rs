@@ -141,7 +141,8 @@ pub(crate) fn alloc_block(py: Python<'_>, size: usize, group: &str, timeout: Opt
 }
 
 /// A block of `size` bytes on every rank of a group, after its rendezvous.
-#[pyclass(frozen, module = "storage_sharing._native", name = "SymmBlock")]
+// weakref: a group finds its live allocations without keeping them.
+#[pyclass(frozen, weakref, module = "storage_sharing._native", name = "SymmBlock")]
 pub struct SymmBlock {
     state: Mutex<Option<(usize, Arc<SymmetricMemory>)>>,
 }

@@ -7,7 +7,7 @@ use crate::symm::{alloc_block, timeout_of};
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex};
 use storage_sharing::symm;
-use storage_sharing::symm::cpu_collectives::CpuCollectives;
+use storage_sharing::symm::cpu_collectives::{CpuCollectives, SymmetricInput};
 use storage_sharing::symm::reduce::{Elem, ReduceOp};
 
 #[pyclass(frozen, module = "storage_sharing._native", name = "SymmScratch")]
@@ -101,14 +101,32 @@ impl SymmScratch {
     }
 
     /// Copies every rank's `nbytes` at `input` to `outputs[rank]` here.
-    #[pyo3(signature = (input, nbytes, outputs, timeout=None))]
-    fn all_gather(&self, py: Python<'_>, input: usize, nbytes: usize, outputs: Vec<usize>, timeout: Option<f64>) -> PyResult<()> {
+    /// `symmetric` is `(allocation, size, offset, buffers)` when `input`
+    /// lies at `offset` in a symmetric allocation of the group: `buffers`
+    /// are its addresses for every rank, `allocation` names it alike on
+    /// every rank. Peers then read it in place (when every rank's input
+    /// lies in the same allocation); returns whether they did.
+    #[pyo3(signature = (input, nbytes, outputs, timeout=None, symmetric=None))]
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        input: usize,
+        nbytes: usize,
+        outputs: Vec<usize>,
+        timeout: Option<f64>,
+        symmetric: Option<(u64, usize, usize, Vec<usize>)>,
+    ) -> PyResult<bool> {
         let (c, t) = (self.coll()?, timeout_of(timeout)?);
         py.allow_threads(|| {
             let outs: Vec<*mut u8> = outputs.iter().map(|&a| address(a)).collect();
+            let buffers: Vec<*const u8> =
+                symmetric.as_ref().map(|s| s.3.iter().map(|&a| address(a) as *const u8).collect()).unwrap_or_default();
+            let sym =
+                symmetric.as_ref().map(|&(allocation, size, offset, _)| SymmetricInput { allocation, size, offset, buffers: &buffers });
             // SAFETY: the wrapper passes live contiguous tensors of
-            // `nbytes`, the outputs disjoint from each other.
-            unsafe { c.all_gather(address(input), nbytes, &outs, t) }
+            // `nbytes`, the outputs disjoint from each other, and a
+            // symmetric block's live buffers with `input` inside its own.
+            unsafe { c.all_gather(address(input), nbytes, &outs, sym, t) }
         })
         .or_raise()
     }

@@ -7,7 +7,9 @@ tensors over every peer's: a write to ``buf.peers[r]`` is a write to rank
 ``wait_signal(src)`` synchronize through the block's signal pad, and a wait
 that runs out of time raises ``TimeoutError`` naming the rank that did not
 answer. ``all_reduce``, ``broadcast``, ``all_gather`` and
-``all_gather_into_tensor`` run over a symmetric scratch buffer of the group.
+``all_gather_into_tensor`` run over a symmetric scratch buffer of the group;
+an all_gather whose input lies in a symmetric tensor on every rank reads the
+peers' inputs in place instead.
 
 The ranks meet through the group's store: when it is a TCPStore, through
 the library's own TCPStore client at its host and port; otherwise through
@@ -18,6 +20,7 @@ same order (allocation and every collective are collective calls).
 import ctypes
 import itertools
 import math
+import weakref
 from datetime import timedelta
 from typing import List, Optional, Sequence
 
@@ -73,10 +76,13 @@ class SymmTensor:
         self._block = _native.SymmBlock(max(nbytes, 1), group.name, group.timeout)
         self.rank = self._block.rank
         self.world_size = self._block.world_size
-        self.peers: List[torch.Tensor] = [
-            _bytes_at(self._block.buffer_address(r), nbytes, self._block).view(dtype).view(shape) for r in range(self.world_size)
-        ]
+        buffers = [self._block.buffer_address(r) for r in range(self.world_size)]
+        self.peers: List[torch.Tensor] = [_bytes_at(b, nbytes, self._block).view(dtype).view(shape) for b in buffers]
         self.tensor = self.peers[self.rank]
+        # Allocations are collective calls, so this count names the
+        # allocation alike on every rank.
+        self.serial = next(group._serials)
+        group._allocations[self.serial] = _Allocation(buffers, nbytes, weakref.ref(self._block))
 
     @property
     def channels(self) -> int:
@@ -99,7 +105,21 @@ class SymmTensor:
         (it is freed anyway when this object and its tensors are gone)."""
         self.peers = []
         self.tensor = None
+        self.group._allocations.pop(self.serial, None)
         self._block.close()
+
+
+class _Allocation:
+    """What a group remembers of a symmetric allocation: where it lies on
+    every rank, and its block while that lives (the tensors over it keep
+    it, not this)."""
+
+    __slots__ = ("buffers", "size", "block")
+
+    def __init__(self, buffers: List[int], size: int, block: "weakref.ref"):
+        self.buffers = buffers
+        self.size = size
+        self.block = block
 
 
 class Group:
@@ -112,6 +132,11 @@ class Group:
         self.world_size = world_size
         self.timeout = timeout
         self._scratch: Optional[_native.SymmScratch] = None
+        self._serials = itertools.count()
+        self._allocations: dict = {}
+        # How many all_gathers read the peers' inputs in place (for tests
+        # and benchmarks).
+        self.gathers_in_place = 0
 
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> SymmTensor:
         """A symmetric tensor of ``shape`` (every rank calls it alike)."""
@@ -122,6 +147,23 @@ class Group:
 
     def _timeout(self, timeout):
         return self.timeout if timeout is None else _seconds(timeout)
+
+    def _symmetric_input(self, t: torch.Tensor, nbytes: int):
+        """``(allocation, size, offset, buffers)`` when the ``nbytes`` at
+        ``t`` lie in a live symmetric allocation of this group (its rank
+        buffer), else None."""
+        if nbytes == 0:
+            return None
+        at = t.data_ptr()
+        for serial, a in list(self._allocations.items()):
+            block = a.block()
+            if block is None or block.closed:
+                del self._allocations[serial]
+                continue
+            base = a.buffers[self.rank]
+            if base <= at and at + nbytes <= base + a.size:
+                return serial, a.size, at - base, a.buffers
+        return None
 
     def _scratch_for(self, nbytes: int) -> "_native.SymmScratch":
         """The group's scratch block, grown (a collective call: every rank
@@ -295,10 +337,17 @@ def broadcast(tensor: torch.Tensor, src: int, *, group=None, timeout=None) -> to
     return tensor
 
 
+def _plain(t) -> torch.Tensor:
+    """A SymmTensor's own tensor; any other tensor as it is."""
+    return t.tensor if isinstance(t, SymmTensor) else t
+
+
 def _gather(g: Group, outputs: Sequence[torch.Tensor], input: torch.Tensor, timeout) -> None:
     """Every rank's ``input`` into ``outputs[rank]``: straight into the
     outputs that are contiguous and of ``input``'s dtype, through a
-    temporary into the others."""
+    temporary into the others. An input in a symmetric tensor is read by
+    the peers in place."""
+    input = _plain(input)
     _check_cpu(input)
     flat = input if input.is_contiguous() else input.contiguous()
     n = flat.numel()
@@ -309,7 +358,10 @@ def _gather(g: Group, outputs: Sequence[torch.Tensor], input: torch.Tensor, time
         if t.numel() != n:
             raise ValueError(f"output {p} has {t.numel()} elements; the input has {n}")
         direct.append(t if t.is_contiguous() and t.dtype == flat.dtype else torch.empty(n, dtype=flat.dtype))
-    g._scratch_for(nbytes).all_gather(flat.data_ptr(), nbytes, [t.data_ptr() for t in direct], g._timeout(timeout))
+    scratch = g._scratch_for(nbytes)
+    outs = [t.data_ptr() for t in direct]
+    if scratch.all_gather(flat.data_ptr(), nbytes, outs, g._timeout(timeout), g._symmetric_input(flat, nbytes)):
+        g.gathers_in_place += 1
     for t, d in zip(outputs, direct):
         if d is not t:
             t.copy_(d.view(t.shape))
@@ -319,6 +371,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
     """``output`` (world_size times ``input``'s elements) gets every rank's
     ``input`` in rank order. Returns ``output``."""
     g = _group(group)
+    output, input = _plain(output), _plain(input)
     n = input.numel()
     if output.numel() != n * g.world_size:
         raise ValueError(f"output has {output.numel()} elements; {g.world_size} ranks of {n} need {n * g.world_size}")
@@ -333,6 +386,7 @@ def all_gather(tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, *, gro
     """``tensor_list[r]`` gets rank ``r``'s ``tensor`` (as
     ``torch.distributed.all_gather``). Returns ``tensor_list``."""
     g = _group(group)
+    tensor_list = [_plain(t) for t in tensor_list]
     if len(tensor_list) != g.world_size:
         raise ValueError(f"tensor_list has {len(tensor_list)} tensors for {g.world_size} ranks")
     _gather(g, tensor_list, tensor, timeout)

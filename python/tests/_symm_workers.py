@@ -87,17 +87,72 @@ def collectives(rank, world_size):
     return out
 
 
-def dies_mid_collective(rank, world_size, victim):
+def dies_mid_collective(rank, world_size, victim, op="all_reduce"):
     symm.join(timeout=5)
-    t = torch.ones(64)
-    symm.all_reduce(t)  # everyone alive: the scratch buffer exists
+    buf = symm.empty((64,), torch.float32)
+    t = buf.tensor
+    lst = [torch.empty(64) for _ in range(world_size)]
+    calls = {"all_reduce": lambda: symm.all_reduce(t), "all_gather_in_place": lambda: symm.all_gather(lst, buf)}
+    calls[op]()  # everyone alive: the scratch buffer exists
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     try:
-        symm.all_reduce(t)
+        calls[op]()
     except TimeoutError as e:
         return {"timeout": str(e)}
     return {"timeout": None}
+
+
+def gathers_in_place(rank, world_size):
+    """all_gathers of inputs in symmetric tensors: read in place when every
+    rank's input lies in the same allocation, through the scratch block
+    otherwise; returns the failures and how many went in place."""
+    g = symm.join(timeout=60)
+    failures = []
+    n = 70001
+    buf = symm.empty((n,), torch.float32)
+    lst = [torch.empty(n) for _ in range(world_size)]
+    # The input changes as soon as a call returns: a peer still reading it
+    # would see the next round's values.
+    for i in range(40):
+        buf.tensor.fill_(rank * 1000 + i)
+        symm.all_gather(lst, buf)
+        if [float(x[n - 1]) for x in lst] != [float(r * 1000 + i) for r in range(world_size)] or not all(bool((x == x[0]).all()) for x in lst):
+            failures.append(f"round {i}: {[float(x[0]) for x in lst]}")
+            break
+    before = g.gathers_in_place
+    # Each rank's own row of a symmetric output is its input.
+    whole = symm.empty((world_size, 513), torch.int64)
+    whole.tensor[rank] = rank + 1
+    symm.all_gather_into_tensor(whole, whole.tensor[rank])
+    if not torch.equal(whole.tensor, torch.arange(1, world_size + 1).repeat_interleave(513).view(world_size, 513)):
+        failures.append(f"rows in place: {whole.tensor[:, 0].tolist()}")
+    rows = g.gathers_in_place - before
+    # Rank 0 alone passes a symmetric input, then the ranks pass different
+    # allocations: both go through the scratch block, and still gather.
+    other = symm.empty((n,), torch.float32)
+    other.tensor.fill_(-rank)
+    buf.tensor.fill_(rank + 0.5)
+    before = g.gathers_in_place
+    symm.all_gather(lst, buf if rank == 0 else buf.tensor.clone())
+    if [float(x[7]) for x in lst] != [r + 0.5 for r in range(world_size)]:
+        failures.append(f"mixed: {[float(x[7]) for x in lst]}")
+    symm.all_gather(lst, buf if rank % 2 else other)
+    if [float(x[7]) for x in lst] != [r + 0.5 if r % 2 else float(-r) for r in range(world_size)]:
+        failures.append(f"different allocations: {[float(x[7]) for x in lst]}")
+    through_scratch = 2 - (g.gathers_in_place - before)
+    # A view in the middle of the allocation, and a closed allocation.
+    mid = [torch.empty(100) for _ in range(world_size)]
+    symm.all_gather(mid, buf.tensor[5:105])
+    if [float(m[99]) for m in mid] != [r + 0.5 for r in range(world_size)]:
+        failures.append(f"view: {[float(m[99]) for m in mid]}")
+    buf.close()
+    x = torch.full((3,), float(rank))
+    outs = [torch.empty(3) for _ in range(world_size)]
+    symm.all_gather(outs, x)
+    if [float(o[0]) for o in outs] != [float(r) for r in range(world_size)]:
+        failures.append("plain after close")
+    return {"failures": failures, "in_place": g.gathers_in_place, "rows": rows, "through_scratch": through_scratch}
 
 
 def store_only(rank, world_size, path, results):

@@ -89,10 +89,10 @@ def test_collectives_match_their_definitions_and_gloo(tmp_path, how, world_size)
     del server
 
 
-@pytest.mark.parametrize("how", ["tcp", "file"])
-def test_rank_killed_mid_collective_times_out_naming_it(tmp_path, how):
+@pytest.mark.parametrize("how,op", [("tcp", "all_reduce"), ("file", "all_reduce"), ("tcp", "all_gather_in_place")])
+def test_rank_killed_mid_collective_times_out_naming_it(tmp_path, how, op):
     world_size, victim = 3, 1
-    server, procs, results = launch(workers.dies_mid_collective, world_size, how, tmp_path, victim)
+    server, procs, results = launch(workers.dies_mid_collective, world_size, how, tmp_path, victim, op)
     got = collect(procs, results, world_size - 1)
     assert procs[victim].exitcode == -9
     for r in range(world_size):
@@ -103,6 +103,19 @@ def test_rank_killed_mid_collective_times_out_naming_it(tmp_path, how):
         assert status == "ok", value
         assert value["timeout"] is not None, "the collective finished without the dead rank"
         assert f"rank {victim}" in value["timeout"], value["timeout"]
+    del server
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_reads_symmetric_inputs_in_place(tmp_path, world_size):
+    server, procs, results = launch(workers.gathers_in_place, world_size, "tcp", tmp_path)
+    out = ok(collect(procs, results, world_size), world_size)
+    for r in range(world_size):
+        assert out[r]["failures"] == [], out[r]
+        # 40 rounds, the rows of one tensor and a view: in place; a rank
+        # without a symmetric input, or ranks in different allocations:
+        # through the scratch block.
+        assert (out[r]["in_place"], out[r]["rows"], out[r]["through_scratch"]) == (42, 1, 2), out[r]
     del server
 
 

@@ -12,6 +12,12 @@
 //! barrier each rank reduces its 1/world slice from every peer's half into
 //! its own half and its output; after the second, it copies the other
 //! slices from their owners' halves.
+//!
+//! all_gather of an input that already lies in a symmetric allocation
+//! skips the scratch block: each rank posts where its input lies in a small
+//! header of its half, and when every rank posted an input in the same
+//! allocation, peers copy straight out of each other's inputs and a closing
+//! barrier keeps the inputs untouched until every peer has read them.
 
 use super::reduce::{self, Elem, ReduceOp};
 use super::SymmetricMemory;
@@ -24,6 +30,46 @@ use std::sync::Arc;
 /// vectors for the reduction).
 const SLICE_ALIGN: usize = 64;
 
+/// Bytes at the end of the buffer for the two halves' headers (one cache
+/// line each; an all_gather posts where its input lies there).
+const HEADERS: usize = 2 * SLICE_ALIGN;
+
+/// Where this rank's all_gather input lies when it is part of a symmetric
+/// allocation of the group: peers then read it in place.
+pub struct SymmetricInput<'a> {
+    /// Names the allocation alike on every rank (e.g. the order in which
+    /// the group made its allocations).
+    pub allocation: u64,
+    /// The allocation's size in bytes (equal on every rank).
+    pub size: usize,
+    /// The input's byte offset in the allocation (each rank's may differ:
+    /// its own row of a gathered tensor, say).
+    pub offset: usize,
+    /// The allocation's buffer on every rank, mapped in this process.
+    pub buffers: &'a [*const u8],
+}
+
+/// What a rank posts in its half's header before an all_gather's barrier.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Posted {
+    in_place: u64,
+    allocation: u64,
+    size: u64,
+    offset: u64,
+    bytes: u64,
+}
+
+impl Posted {
+    /// Whether a peer that posted `self` can be read in place by a rank
+    /// that posted `mine`.
+    fn readable_with(&self, mine: &Posted) -> bool {
+        self.in_place == 1
+            && mine.in_place == 1
+            && (self.allocation, self.size, self.bytes) == (mine.allocation, mine.size, mine.bytes)
+            && self.offset.checked_add(self.bytes).is_some_and(|end| end <= self.size)
+    }
+}
+
 /// The collectives over one CPU block (its buffer must be host memory).
 pub struct CpuCollectives {
     mem: Arc<SymmetricMemory>,
@@ -35,13 +81,13 @@ impl CpuCollectives {
     /// Collectives over `mem`, a rendezvoused CPU block; each call may move
     /// up to [`capacity`](Self::capacity) bytes per rank.
     pub fn new(mem: Arc<SymmetricMemory>) -> Self {
-        let half = mem.buffer_size() / 2 / SLICE_ALIGN * SLICE_ALIGN;
+        let half = mem.buffer_size().saturating_sub(HEADERS) / 2 / SLICE_ALIGN * SLICE_ALIGN;
         CpuCollectives { mem, half, turn: AtomicUsize::new(0) }
     }
 
     /// The block size that lets calls move `bytes` per rank.
     pub fn block_size_for(bytes: usize) -> usize {
-        bytes.next_multiple_of(SLICE_ALIGN).saturating_mul(2).max(2 * SLICE_ALIGN)
+        bytes.next_multiple_of(SLICE_ALIGN).saturating_mul(2).max(2 * SLICE_ALIGN).saturating_add(HEADERS)
     }
 
     pub fn memory(&self) -> &Arc<SymmetricMemory> {
@@ -63,6 +109,34 @@ impl CpuCollectives {
         // SAFETY: rank < world_size (callers loop over the group) and
         // offset + half <= buffer size.
         unsafe { self.mem.buffer_ptr(rank as i64).map(|p| p.add(offset)).unwrap_or(std::ptr::null_mut()) }
+    }
+
+    /// The header of the half at `offset` in `rank`'s buffer.
+    fn header(&self, rank: usize, offset: usize) -> *mut u64 {
+        let which = if offset == 0 { 0 } else { 1 };
+        // SAFETY: the headers follow both halves inside the buffer (see
+        // `new`), and region() checked rank.
+        unsafe { self.region(rank, 0).add(2 * self.half + which * SLICE_ALIGN) as *mut u64 }
+    }
+
+    /// Posts `p` in this rank's header; peers read it after the barrier,
+    /// which orders the writes before their reads.
+    fn post(&self, offset: usize, p: Posted) {
+        let h = self.header(self.mem.rank(), offset);
+        // SAFETY: a header is four aligned u64s that only this rank
+        // writes, and no peer reads it until the barrier this precedes.
+        unsafe {
+            for (i, v) in [p.in_place, p.allocation, p.size, p.offset, p.bytes].into_iter().enumerate() {
+                std::ptr::write_volatile(h.add(i), v);
+            }
+        }
+    }
+
+    fn posted(&self, rank: usize, offset: usize) -> Posted {
+        let h = self.header(rank, offset);
+        // SAFETY: read after the barrier that follows `rank`'s post.
+        let v = |i| unsafe { std::ptr::read_volatile(h.add(i)) };
+        Posted { in_place: v(0), allocation: v(1), size: v(2), offset: v(3), bytes: v(4) }
     }
 
     fn check_fits(&self, bytes: usize, what: &str) -> Result<()> {
@@ -163,29 +237,80 @@ impl CpuCollectives {
     }
 
     /// Copies every rank's `bytes` at `input` into `outputs[rank]` on every
-    /// rank (`outputs` has one pointer per rank).
+    /// rank (`outputs` has one pointer per rank). When `symmetric` says
+    /// where `input` lies in a symmetric allocation, and every rank's input
+    /// lies in the same allocation, peers read the inputs in place;
+    /// returns whether they did.
     ///
     /// # Safety
     /// `input` is readable and every output writable for `bytes`; the
     /// outputs are disjoint from each other and from `input` (except that
     /// this rank's own output may be `input` itself), and nothing else
-    /// touches them during the call.
-    pub unsafe fn all_gather(&self, input: *const u8, bytes: usize, outputs: &[*mut u8], timeout: Timeout) -> Result<()> {
+    /// touches them during the call. With `symmetric`, `input` is
+    /// `buffers[rank] + offset` and every buffer is mapped for `size`.
+    pub unsafe fn all_gather(
+        &self,
+        input: *const u8,
+        bytes: usize,
+        outputs: &[*mut u8],
+        symmetric: Option<SymmetricInput<'_>>,
+        timeout: Timeout,
+    ) -> Result<bool> {
+        // Checked even in place: when the ranks disagree, the inputs go
+        // through the scratch after all.
         self.check_fits(bytes, "all_gather")?;
         let (me, ws) = (self.mem.rank(), self.mem.world_size());
         if outputs.len() != ws {
             return Err(Error::new(ErrorKind::InvalidArgument, format!("all_gather got {} outputs for {ws} ranks", outputs.len())));
         }
+        if let Some(s) = &symmetric {
+            if s.buffers.len() != ws || !s.offset.checked_add(bytes).is_some_and(|end| end <= s.size) {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "all_gather got {} symmetric buffers for {ws} ranks, or its {bytes} bytes at offset {} overrun the {}-byte allocation",
+                        s.buffers.len(),
+                        s.offset,
+                        s.size
+                    ),
+                ));
+            }
+        }
         let off = self.next_region();
-        copy(input, self.region(me, off), bytes);
+        let mine = match &symmetric {
+            Some(s) => Posted { in_place: 1, allocation: s.allocation, size: s.size as u64, offset: s.offset as u64, bytes: bytes as u64 },
+            None => {
+                copy(input, self.region(me, off), bytes);
+                Posted { in_place: 0, allocation: 0, size: 0, offset: 0, bytes: bytes as u64 }
+            }
+        };
+        self.post(off, mine);
         self.arrive(timeout)?;
         // This rank's own part needs no peer: copied while they catch up.
         copy(input, outputs[me], bytes);
         self.await_peers(timeout)?;
+        // Every rank reads the same headers, so all take the same branch.
+        let posts: Vec<Posted> = (0..ws).map(|p| if p == me { mine } else { self.posted(p, off) }).collect();
+        if let Some(s) = symmetric.as_ref().filter(|_| posts.iter().all(|p| p.readable_with(&mine))) {
+            for p in (0..ws).filter(|&p| p != me) {
+                copy(s.buffers[p].add(posts[p].offset as usize), outputs[p], bytes);
+            }
+            // Peers may change their inputs once this returns.
+            return self.mem.barrier(0, timeout, 0).map(|()| true);
+        }
+        if posts.iter().any(|p| p.in_place != 0) {
+            // Some rank offered its input in place, but not every rank
+            // in the same allocation: those ranks copy theirs into the
+            // scratch now.
+            if symmetric.is_some() {
+                copy(input, self.region(me, off), bytes);
+            }
+            self.mem.barrier(0, timeout, 0)?;
+        }
         for p in (0..ws).filter(|&p| p != me) {
             copy(self.region(p, off), outputs[p], bytes);
         }
-        Ok(())
+        Ok(false)
     }
 }
 

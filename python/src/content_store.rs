@@ -102,32 +102,6 @@ impl PyContentWriter {
         py.allow_threads(|| self.writer.write_storage_hashed(hash, data)).or_raise()
     }
 
-    /// Hashes and stores the storage, then the entry `name` viewing it;
-    /// returns the hash.
-    #[allow(clippy::too_many_arguments)]
-    fn write_tensor(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        address: usize,
-        nbytes: usize,
-        stable: bool,
-        dtype: &str,
-        offset: i64,
-        shape: Vec<i64>,
-        stride: Vec<i64>,
-    ) -> PyResult<String> {
-        checked_address(address, nbytes)?;
-        let dtype = parse_dtype(dtype)?;
-        // SAFETY: the caller holds the storage across the call.
-        let data = unsafe { bytes_at(address, nbytes) };
-        py.allow_threads(|| {
-            let hash = digest(data, stable);
-            self.writer.write_tensor_hashed(name, &hash, data, dtype, offset, &shape, &stride).map(|_| hash)
-        })
-        .or_raise()
-    }
-
     /// Queues the tensor `name` over a copy of the storage's bytes (taken
     /// in the call), to be hashed and written in the background. Returns
     /// the hash when the work was done in the call (a forked child), else

@@ -5,44 +5,30 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "../common/symm_ranks.rs"]
+mod symm_ranks;
 
 use common::{child_command, my_role, pattern};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Output, Stdio};
+use std::process::{Child, Output};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use storage_sharing::store::{FileStore, StoreRef};
+use storage_sharing::store::FileStore;
 use storage_sharing::symm::{self, group, registry, DeviceType, SymmetricMemory};
 use storage_sharing::ErrorKind;
+use symm_ranks::{finish, rank_command, sockets_left, Rank};
 
 const MS: u64 = 1;
 
 fn test_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ss-symm-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    symm_ranks::test_dir("ss-symm", tag)
 }
 
 /// Starts `ws` ranks of `role` (or the ranks in `only`), each with
 /// arguments [dir, rank, ws, extra...].
 fn spawn_ranks(role: &str, dir: &Path, ws: usize, only: &[usize], extra: &[&str]) -> Vec<(usize, Child)> {
     let ranks: Vec<usize> = if only.is_empty() { (0..ws).collect() } else { only.to_vec() };
-    ranks
-        .into_iter()
-        .map(|r| {
-            let (d, rs, wss) = (dir.to_str().unwrap().to_string(), r.to_string(), ws.to_string());
-            let mut args = vec![d.as_str(), rs.as_str(), wss.as_str()];
-            args.extend_from_slice(extra);
-            let mut cmd = child_command(role, &args);
-            cmd.env("TMPDIR", dir).stdout(Stdio::piped()).stderr(Stdio::piped());
-            (r, cmd.spawn().expect("spawn rank"))
-        })
-        .collect()
-}
-
-fn finish(children: Vec<(usize, Child)>) -> Vec<(usize, Output)> {
-    children.into_iter().map(|(r, c)| (r, c.wait_with_output().unwrap())).collect()
+    ranks.into_iter().map(|r| (r, rank_command(role, dir, r, ws, extra).spawn().expect("spawn rank"))).collect()
 }
 
 fn assert_all_ok(outs: &[(usize, Output)]) {
@@ -72,43 +58,17 @@ fn stdout(o: &Output) -> String {
 
 /// No `symm_mem-<pid>` socket may outlive a rendezvous.
 fn assert_no_sockets_left(dir: &Path) {
-    let left: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("symm_mem-"))
-        .collect();
+    let left = sockets_left(dir);
     assert!(left.is_empty(), "sockets left in {}: {left:?}", dir.display());
 }
 
 // ---------------------------------------------------------------- children
 
-/// This rank's view: dir, rank, world size, extra arguments.
-struct Rank {
-    dir: PathBuf,
-    rank: usize,
-    ws: usize,
-    extra: Vec<String>,
-    store: StoreRef,
-}
-
-impl Rank {
-    fn from_args(args: Vec<String>) -> Rank {
-        let dir = PathBuf::from(&args[0]);
-        let store: StoreRef = Arc::new(FileStore::open(dir.join("store")).unwrap());
-        Rank { rank: args[1].parse().unwrap(), ws: args[2].parse().unwrap(), extra: args[3..].to_vec(), dir, store }
-    }
-
-    fn join(&self, name: &str) {
-        group::set_group_info(name, self.rank as i64, self.ws as i64, self.store.clone()).unwrap();
-    }
-
-    /// A block of `size` bytes in group `name`, rendezvoused.
-    fn block(&self, name: &str, size: usize) -> (*mut u8, Arc<SymmetricMemory>) {
-        let p = symm::alloc(DeviceType::Cpu, 0, size, Some(name)).unwrap();
-        let h = symm::rendezvous(p, None, Some(Duration::from_secs(30))).unwrap();
-        (p, h)
-    }
+/// A CPU block of `size` bytes in group `name`, rendezvoused.
+fn block(name: &str, size: usize) -> (*mut u8, Arc<SymmetricMemory>) {
+    let p = symm::alloc(DeviceType::Cpu, 0, size, Some(name)).unwrap();
+    let h = symm::rendezvous(p, None, Some(Duration::from_secs(30))).unwrap();
+    (p, h)
 }
 
 fn t(ms: u64) -> Option<Duration> {
@@ -132,7 +92,7 @@ fn buffer<'a>(h: &SymmetricMemory, rank: usize) -> &'a mut [u8] {
 fn role_exchange(me: Rank) {
     me.join("world");
     let size: usize = me.extra[0].parse().unwrap();
-    let (p, h) = me.block("world", size);
+    let (p, h) = block("world", size);
     assert_eq!((h.rank(), h.world_size(), h.buffer_size()), (me.rank, me.ws, size));
     assert_eq!(h.buffer_ptr(me.rank as i64).unwrap(), p, "own buffer is the allocation");
     buffer(&h, me.rank).copy_from_slice(&pattern(size, me.rank as u8));
@@ -159,7 +119,7 @@ fn role_exchange(me: Rank) {
 
 fn role_ordering(me: Rank) {
     me.join("world");
-    let (_p, h) = me.block("world", 64 * me.ws);
+    let (_p, h) = block("world", 64 * me.ws);
     for round in 1..=500u64 {
         buffer(&h, me.rank)[..8].copy_from_slice(&round.to_ne_bytes());
         h.barrier(0, t(20_000), 0).unwrap();
@@ -174,7 +134,7 @@ fn role_ordering(me: Rank) {
 
 fn role_signals(me: Rank) {
     me.join("pair");
-    let (_p, h) = me.block("pair", 4096);
+    let (_p, h) = block("pair", 4096);
     let max = h.max_channel();
     let channels = [0usize, 3, 7, max];
     if me.rank == 0 {
@@ -199,7 +159,7 @@ fn role_signals(me: Rank) {
 
 fn role_timeouts(me: Rank) {
     me.join("pair");
-    let (_p, h) = me.block("pair", 64);
+    let (_p, h) = block("pair", 64);
     if me.rank == 0 {
         let start = Instant::now();
         let e = h.wait_signal(1, 2, t(200), 0).unwrap_err();
@@ -227,7 +187,7 @@ fn role_timeouts(me: Rank) {
 
 fn role_kill9(me: Rank) {
     me.join("trio");
-    let (_p, h) = me.block("trio", 4096);
+    let (_p, h) = block("trio", 4096);
     h.barrier(0, t(20_000), 0).unwrap();
     if me.rank == 2 {
         println!("rank 2 in barrier");
@@ -292,13 +252,13 @@ fn role_two_groups(me: Rank) {
     }
     let mut low = None;
     if in_low {
-        let (p, h) = me.block("low", 256);
+        let (p, h) = block("low", 256);
         buffer(&h, me.rank)[0] = 10 + me.rank as u8;
         h.barrier(0, t(20_000), 0).unwrap();
         assert_eq!(buffer(&h, 1 - me.rank)[0], 11 - me.rank as u8);
         low = Some((p, h));
     }
-    let (_pa, all) = me.block("all", 512);
+    let (_pa, all) = block("all", 512);
     buffer(&all, me.rank)[0] = 20 + me.rank as u8;
     all.barrier(0, t(20_000), 0).unwrap();
     for r in 0..me.ws {
@@ -306,7 +266,7 @@ fn role_two_groups(me: Rank) {
     }
     if let Some((_p, h)) = &low {
         // A second block in "low" after "all": the sequences stay apart.
-        let (_p2, h2) = me.block("low", 128);
+        let (_p2, h2) = block("low", 128);
         h2.barrier(0, t(20_000), 0).unwrap();
         h.barrier(0, t(20_000), 0).unwrap();
     }

@@ -8,20 +8,22 @@
 
 #[path = "../common/mod.rs"]
 mod common;
-
-use common::{child_command, my_role, pattern};
 #[path = "../common/cuda_ctx.rs"]
 mod cuda_ctx;
+#[path = "../common/symm_ranks.rs"]
+mod symm_ranks;
+
+use common::{my_role, pattern};
 
 use cuda_ctx::{make_primary_current, ok};
 use cudarc::driver::sys;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Output, Stdio};
+use std::process::{Child, Output};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use storage_sharing::store::{FileStore, StoreRef};
 use storage_sharing::symm::{self, group, DeviceType, SymmetricMemory};
 use storage_sharing::ErrorKind;
+use symm_ranks::{finish, rank_command, sockets_left, Rank};
 
 /// True where CUDA can be used by several processes on device 0; prints
 /// the skip line where not.
@@ -73,20 +75,13 @@ fn compute_modes_that_keep_ranks_off_one_device() {
 }
 
 fn test_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ss-symm-cuda-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    symm_ranks::test_dir("ss-symm-cuda", tag)
 }
 
 fn spawn_ranks(role: &str, dir: &Path, ws: usize, allow_overlap: bool, extra: &[&str]) -> Vec<(usize, Child)> {
     (0..ws)
         .map(|r| {
-            let (d, rs, wss) = (dir.to_str().unwrap().to_string(), r.to_string(), ws.to_string());
-            let mut args = vec![d.as_str(), rs.as_str(), wss.as_str()];
-            args.extend_from_slice(extra);
-            let mut cmd = child_command(role, &args);
-            cmd.env("TMPDIR", dir).stdout(Stdio::piped()).stderr(Stdio::piped());
+            let mut cmd = rank_command(role, dir, r, ws, extra);
             if allow_overlap {
                 cmd.env("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1");
             } else {
@@ -95,10 +90,6 @@ fn spawn_ranks(role: &str, dir: &Path, ws: usize, allow_overlap: bool, extra: &[
             (r, cmd.spawn().expect("spawn rank"))
         })
         .collect()
-}
-
-fn finish(children: Vec<(usize, Child)>) -> Vec<(usize, Output)> {
-    children.into_iter().map(|(r, c)| (r, c.wait_with_output().unwrap())).collect()
 }
 
 fn show(o: &Output) -> String {
@@ -127,41 +118,22 @@ fn run_ranks(role: &str, ws: usize, extra: &[&str]) -> Vec<(usize, Output)> {
         print!("{}", String::from_utf8_lossy(&o.stdout));
     }
     assert_eq!(dev_shm(), shm_before, "nothing may appear in /dev/shm");
-    let left: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().starts_with("symm_mem-"))
-        .collect();
-    assert!(left.is_empty(), "sockets left behind");
+    let left = sockets_left(&dir);
+    assert!(left.is_empty(), "sockets left behind: {left:?}");
     let _ = std::fs::remove_dir_all(&dir);
     outs
 }
 
 // ---------------------------------------------------------------- children
 
-struct Rank {
-    rank: usize,
-    ws: usize,
-    extra: Vec<String>,
-    store: StoreRef,
-}
-
-impl Rank {
-    fn from_args(args: Vec<String>) -> Rank {
-        let dir = PathBuf::from(&args[0]);
-        let store: StoreRef = Arc::new(FileStore::open(dir.join("store")).unwrap());
-        Rank { rank: args[1].parse().unwrap(), ws: args[2].parse().unwrap(), extra: args[3..].to_vec(), store }
-    }
-
-    /// Joins group "world", allocates `size` bytes on device 0 and
-    /// rendezvouses; makes device 0's primary context current here.
-    fn block(&self, size: usize) -> (*mut u8, Arc<SymmetricMemory>) {
-        group::set_group_info("world", self.rank as i64, self.ws as i64, self.store.clone()).unwrap();
-        let p = symm::alloc(DeviceType::Cuda, 0, size, Some("world")).unwrap();
-        let h = symm::rendezvous(p, None, t(60_000)).unwrap();
-        make_primary_current();
-        (p, h)
-    }
+/// Joins group "world", allocates `size` bytes on device 0 and
+/// rendezvouses; makes device 0's primary context current here.
+fn cuda_block(me: &Rank, size: usize) -> (*mut u8, Arc<SymmetricMemory>) {
+    me.join("world");
+    let p = symm::alloc(DeviceType::Cuda, 0, size, Some("world")).unwrap();
+    let h = symm::rendezvous(p, None, t(60_000)).unwrap();
+    make_primary_current();
+    (p, h)
 }
 
 fn t(ms: u64) -> Option<Duration> {
@@ -202,7 +174,7 @@ fn pad_is_zero(h: &SymmetricMemory, rank: usize) -> bool {
 
 fn role_exchange(me: Rank) {
     let size: usize = me.extra[0].parse().unwrap();
-    let (p, h) = me.block(size);
+    let (p, h) = cuda_block(&me, size);
     assert_eq!((h.rank(), h.world_size(), h.buffer_size()), (me.rank, me.ws, size));
     assert_eq!(symm::get_alloc_size(p).unwrap(), size);
     assert!(!h.has_multicast(), "ranks share a device: no multicast");
@@ -248,7 +220,7 @@ fn role_exchange(me: Rank) {
 }
 
 fn role_signals(me: Rank) {
-    let (_p, h) = me.block(4096);
+    let (_p, h) = cuda_block(&me, 4096);
     let s = new_stream();
     let max = h.max_channel();
     let channels = [0usize, 3, 7, max];
@@ -277,7 +249,7 @@ fn role_signals(me: Rank) {
 }
 
 fn role_timeout(me: Rank) {
-    let (_p, h) = me.block(4096);
+    let (_p, h) = cuda_block(&me, 4096);
     if me.rank == 0 {
         // Rank 1 never signals on channel 2: the kernel gives up after 300 ms.
         h.wait_signal(1, 2, t(300), 0).unwrap();
@@ -302,7 +274,7 @@ fn role_timeout(me: Rank) {
 }
 
 fn role_kill9(me: Rank) {
-    let (p, h) = me.block(4096);
+    let (p, h) = cuda_block(&me, 4096);
     h.barrier(0, t(20_000), 0).unwrap();
     sync();
     if me.rank == 2 {

@@ -14,42 +14,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "check.h"
-
-static void fill(unsigned char *p, size_t n, unsigned seed) {
-    for (size_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 31u + seed);
-}
+#include "forks.h"
 
 static int matches(const unsigned char *p, size_t n, unsigned seed) {
-    for (size_t i = 0; i < n; i++)
-        if (p[i] != (unsigned char)(i * 31u + seed)) return 0;
-    return 1;
+    return matches_from(p, 0, n, seed);
 }
 
 static int all_zero(const unsigned char *p, size_t n) {
     for (size_t i = 0; i < n; i++)
         if (p[i] != 0) return 0;
     return 1;
-}
-
-static void wait_child_ok(pid_t pid) {
-    int st = 0;
-    CHECK(waitpid(pid, &st, 0) == pid);
-    if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
-        fprintf(stderr, "child %d: %s %d\n", (int)pid, WIFSIGNALED(st) ? "killed by signal" : "exit status",
-                WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
-    }
-    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-}
-
-static ss_arena *open_arena(uint32_t strategy) {
-    ss_arena_options o;
-    CHECK_OK(ss_arena_options_default(&o));
-    o.strategy = strategy;
-    o.segment_size = (size_t)4 << 20;
-    ss_arena *a = NULL;
-    CHECK_OK(ss_arena_open(&o, &a));
-    return a;
 }
 
 /* The status every call on an inherited arena gives in the child, with a

@@ -9,7 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "check.h"
+#include "forks.h"
 
 static int shm_exists(const char *name) {
     char path[128];
@@ -18,21 +18,9 @@ static int shm_exists(const char *name) {
     return stat(path, &st) == 0;
 }
 
-static void fill(unsigned char *p, size_t n, unsigned seed) {
-    for (size_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 31u + seed);
-}
-
 /* Bytes 1..n-1 follow the pattern (byte 0 is the peers' marker). */
 static int matches(const unsigned char *p, size_t n, unsigned seed) {
-    for (size_t i = 1; i < n; i++)
-        if (p[i] != (unsigned char)(i * 31u + seed)) return 0;
-    return 1;
-}
-
-static void wait_child_ok(pid_t pid) {
-    int st = 0;
-    CHECK(waitpid(pid, &st, 0) == pid);
-    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    return matches_from(p, 1, n, seed);
 }
 
 static void test_refs_and_resize(void) {

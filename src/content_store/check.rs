@@ -6,8 +6,8 @@ use super::fsio;
 use super::layout::{self, Format};
 use super::names::TEMP_PREFIX;
 use super::reader::{check_hash, OddObject, Reader};
+use super::store_lock::StoreLock;
 use super::torch_format::{self, DataCrc};
-use super::writer::flock;
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -137,9 +137,7 @@ pub struct GcReport {
 /// view of the references.
 pub fn gc(root: &Path, dry_run: bool) -> Result<GcReport> {
     let reader = Reader::open(root)?;
-    let lock_path = root.join(layout::LOCK);
-    let lock = fsio::open_lock_file(&lock_path)?;
-    flock(&lock, libc::LOCK_EX | libc::LOCK_NB, &lock_path)?;
+    let lock = StoreLock::exclusive_now(&root.join(layout::LOCK))?;
     let listing = reader.list_entries().map_err(|e| e.context("gc refused: the tensor entries cannot all be listed"))?;
     if let Some(odd) = listing.odd.first() {
         return Err(Error::new(

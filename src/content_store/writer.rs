@@ -11,13 +11,12 @@ use super::hash::{hash_hex, is_digest, HashMode};
 use super::layout::{self, Format};
 use super::meta::TensorMeta;
 use super::names::tensor_name_parts;
+use super::store_lock::StoreLock;
 use super::{record, torch_glue};
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashSet;
-use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 /// What a writer did so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -39,7 +38,9 @@ pub struct Writer {
     hash: HashMode,
     /// Held (shared flock) while the writer lives, so `gc` never removes a
     /// storage whose tensor entry is still to come.
-    _lock: File,
+    lock: CacheLock<StoreLock>,
+    /// The process whose lock `lock` holds (a forked child takes its own).
+    lock_owner: AtomicU32,
     /// Hashes this writer stored or found; only saves a stat.
     seen: CacheLock<HashSet<String>>,
     durable: AtomicBool,
@@ -81,12 +82,13 @@ impl Writer {
         };
         fsio::make_dirs(path, &[layout::STORAGES])?;
         fsio::make_dirs(path, &[layout::TENSORS])?;
-        let lock = shared_lock(path)?;
+        let lock = StoreLock::shared(&path.join(layout::LOCK))?;
         Ok(Writer {
             root: path.to_path_buf(),
             format,
             hash,
-            _lock: lock,
+            lock: CacheLock::new(lock),
+            lock_owner: AtomicU32::new(std::process::id()),
             seen: CacheLock::new(HashSet::new()),
             durable: AtomicBool::new(true),
             written: AtomicU64::new(0),
@@ -181,7 +183,24 @@ impl Writer {
         self.deduplicated.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Before anything is written: in a child forked from the process
+    /// that opened the writer, the child's own lock (see `store_lock`).
+    fn hold_lock(&self) -> Result<()> {
+        let me = std::process::id();
+        if self.lock_owner.load(Ordering::Acquire) == me {
+            return Ok(());
+        }
+        // A parent thread that held this at the fork leaves it held: the
+        // child then writes under the lock it inherited.
+        if let Some(mut lock) = self.lock.lock() {
+            lock.ensure_mine()?;
+            self.lock_owner.store(me, Ordering::Release);
+        }
+        Ok(())
+    }
+
     fn store_hashed(&self, hash: &str, data: &[u8]) -> Result<()> {
+        self.hold_lock()?;
         if !self.has_storage(hash, data.len()) {
             let dir = self.root.join(layout::STORAGES);
             let durable = self.durable.load(Ordering::Relaxed);
@@ -246,6 +265,7 @@ impl Writer {
     /// (and was checked with [`check_tensor`]).
     pub(crate) fn write_entry(&self, name: &str, meta: &TensorMeta) -> Result<()> {
         let parts = tensor_name_parts(name)?;
+        self.hold_lock()?;
         let entry = match self.format {
             Format::Native => record::encode(meta),
             Format::Torch => torch_glue::tensor_file(meta),
@@ -264,30 +284,4 @@ impl Writer {
 pub(crate) fn check_tensor(name: &str, meta: &TensorMeta, nbytes: usize) -> Result<()> {
     tensor_name_parts(name)?;
     check_fits(meta, nbytes as u64, ErrorKind::InvalidArgument).map_err(|e| e.context(format!("tensor {name:?}")))
-}
-
-/// A shared flock on the store's lock file (created if absent).
-fn shared_lock(root: &Path) -> Result<File> {
-    let path = root.join(layout::LOCK);
-    let f = fsio::open_lock_file(&path)?;
-    flock(&f, libc::LOCK_SH, &path)?;
-    Ok(f)
-}
-
-/// flock(2) on `f`; EINTR retried.
-pub(crate) fn flock(f: &File, op: i32, path: &Path) -> Result<()> {
-    loop {
-        // SAFETY: flock on a descriptor this File owns.
-        if unsafe { libc::flock(f.as_raw_fd(), op) } == 0 {
-            return Ok(());
-        }
-        let errno = crate::error::errno();
-        if errno == libc::EINTR {
-            continue;
-        }
-        if errno == libc::EWOULDBLOCK {
-            return Err(Error::new(ErrorKind::Busy, format!("{} is locked: a writer has the store open", path.display())));
-        }
-        return Err(Error::from_errno(errno, format!("unable to lock {}", path.display())));
-    }
 }

@@ -115,3 +115,75 @@ fn children_forked_while_threads_write_a_store_all_finish() {
     }
     assert!(failures.is_empty(), "{} of {FORKS} children failed: {failures:?}", failures.len());
 }
+
+fn pipe() -> (i32, i32) {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills the two-int array we pass.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    (fds[0], fds[1])
+}
+
+fn send_byte(fd: i32, b: u8) {
+    // SAFETY: writes one byte from a local to a pipe we own.
+    assert_eq!(unsafe { libc::write(fd, (&b as *const u8).cast(), 1) }, 1);
+}
+
+/// The next byte from `fd`; 255 when the writer end closed.
+fn take_byte(fd: i32) -> u8 {
+    let mut b = 255u8;
+    // SAFETY: reads one byte into a local from a pipe we own.
+    unsafe { libc::read(fd, (&mut b as *mut u8).cast(), 1) };
+    b
+}
+
+/// A child forked while a writer is open shares the lock file's open file
+/// until it exits (as any thread's `Command::spawn` does until its exec):
+/// dropping the writer in the parent must still let gc run at once. A
+/// child that then writes through the writer it inherited holds a lock of
+/// its own, so gc waits for it.
+#[test]
+fn a_forked_child_neither_keeps_nor_loses_the_store_lock() {
+    let root: PathBuf = std::env::temp_dir().join(format!("ss-cs-fork-lock-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let _cleanup = Cleanup(root.clone());
+    let writer = Writer::open(&root, Format::Native).unwrap();
+    let (from_parent, to_child) = pipe();
+    let (from_child, to_parent) = pipe();
+    let data = common::pattern(300, 5);
+    // SAFETY: the child only reads and writes pipes, writes through the
+    // store (fork-safe by design) and leaves by _exit.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // Only the parent may hold the ends the child reads from: a
+        // parent that fails then closes them, and the child goes on.
+        close_fds(&[to_child, from_child]);
+        take_byte(from_parent);
+        let ok = writer.write_tensor("child", &data, Dtype::UInt8, 0, &[300], &[1]).is_ok();
+        send_byte(to_parent, ok as u8);
+        take_byte(from_parent);
+        // SAFETY: _exit runs nothing of the parent's.
+        unsafe { libc::_exit(0) }
+    }
+    close_fds(&[from_parent, to_parent]);
+    drop(writer);
+    let gc = storage_sharing::content_store::gc(&root, true);
+    assert!(gc.is_ok(), "the parent closed its writer, but gc found the store locked: {:?}", gc.err().map(|e| e.message().to_string()));
+    send_byte(to_child, 1);
+    assert_eq!(take_byte(from_child), 1, "the child could not write through the writer it inherited");
+    let e = storage_sharing::content_store::gc(&root, true).expect_err("gc ran while the child's writer was writing");
+    assert_eq!(e.kind(), storage_sharing::ErrorKind::Busy, "{}", e.message());
+    send_byte(to_child, 2);
+    assert_eq!(wait_or_kill(pid, CHILD_LIMIT), Ok(0));
+    let report = storage_sharing::content_store::gc(&root, false).unwrap();
+    assert!(report.storages.is_empty(), "gc removed the child's storage: {:?}", report.storages);
+    assert!(storage_sharing::content_store::Reader::open(&root).unwrap().read_tensor("child").is_ok());
+    close_fds(&[to_child, from_child]);
+}
+
+fn close_fds(fds: &[i32]) {
+    for &fd in fds {
+        // SAFETY: closes pipe ends this test opened.
+        unsafe { libc::close(fd) };
+    }
+}

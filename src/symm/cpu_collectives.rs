@@ -123,7 +123,7 @@ impl CpuCollectives {
     /// which orders the writes before their reads.
     fn post(&self, offset: usize, p: Posted) {
         let h = self.header(self.mem.rank(), offset);
-        // SAFETY: a header is four aligned u64s that only this rank
+        // SAFETY: a header is five aligned u64s that only this rank
         // writes, and no peer reads it until the barrier this precedes.
         unsafe {
             for (i, v) in [p.in_place, p.allocation, p.size, p.offset, p.bytes].into_iter().enumerate() {

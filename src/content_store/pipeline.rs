@@ -25,7 +25,7 @@ use super::writer::{check_tensor, Writer};
 use super::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// A digest of a storage's bytes: the hex name it is stored under.
@@ -72,6 +72,24 @@ struct Shared {
     writer: Arc<Writer>,
     state: Mutex<State>,
     changed: Condvar,
+    /// This pipeline's jobs queued or running in the pool.
+    in_pool: AtomicUsize,
+}
+
+/// Counts a pool job out when it ends, even by a panic.
+struct InPool(Arc<Shared>);
+
+impl InPool {
+    fn enter(shared: Arc<Shared>) -> InPool {
+        shared.in_pool.fetch_add(1, Ordering::AcqRel);
+        InPool(shared)
+    }
+}
+
+impl Drop for InPool {
+    fn drop(&mut self) {
+        self.0.in_pool.fetch_sub(1, Ordering::Release);
+    }
 }
 
 /// A background writer over a [`Writer`]. Dropping it waits for its jobs.
@@ -84,8 +102,9 @@ pub struct Pipeline {
 /// Where a submitted storage is hashed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HashWhere {
-    /// By the pool's size (the default): in the caller on up to two
-    /// threads, in the pool on more.
+    /// By the pool's size (the default): on more than two threads in the
+    /// pool; on up to two in the caller, except while the pool has
+    /// nothing to do (then it hashes a copy, and the caller goes on).
     Auto,
     /// In the caller's call, over its bytes; only new content is copied.
     Caller,
@@ -101,7 +120,12 @@ impl HashWhere {
 impl Pipeline {
     pub fn new(writer: Arc<Writer>) -> Pipeline {
         Pipeline {
-            shared: Arc::new(Shared { writer, state: Mutex::new(State::default()), changed: Condvar::new() }),
+            shared: Arc::new(Shared {
+                writer,
+                state: Mutex::new(State::default()),
+                changed: Condvar::new(),
+                in_pool: AtomicUsize::new(0),
+            }),
             owner: std::process::id(),
             hash_where: AtomicU8::new(0),
         }
@@ -157,7 +181,7 @@ impl Pipeline {
         let hash_here = match self.hash_where.load(Ordering::Relaxed) {
             HashWhere::CALLER => true,
             HashWhere::POOL => false,
-            _ => pool.current_num_threads() <= HASH_HERE_UP_TO_THREADS,
+            _ => pool.current_num_threads() <= HASH_HERE_UP_TO_THREADS && self.shared.in_pool.load(Ordering::Acquire) > 0,
         };
         let hash = if hash_here { Some(digest(data)) } else { None };
         let seq = self.shared.admit(data.len())?;
@@ -168,12 +192,14 @@ impl Pipeline {
                 entry.meta.storage_hash = hash;
                 if let Some(entry) = self.shared.place(entry, data.len()) {
                     let buf = self.shared.copy_of(data);
-                    pool.spawn(move || shared.store(buf, entry));
+                    let counted = InPool::enter(shared);
+                    pool.spawn(move || counted.0.store(buf, entry));
                 }
             }
             None => {
                 let buf = self.shared.copy_of(data);
-                pool.spawn(move || shared.hash_and_store(buf, digest, entry));
+                let counted = InPool::enter(shared);
+                pool.spawn(move || counted.0.hash_and_store(buf, digest, entry));
             }
         }
         Ok(None)

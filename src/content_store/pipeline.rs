@@ -120,12 +120,7 @@ impl HashWhere {
 impl Pipeline {
     pub fn new(writer: Arc<Writer>) -> Pipeline {
         Pipeline {
-            shared: Arc::new(Shared {
-                writer,
-                state: Mutex::new(State::default()),
-                changed: Condvar::new(),
-                in_pool: AtomicUsize::new(0),
-            }),
+            shared: Arc::new(Shared { writer, state: Mutex::new(State::default()), changed: Condvar::new(), in_pool: AtomicUsize::new(0) }),
             owner: std::process::id(),
             hash_where: AtomicU8::new(0),
         }

@@ -393,7 +393,7 @@ impl Server {
                 }
                 continue;
             }
-            let msg = AllocInfo::decode(&rec)?;
+            let msg = checked_message(&rec)?;
             if !msg.free && msg.filename == ATTACH_NAME && !has_log && has_fd {
                 let s = self.sessions.get_mut(&id).expect("live session");
                 let fd = s.fds.remove(0);
@@ -404,7 +404,6 @@ impl Server {
                 }
                 continue;
             }
-            validate_shm_name(&msg.filename).map_err(|e| Error::new(ErrorKind::Protocol, e.message().to_string()))?;
             if msg.free {
                 self.on_free(id, &msg.filename);
             } else if let Err(e) = self.on_register(id, &msg.filename) {
@@ -449,8 +448,7 @@ impl Server {
             None => return Ok(()),
         }
         for rec in recs {
-            let msg = AllocInfo::decode(&rec)?;
-            validate_shm_name(&msg.filename).map_err(|e| Error::new(ErrorKind::Protocol, e.message().to_string()))?;
+            let msg = checked_message(&rec)?;
             if msg.free {
                 self.on_free(id, &msg.filename);
             } else {
@@ -669,4 +667,12 @@ fn redirect_to_null(target: libc::c_int) {
         // SAFETY: dup2 onto a standard descriptor, which we own as the process.
         unsafe { libc::dup2(null.as_raw_fd(), target) };
     }
+}
+
+/// A record from a client, decoded, its name checked as a segment name
+/// (the same check on the socket and in the registration log).
+fn checked_message(rec: &[u8; ALLOC_INFO_SIZE]) -> Result<AllocInfo> {
+    let msg = AllocInfo::decode(rec)?;
+    validate_shm_name(&msg.filename).map_err(|e| Error::new(ErrorKind::Protocol, e.message().to_string()))?;
+    Ok(msg)
 }

@@ -150,24 +150,27 @@ impl Client {
     /// Appends `msg` to the log (after any deferred frees), first asking
     /// the manager to read a full log and waiting for its `OK`.
     fn append_to_log(&self, c: &mut Conn, msg: Option<&[u8; ALLOC_INFO_SIZE]>) -> Result<()> {
-        let mut records: Vec<[u8; ALLOC_INFO_SIZE]> =
-            c.outbox.chunks_exact(ALLOC_INFO_SIZE).map(|r| r.try_into().expect("whole records")).collect();
-        c.outbox.clear();
-        records.extend(msg.copied());
-        for rec in &records {
-            if !c.log.as_ref().expect("log in use").append(rec) {
-                self.drain_log(c)?;
-                if !c.log.as_ref().expect("log in use").append(rec) {
-                    let e = Error::new(
-                        ErrorKind::Protocol,
-                        format!("the shared memory manager <{}> did not read the registration log", self.path),
-                    );
-                    c.broken = Some(e.clone());
-                    return Err(e);
-                }
-            }
+        // Taken out and given back: no allocation on this path.
+        let mut outbox = std::mem::take(&mut c.outbox);
+        let result = outbox.chunks_exact(ALLOC_INFO_SIZE).chain(msg.map(|m| &m[..])).try_for_each(|rec| self.append_one(c, rec));
+        outbox.clear();
+        c.outbox = outbox;
+        result
+    }
+
+    /// Appends one record, asking the manager to read a full log first.
+    fn append_one(&self, c: &mut Conn, rec: &[u8]) -> Result<()> {
+        let rec: &[u8; ALLOC_INFO_SIZE] = rec.try_into().expect("whole records");
+        if c.log.as_ref().expect("log in use").append(rec) {
+            return Ok(());
         }
-        Ok(())
+        self.drain_log(c)?;
+        if c.log.as_ref().expect("log in use").append(rec) {
+            return Ok(());
+        }
+        let e = Error::new(ErrorKind::Protocol, format!("the shared memory manager <{}> did not read the registration log", self.path));
+        c.broken = Some(e.clone());
+        Err(e)
     }
 
     /// Asks the manager to read the log now and waits for its `OK`.

@@ -16,7 +16,7 @@ use super::{record, torch_glue};
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// What a writer did so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -39,8 +39,6 @@ pub struct Writer {
     /// Held (shared flock) while the writer lives, so `gc` never removes a
     /// storage whose tensor entry is still to come.
     lock: CacheLock<StoreLock>,
-    /// The process whose lock `lock` holds (a forked child takes its own).
-    lock_owner: AtomicU32,
     /// Hashes this writer stored or found; only saves a stat.
     seen: CacheLock<HashSet<String>>,
     durable: AtomicBool,
@@ -88,7 +86,6 @@ impl Writer {
             format,
             hash,
             lock: CacheLock::new(lock),
-            lock_owner: AtomicU32::new(std::process::id()),
             seen: CacheLock::new(HashSet::new()),
             durable: AtomicBool::new(true),
             written: AtomicU64::new(0),
@@ -186,17 +183,12 @@ impl Writer {
     /// Before anything is written: in a child forked from the process
     /// that opened the writer, the child's own lock (see `store_lock`).
     fn hold_lock(&self) -> Result<()> {
-        let me = std::process::id();
-        if self.lock_owner.load(Ordering::Acquire) == me {
-            return Ok(());
-        }
         // A parent thread that held this at the fork leaves it held: the
         // child then writes under the lock it inherited.
-        if let Some(mut lock) = self.lock.lock() {
-            lock.ensure_mine()?;
-            self.lock_owner.store(me, Ordering::Release);
+        match self.lock.lock() {
+            Some(mut lock) => lock.ensure_mine(),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn store_hashed(&self, hash: &str, data: &[u8]) -> Result<()> {

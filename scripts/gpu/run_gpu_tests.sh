@@ -17,6 +17,8 @@ echo "== cuda_gpu (Rust GPU tests, PyTorch interop included)"
 timeout 120 ./cuda_gpu --nocapture --test-threads=1; echo "rc=$?"
 echo "== bench symm_cuda (barrier, put/wait, alloc, rendezvous beside the bare driver calls)"
 timeout 90 ./symm_cuda_bench; echo "rc=$?"
+echo "== bench symm_cuda_torch (the same operations through PyTorch's symmetric memory)"
+timeout 90 python3 symm_cuda_torch.py; echo "rc=$?"
 echo "== test_cuda (C API)"
 LD_LIBRARY_PATH=$PWD timeout 30 ./test_cuda; echo "rc=$?"
 echo "== test_cuda under ASan+UBSan (CUDA needs protect_shadow_gap=0)"
@@ -38,6 +40,7 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
     export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
     nvidia-cuda-mps-control -d && sleep 1
     timeout 60 ./symm_cuda_bench; echo "rc=$?"
+    timeout 60 python3 symm_cuda_torch.py; echo "rc=$?"
     timeout 90 ./symm_cuda --test-threads=1 2>&1 | grep -E "^test |test result|panicked|per barrier"; echo "rc=${PIPESTATUS[0]}"
     echo quit | nvidia-cuda-mps-control
 else

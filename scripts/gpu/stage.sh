@@ -37,15 +37,19 @@ cp "$target/ctests-plain/test_cuda" "$target/ctests-plain/test_storage_raii" "$t
 cp "$target/ctests-asan/test_cuda" "$dest/test_cuda_asan"
 
 if command -v go >/dev/null; then
-    prefix=$(mktemp -d)
+    # A fixed prefix and a build cache of our own: go's cache keeps the cgo
+    # package with the -L folder it was built against, and a removed
+    # temporary prefix failed the next link ("cannot find -lstorage_sharing").
+    prefix="$target/gpu-stage-prefix"
+    export GOCACHE="$target/gpu-stage-go-cache"
+    rm -rf "$prefix"
     cmake -S . -B "$prefix/build" -DSS_PREBUILT_DIR="$target/release" >/dev/null
     cmake --install "$prefix/build" --prefix "$prefix/p" >/dev/null
     pc=$(dirname "$(find "$prefix/p" -name storage_sharing.pc)")
     (cd bindings/go && PKG_CONFIG_PATH="$pc" CGO_LDFLAGS='-Wl,-rpath,$ORIGIN' go test -c -o "$dest/go_bindings.test" .)
-    rm -rf "$prefix"
 fi
 # Stripped, the folder fits one device call's carry (56 MB -> 18 MB).
 strip --strip-debug "$dest"/cuda_gpu "$dest"/symm_cuda "$dest"/symm_cuda_bench "$dest"/lib_tests "$dest"/cuda_ipc \
     "$dest"/libstorage_sharing.so.0 "$dest"/ss_shm_manager
-cp scripts/gpu/run_gpu_tests.sh "$dest/"
+cp scripts/gpu/run_gpu_tests.sh benches/symm_cuda_torch.py "$dest/"
 du -sh "$dest"

@@ -11,6 +11,9 @@
 //! - removed when its header count is no more than its dead references
 //!   and no live process maps it or holds it open (`/proc`, which also
 //!   covers segments without a refcount header);
+//! - kept, never removed on doubt, when its header or its users cannot be
+//!   read (see [`segment_users`](super::segment_users)); it is read again
+//!   on the timer;
 //! - kept *in flight* while the count is higher: a receiver may still
 //!   open it. A receiver registers with the manager named in the handle
 //!   before it opens, so it becomes a client then; its close brings the
@@ -25,7 +28,7 @@
 //! when the daemon is stopped, counts are no longer trusted: every name no
 //! live process uses is removed and the daemon can exit, leaking nothing.
 
-use super::segment_users::{header_refcount, names_in_use, shm_path};
+use super::segment_users::{names_in_use, read_header, shm_path, Header};
 use crate::shm::flags::SHAREDMEM;
 use crate::shm::map::unlink_name;
 use std::collections::{HashMap, HashSet};
@@ -62,6 +65,8 @@ pub struct Reclaimer {
     last_scan: Option<Instant>,
     /// Set once in-flight references are given up (grace over, or stop).
     ignore_counts: bool,
+    /// Why something was kept unchecked, for the daemon's log.
+    doubt: Option<String>,
 }
 
 impl Default for Reclaimer {
@@ -73,6 +78,7 @@ impl Default for Reclaimer {
             tick: TICK_MIN,
             last_scan: None,
             ignore_counts: false,
+            doubt: None,
         }
     }
 }
@@ -152,34 +158,54 @@ impl Reclaimer {
 
     /// Decides each of `names` that no connected client holds (`held`):
     /// removes it, or watches it. Names held stay as they are: their
-    /// holder's free or disconnect brings them back here. Returns the
-    /// names removed.
+    /// holder's free or disconnect brings them back here. A name whose
+    /// header or users cannot be read is kept and watched: nothing is
+    /// removed on doubt. Returns the names removed.
     pub fn recheck(&mut self, names: impl IntoIterator<Item = String>, held: impl Fn(&str) -> bool) -> Vec<String> {
         let mut candidates = HashSet::new();
         for name in names {
             if held(&name) {
                 continue;
             }
-            if std::fs::symlink_metadata(shm_path(&name)).is_err() {
-                self.forget(&name);
-                continue;
+            match std::fs::symlink_metadata(shm_path(&name)) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    self.forget(&name);
+                    continue;
+                }
+                Err(e) => {
+                    self.doubt = Some(format!("cannot look up <{}>: {e}", shm_path(&name)));
+                    self.watch.insert(name, Wait::InFlight);
+                    continue;
+                }
             }
             let dead = self.dead_refs.get(&name).copied().unwrap_or(0);
-            let others = !self.ignore_counts && header_refcount(&name).is_some_and(|c| i64::from(c) > dead as i64);
-            if others {
-                self.watch.insert(name, Wait::InFlight);
-            } else {
-                candidates.insert(name);
+            let header = if self.ignore_counts { Header::NoCount } else { read_header(&name) };
+            match header {
+                Header::Gone => self.forget(&name),
+                Header::Count(c) if i64::from(c) > dead as i64 => {
+                    self.watch.insert(name, Wait::InFlight);
+                }
+                Header::Unreadable(why) => {
+                    self.doubt = Some(why);
+                    self.watch.insert(name, Wait::InFlight);
+                }
+                Header::Count(_) | Header::NoCount => {
+                    candidates.insert(name);
+                }
             }
         }
         if candidates.is_empty() {
             return Vec::new();
         }
         self.last_scan = Some(Instant::now());
-        let used = names_in_use(&candidates, None);
+        let users = names_in_use(&candidates, None);
+        if let Some(why) = &users.doubt {
+            self.doubt = Some(format!("kept {} segment(s) unchecked: {why}", candidates.len()));
+        }
         let mut removed = Vec::new();
         for name in candidates {
-            if used.contains(&name) {
+            if users.may_use(&name) {
                 self.watch.insert(name, Wait::Mapped);
                 continue;
             }
@@ -191,5 +217,10 @@ impl Reclaimer {
             self.forget(&name);
         }
         removed
+    }
+
+    /// Why the last decisions kept something they could not check, once.
+    pub fn take_doubt(&mut self) -> Option<String> {
+        self.doubt.take()
     }
 }

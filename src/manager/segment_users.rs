@@ -3,14 +3,22 @@
 //! header stays too high forever once a holder was killed.
 //!
 //! A process uses a segment when a line of `/proc/<pid>/maps` or a link in
-//! `/proc/<pid>/fd` points at `/dev/shm/<name>`. Only processes whose maps
-//! we may read are seen; a segment is created with mode 0600, so those are
-//! the only ones that can map it (root aside).
+//! `/proc/<pid>/fd` points at `/dev/shm/<name>`. A segment is created with
+//! mode 0600, so only processes of its owner's uid can open it by name
+//! (root aside), and the manager serves clients of its own uid only.
+//!
+//! A scan that cannot vouch for every process that could use a segment is
+//! *in doubt*, and a name in doubt is never removed: `/proc` or an entry
+//! of a live process of our uid that cannot be read (out of descriptors, a
+//! non-dumpable process whose entries only root may read, any other
+//! error) may hide a user. Only a process that is gone, or one we may not
+//! read that runs as another user or holds capabilities we lack, is
+//! passed over (see `not_ours`).
 
 use crate::shm::HEADER_SIZE;
 use std::collections::HashSet;
 use std::fs;
-use std::io::{BufRead, BufReader};
+use std::io::ErrorKind as IoKind;
 
 /// Where POSIX shared-memory objects live.
 pub const SHM_DIR: &str = "/dev/shm";
@@ -20,96 +28,221 @@ pub fn shm_path(name: &str) -> String {
     format!("{SHM_DIR}{name}")
 }
 
-/// The subset of `names` (each `/name`) that some live process other than
-/// `skip_pid` maps or holds open.
-pub fn names_in_use(names: &HashSet<String>, skip_pid: Option<i32>) -> HashSet<String> {
-    let mut found = HashSet::new();
-    if names.is_empty() {
-        return found;
+/// What a scan of `/proc` found out about some names.
+#[derive(Debug, Default)]
+pub struct Users {
+    /// The names some live process maps or holds open.
+    pub found: HashSet<String>,
+    /// Set when the scan could not read everything that could hide a
+    /// user: why. Then every name may be in use.
+    pub doubt: Option<String>,
+}
+
+impl Users {
+    /// Whether `name` may be in use: found, or the scan is in doubt.
+    pub fn may_use(&self, name: &str) -> bool {
+        self.doubt.is_some() || self.found.contains(name)
     }
-    let paths: Vec<(String, &String)> = names.iter().map(|n| (shm_path(n), n)).collect();
-    let Ok(dir) = fs::read_dir("/proc") else { return found };
-    for entry in dir.flatten() {
+}
+
+/// Which of `names` (each `/name`) some live process other than
+/// `skip_pid` maps or holds open; in doubt when that cannot be known.
+pub fn names_in_use(names: &HashSet<String>, skip_pid: Option<i32>) -> Users {
+    let mut users = Users::default();
+    if names.is_empty() {
+        return users;
+    }
+    let paths: Vec<(Vec<u8>, &String)> = names.iter().map(|n| (shm_path(n).into_bytes(), n)).collect();
+    let dir = match fs::read_dir("/proc") {
+        Ok(d) => d,
+        Err(e) => {
+            users.doubt = Some(format!("cannot list /proc: {e}"));
+            return users;
+        }
+    };
+    for entry in dir {
+        let entry = match entry {
+            Ok(e) => e,
+            Err(e) => {
+                users.doubt = Some(format!("cannot list /proc: {e}"));
+                return users;
+            }
+        };
         let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
         if Some(pid) == skip_pid {
             continue;
         }
-        scan_maps(pid, &paths, &mut found);
-        if found.len() < names.len() {
-            scan_fds(pid, &paths, &mut found);
+        let scanned = scan_maps(pid, &paths, &mut users.found).and_then(|()| {
+            if users.found.len() < names.len() {
+                scan_fds(pid, &paths, &mut users.found)
+            } else {
+                Ok(())
+            }
+        });
+        if let Err(why) = scanned {
+            users.doubt = Some(why);
+            return users;
         }
-        if found.len() == names.len() {
+        if users.found.len() == names.len() {
             break;
         }
     }
-    found
+    users
 }
 
-/// Whether some live process maps or holds `name` open.
+/// Whether some live process maps or holds `name` open, or may (doubt).
 pub fn in_use(name: &str) -> bool {
     let set: HashSet<String> = [name.to_string()].into_iter().collect();
-    !names_in_use(&set, None).is_empty()
+    names_in_use(&set, None).may_use(name)
 }
 
-fn matches<'a>(target: &str, paths: &'a [(String, &String)]) -> Option<&'a String> {
+fn matches<'a>(target: &[u8], paths: &'a [(Vec<u8>, &String)]) -> Option<&'a String> {
     // A removed segment still shows with " (deleted)" after its path.
-    let target = target.strip_suffix(" (deleted)").unwrap_or(target);
-    paths.iter().find(|(p, _)| p == target).map(|(_, n)| *n)
+    let target = target.strip_suffix(b" (deleted)").unwrap_or(target);
+    paths.iter().find(|(p, _)| p.as_slice() == target).map(|(_, n)| *n)
 }
 
-fn scan_maps(pid: i32, paths: &[(String, &String)], found: &mut HashSet<String>) {
-    let Ok(f) = fs::File::open(format!("/proc/{pid}/maps")) else { return };
-    for line in BufReader::new(f).lines().map_while(|l| l.ok()) {
+/// What an error reading `what` of process `pid` means: nothing when the
+/// process is gone, or when we may not read it and it is not one that
+/// could be ours (see [`not_ours`]); else doubt.
+fn unreadable(pid: i32, what: &str, e: &std::io::Error) -> Result<(), String> {
+    let gone = matches!(e.kind(), IoKind::NotFound) || e.raw_os_error() == Some(libc::ESRCH);
+    if gone {
+        return Ok(());
+    }
+    let denied = matches!(e.raw_os_error(), Some(libc::EACCES) | Some(libc::EPERM));
+    if denied && not_ours(pid) == Some(true) {
+        return Ok(());
+    }
+    Err(format!("cannot read /proc/{pid}/{what}: {e}"))
+}
+
+/// Whether `pid`, which we may not inspect, cannot be a user of ours
+/// (from `/proc/<pid>/status`, which anyone may read; None when that
+/// cannot be read): it runs as another user (none of its real,
+/// effective, saved and file-system uids is ours), so it cannot open our
+/// 0600 segments nor be our client; or it holds capabilities we lack (a
+/// system service such as a sandbox's init), which no rule of ours could
+/// cover. A process of our uid that we may not read because it made
+/// itself non-dumpable is not passed over: it may use our segments.
+fn not_ours(pid: i32) -> Option<bool> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |text: &str, key: &str| text.lines().find_map(|l| l.strip_prefix(key)).map(|v| v.trim().to_string());
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let uids: Vec<libc::uid_t> = field(&status, "Uid:")?.split_whitespace().map(|u| u.parse().ok()).collect::<Option<_>>()?;
+    if uids.len() != 4 {
+        return None;
+    }
+    if !uids.contains(&me) {
+        return Some(true);
+    }
+    let caps = |text: &str| field(text, "CapPrm:").and_then(|v| u64::from_str_radix(&v, 16).ok());
+    let theirs = caps(&status)?;
+    let mine = caps(&fs::read_to_string("/proc/self/status").ok()?)?;
+    Some(theirs & !mine != 0)
+}
+
+fn scan_maps(pid: i32, paths: &[(Vec<u8>, &String)], found: &mut HashSet<String>) -> Result<(), String> {
+    // Read as bytes: a mapped file whose path is not UTF-8 must not end
+    // the scan of the lines after it.
+    let maps = match fs::read(format!("/proc/{pid}/maps")) {
+        Ok(m) => m,
+        Err(e) => return unreadable(pid, "maps", &e),
+    };
+    let dir = SHM_DIR.as_bytes();
+    for line in maps.split(|b| *b == b'\n') {
         // address perms offset dev inode path: the path is the sixth field
         // and may itself contain spaces.
-        let Some(at) = line.find(SHM_DIR) else { continue };
+        let Some(at) = line.windows(dir.len()).position(|w| w == dir) else { continue };
         if let Some(name) = matches(&line[at..], paths) {
             found.insert(name.clone());
         }
     }
+    Ok(())
 }
 
-fn scan_fds(pid: i32, paths: &[(String, &String)], found: &mut HashSet<String>) {
-    let Ok(dir) = fs::read_dir(format!("/proc/{pid}/fd")) else { return };
-    for entry in dir.flatten() {
-        if let Ok(target) = fs::read_link(entry.path()) {
-            if let Some(name) = target.to_str().and_then(|t| matches(t, paths)) {
-                found.insert(name.clone());
+fn scan_fds(pid: i32, paths: &[(Vec<u8>, &String)], found: &mut HashSet<String>) -> Result<(), String> {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = match fs::read_dir(format!("/proc/{pid}/fd")) {
+        Ok(d) => d,
+        Err(e) => return unreadable(pid, "fd", &e),
+    };
+    for entry in dir {
+        let entry = match entry {
+            Ok(e) => e,
+            Err(e) => return unreadable(pid, "fd", &e),
+        };
+        match fs::read_link(entry.path()) {
+            Ok(target) => {
+                if let Some(name) = matches(target.as_os_str().as_bytes(), paths) {
+                    found.insert(name.clone());
+                }
             }
+            // Closed since it was listed.
+            Err(e) if e.kind() == IoKind::NotFound => {}
+            Err(e) => return unreadable(pid, "fd", &e),
         }
     }
+    Ok(())
 }
 
-/// The reference count in the header of the refcounted segment `name` (an
-/// int32 at offset 0 of its 64-byte header, whose other bytes stay zero),
-/// read through a read-only mapping so that reading never changes it.
-/// None when `name` is gone or is not laid out as a refcounted segment:
-/// shorter than the header plus one byte, or with anything but zeros in
-/// the header's unused bytes (an arena segment, say, whose header starts
-/// with a magic number).
-pub fn header_refcount(name: &str) -> Option<i32> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(shm_path(name)).ok()?;
-    if file.metadata().ok()?.len() <= HEADER_SIZE as u64 {
-        return None;
-    }
-    // SAFETY: a fresh read-only shared mapping of the header only; the
-    // file is at least that long (checked above).
-    let base = unsafe { libc::mmap(std::ptr::null_mut(), HEADER_SIZE, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0) };
-    if base == libc::MAP_FAILED {
-        return None;
-    }
-    // SAFETY: the mapping is page-aligned and HEADER_SIZE bytes long;
-    // holders update the count atomically, so it is read atomically too.
-    let (count, rest_zero) = unsafe {
-        let count = (*(base as *const std::sync::atomic::AtomicI32)).load(std::sync::atomic::Ordering::SeqCst);
-        let rest = std::slice::from_raw_parts((base as *const u8).add(4), HEADER_SIZE - 4);
-        (count, rest.iter().all(|b| *b == 0))
+/// What the header of a tracked name says, read with `pread` (never
+/// through a mapping: the file's owner may shrink it under the read).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Header {
+    /// No such name any more.
+    Gone,
+    /// A refcounted segment holding this count.
+    Count(i32),
+    /// Not laid out as a refcounted segment: not a regular file, no longer
+    /// than the header plus one byte, or with anything but zeros in the
+    /// header's unused bytes (an arena segment, whose header starts with a
+    /// magic number, say).
+    NoCount,
+    /// It could not be read (out of descriptors, no permission, shrunk
+    /// while read, ...): why. Nothing may be decided on it.
+    Unreadable(String),
+}
+
+/// The header of the segment `name` (an int32 count at offset 0 of its
+/// 64-byte header, whose other bytes stay zero), read without changing it
+/// and without a mapping. The file is opened non-blocking (a FIFO planted
+/// at the name cannot hold us) and without following a symlink.
+pub fn read_header(name: &str) -> Header {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let path = shm_path(name);
+    let file = match fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == IoKind::NotFound => return Header::Gone,
+        // A symlink: not a segment of ours.
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Header::NoCount,
+        Err(e) => return Header::Unreadable(format!("cannot open <{path}>: {e}")),
     };
-    // SAFETY: unmapping exactly what was mapped above.
-    unsafe { libc::munmap(base, HEADER_SIZE) };
-    rest_zero.then_some(count)
+    let meta = match file.metadata() {
+        Ok(m) => m,
+        Err(e) => return Header::Unreadable(format!("cannot stat <{path}>: {e}")),
+    };
+    if !meta.is_file() || meta.len() <= HEADER_SIZE as u64 {
+        return Header::NoCount;
+    }
+    let mut header = [0u8; HEADER_SIZE];
+    if let Err(e) = file.read_exact_at(&mut header, 0) {
+        return Header::Unreadable(format!("cannot read the header of <{path}>: {e}"));
+    }
+    if header[4..].iter().any(|b| *b != 0) {
+        return Header::NoCount;
+    }
+    Header::Count(i32::from_ne_bytes([header[0], header[1], header[2], header[3]]))
+}
+
+/// The reference count in the header of the refcounted segment `name`;
+/// None when it is gone, not laid out as one, or unreadable.
+pub fn header_refcount(name: &str) -> Option<i32> {
+    match read_header(name) {
+        Header::Count(c) => Some(c),
+        _ => None,
+    }
 }
 
 /// Start time of `pid` in clock ticks since boot (field 22 of
@@ -163,7 +296,8 @@ mod tests {
         let m = MapAllocator::open(&name, flags::SHAREDMEM | flags::EXCLUSIVE, 4096).unwrap();
         assert!(in_use(&name));
         let set: HashSet<String> = [name.clone()].into_iter().collect();
-        assert!(names_in_use(&set, Some(std::process::id() as i32)).is_empty());
+        let others = names_in_use(&set, Some(std::process::id() as i32));
+        assert!(others.found.is_empty() && others.doubt.is_none(), "{others:?}");
         drop(m);
         assert!(!in_use(&name));
     }

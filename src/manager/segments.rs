@@ -19,7 +19,8 @@ pub struct Segment {
     pub pid: i32,
     /// The creator still runs (same pid, started before the segment).
     pub creator_alive: bool,
-    /// Some live process maps it or holds it open.
+    /// Some live process maps it or holds it open, or may: the scan of
+    /// `/proc` could not read a process that could (never removed on doubt).
     pub in_use: bool,
     /// Seconds since the epoch of the segment's last size change (its
     /// creation, for segments nobody resized).
@@ -88,7 +89,7 @@ pub fn scan(prefix: &str) -> Vec<Segment> {
     let names: HashSet<String> = found.iter().map(|s| s.name.clone()).collect();
     let used = names_in_use(&names, None);
     for s in &mut found {
-        s.in_use = used.contains(&s.name);
+        s.in_use = used.may_use(&s.name);
     }
     found.sort_by(|a, b| a.name.cmp(&b.name));
     found
@@ -98,7 +99,13 @@ fn read_refcount(path: &std::path::Path, size: u64) -> Option<i32> {
     if size < HEADER_SIZE as u64 {
         return None;
     }
-    let f = std::fs::File::open(path).ok()?;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Non-blocking and not through a symlink: a FIFO or a link planted at
+    // the name since it was listed cannot hold us or lead us elsewhere.
+    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path).ok()?;
+    if !f.metadata().ok()?.is_file() {
+        return None;
+    }
     let mut b = [0u8; 4];
     f.read_exact_at(&mut b, 0).ok()?;
     Some(i32::from_ne_bytes(b))

@@ -304,9 +304,12 @@ impl Server {
         self.reclaim.nothing_watched() && since.elapsed() >= SHUTDOWN_TIMEOUT
     }
 
-    fn noted_removals(&self, names: &[String]) {
+    fn noted_removals(&mut self, names: &[String]) {
         for name in names {
             self.note(format!("removed segment {name}"));
+        }
+        if let Some(why) = self.reclaim.take_doubt() {
+            self.note(format!("kept what it could not check: {why}"));
         }
     }
 
@@ -356,6 +359,7 @@ impl Server {
             match recv_with_fds(s.stream.as_raw_fd(), &mut buf, &mut s.fds) {
                 Ok(0) => return self.drop_session(id, "closed"),
                 Ok(n) => {
+                    keep_only_a_log_candidate(s);
                     s.pending.extend_from_slice(&buf[..n]);
                     if let Err(e) = self.handle_pending(id) {
                         self.drain(id);
@@ -403,6 +407,13 @@ impl Server {
                     reply_failed.get_or_insert(e);
                 }
                 continue;
+            }
+            // Only the attach carries a descriptor. One comes with the first
+            // byte of its message: once every byte received is consumed, none
+            // can be for a message still to come, so it is closed now.
+            let s = self.sessions.get_mut(&id).expect("live session");
+            if s.pending.is_empty() {
+                s.fds.clear();
             }
             if msg.free {
                 self.on_free(id, &msg.filename);
@@ -536,6 +547,19 @@ impl Server {
             self.reclaim.recheck(abandoned, |n| held_by_anyone(sessions, n))
         };
         self.noted_removals(&removed);
+    }
+}
+
+/// Closes every descriptor a client sent except the one its registration
+/// log may come with: none once it has a log, else the first received. A
+/// client sending descriptors with ordinary messages (up to 28 a message)
+/// must not fill our descriptor table: out of descriptors we could not
+/// read `/proc` or a header, nor accept clients.
+fn keep_only_a_log_candidate(s: &mut Session) {
+    if s.log.is_some() {
+        s.fds.clear();
+    } else {
+        s.fds.truncate(1);
     }
 }
 

@@ -15,6 +15,7 @@
 pub mod allocator;
 pub mod counters;
 pub mod handle;
+mod no_manager_warning;
 pub mod remote;
 pub mod segment;
 pub mod size_classes;

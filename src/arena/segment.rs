@@ -323,11 +323,17 @@ impl Drop for Segment {
 /// so a creator killed with -9 leaves nothing: the manager removes the
 /// name once no live process maps it. Best effort: without a manager
 /// binary the segment still works, and `ssctl gc` recognises
-/// `ss_arena_<pid>_...` names of dead creators.
+/// `ss_arena_<pid>_...` names of dead creators; the process is warned
+/// once that this cleanup is lost.
 fn register_with_manager(name: &str) -> Option<std::sync::Arc<crate::manager::Client>> {
-    let client = crate::manager::default_client().ok()?;
-    client.register(name).ok()?;
-    Some(client)
+    let registered = crate::manager::default_client().and_then(|client| client.register(name).map(|()| client));
+    match registered {
+        Ok(client) => Some(client),
+        Err(e) => {
+            super::no_manager_warning::warn_once(&e);
+            None
+        }
+    }
 }
 
 fn tell_manager_freed(manager: &Option<std::sync::Arc<crate::manager::Client>>, name: &str) {

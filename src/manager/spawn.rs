@@ -73,7 +73,7 @@ fn is_executable(p: &Path) -> bool {
 }
 
 /// Folder of the shared object (or executable) this function is part of.
-fn own_object_dir() -> Option<PathBuf> {
+pub fn own_object_dir() -> Option<PathBuf> {
     // SAFETY: Dl_info is plain data that dladdr fills in; the address is a
     // function of this object, so dladdr resolves it to our own file.
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };

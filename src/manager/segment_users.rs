@@ -289,6 +289,7 @@ fn is_zombie(pid: i32) -> bool {
 mod tests {
     use super::*;
     use crate::shm::{flags, names::new_process_wide_shm_handle, MapAllocator};
+    use std::ffi::CString;
 
     #[test]
     fn sees_own_mapping_and_fd() {
@@ -323,6 +324,27 @@ mod tests {
         a.decref().unwrap();
         drop(a);
         assert_eq!(header_refcount(&name), None);
+    }
+
+    #[test]
+    fn a_fifo_symlink_or_short_file_at_a_name_has_no_count_and_blocks_nothing() {
+        use std::os::unix::fs::symlink;
+        let fifo = new_process_wide_shm_handle();
+        let path = CString::new(shm_path(&fifo)).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+        // No writer: a blocking open would wait here for good.
+        assert_eq!(read_header(&fifo), Header::NoCount);
+        std::fs::remove_file(shm_path(&fifo)).unwrap();
+        let link = new_process_wide_shm_handle();
+        let short = new_process_wide_shm_handle();
+        std::fs::write(shm_path(&short), [0u8; HEADER_SIZE]).unwrap();
+        symlink(shm_path(&short), shm_path(&link)).unwrap();
+        assert_eq!(read_header(&link), Header::NoCount, "a symlink is not followed");
+        assert_eq!(read_header(&short), Header::NoCount, "the header alone holds no data");
+        assert_eq!(read_header(&new_process_wide_shm_handle()), Header::Gone);
+        std::fs::remove_file(shm_path(&link)).unwrap();
+        std::fs::remove_file(shm_path(&short)).unwrap();
     }
 
     #[test]

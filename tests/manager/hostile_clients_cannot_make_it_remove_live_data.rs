@@ -115,8 +115,14 @@ fn open_fds(pid: i32) -> Vec<i32> {
         .collect()
 }
 
-/// Sets both limits of RLIMIT_NOFILE of process `pid` (ours to lower: same uid).
+/// Sets both limits of RLIMIT_NOFILE of process `pid` to `n`, or to its
+/// hard limit if that is lower (ours to lower: same uid).
 fn set_fd_limit(pid: i32, n: u64) {
+    // SAFETY: plain data filled by prlimit.
+    let mut old: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: reading the target's limits into `old`.
+    assert_eq!(unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, std::ptr::null(), &mut old) }, 0);
+    let n = n.min(old.rlim_max);
     let r = libc::rlimit { rlim_cur: n, rlim_max: n };
     // SAFETY: plain data; prlimit only touches the target's limits.
     let rc = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, &r, std::ptr::null_mut()) };
@@ -132,8 +138,8 @@ fn alive(pid: i32) -> bool {
 /// once exhausted the daemon's descriptors: it then could not read /proc
 /// or headers, took that for "nobody uses it", and removed a segment in
 /// flight and one mapped by a live process; new clients got EMFILE. The
-/// daemon's limit is lowered to 1024 first, so the flood would exhaust it
-/// on any machine.
+/// daemon's limit is lowered to 1024 (or less) first, so the flood would
+/// exhaust it on any machine.
 #[test]
 fn a_flood_of_descriptors_is_closed_and_live_segments_stay() {
     let path = spawn_manager_at(&manager_bin()).unwrap();

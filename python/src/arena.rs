@@ -381,6 +381,20 @@ pub fn open_shared(py: Python<'_>, handle: &Handle, address: &str, timeout: f64)
     .or_raise()
 }
 
+/// A new handle for the block this process holds through `held` (a
+/// handle it opened), made by the block's producer, whose fd server is at
+/// `address`: what a received block is sent on as.
+#[pyfunction]
+#[pyo3(signature = (held, address, timeout=30.0))]
+pub fn reshare(py: Python<'_>, held: &Handle, address: &str, timeout: f64) -> PyResult<Handle> {
+    if !(timeout > 0.0 && timeout.is_finite()) {
+        return Err(invalid(format!("timeout must be a positive number of seconds, got {timeout}")));
+    }
+    let h = held.0.clone();
+    let address = address.to_string();
+    py.allow_threads(|| crate::reshare::request(&address, &h, Duration::from_secs_f64(timeout))).map(Handle).or_raise()
+}
+
 /// Maps the by-fd segment of `handle` from a duplicate of `fd` (the
 /// caller keeps `fd`).
 #[pyfunction]

@@ -109,6 +109,9 @@ fn answer(conn: &UnixStream, arena: &SharedArena) -> std::io::Result<()> {
     let mut req = [0u8; 8];
     (&*conn).read_exact(&mut req)?;
     let id = u64::from_le_bytes(req);
+    if id == crate::reshare::REQUEST {
+        return crate::reshare::answer(conn, arena);
+    }
     let arena = arena.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let found = match arena {
         Some(a) => a.segment_fd(id),

@@ -10,6 +10,7 @@ mod errors;
 mod fd_server;
 mod manager;
 mod maps;
+mod reshare;
 mod symm;
 mod symm_collectives;
 
@@ -21,6 +22,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<arena::Handle>()?;
     m.add_function(wrap_pyfunction!(arena::open_remote, m)?)?;
     m.add_function(wrap_pyfunction!(arena::open_shared, m)?)?;
+    m.add_function(wrap_pyfunction!(arena::reshare, m)?)?;
     m.add_function(wrap_pyfunction!(arena::import_segment_fd, m)?)?;
     m.add_function(wrap_pyfunction!(arena::has_segment, m)?)?;
     m.add_function(wrap_pyfunction!(arena::trim_remote_cache, m)?)?;

@@ -11,8 +11,16 @@ After :func:`enable`:
   comes from the producer's fd server, once per segment) and builds an
   ordinary tensor over the producer's bytes, no copy. The block goes back
   to the producer when the last tensor over it dies;
-* every other storage (not in this process's arena, CUDA, empty, ...)
-  takes PyTorch's own reduction, unchanged.
+* a storage received that way and sent on (A -> B -> C) pickles as a new
+  handle of the same block that the producer A makes for it, so C maps
+  A's bytes too and all three see each other's writes;
+* every other storage (not arena memory, CUDA, empty, ...) takes
+  PyTorch's own reduction, unchanged.
+
+Arena memory is shared memory whether or not ``enable()`` was called (a
+process can receive arena tensors without it): importing this module makes
+``is_shared()`` True and ``share_memory_()`` a no-op for it, and makes it
+pickle as a handle, as PyTorch does for its own shared storages.
 
 DataLoader workers get ``enable()`` through a wrapped ``worker_init_fn``
 (fork, spawn and forkserver alike), and processes started after
@@ -30,7 +38,7 @@ import torch.multiprocessing  # noqa: F401  (registers PyTorch's reductions firs
 import torch.utils.data.dataloader as _dataloader
 from multiprocessing.reduction import ForkingPickler
 
-from . import Arena, Error, Handle, open_shared
+from . import Arena, Error, Handle, PeerGoneError, _native, open_shared
 
 ENV = "STORAGE_SHARING_TORCH"
 DEFAULT_SEGMENT_SIZE = 256 << 20
@@ -47,6 +55,15 @@ _saved: dict = {}
 # keeps a storage's Python object as long as its memory lives, so the mark
 # follows the storage through views and tensors.
 _MARK = "_storage_sharing_arena"
+# Set on a storage received as a handle: (handle bytes, producer's fd
+# server address), what sending it on asks the producer a new share with.
+_RECEIVED = "_storage_sharing_received"
+# PyTorch's own methods and reduction, under ours for arena memory.
+_torch = {
+    "reduce_storage": ForkingPickler._extra_reducers[torch.UntypedStorage],
+    "is_shared": inspect.getattr_static(torch.UntypedStorage, "is_shared"),
+    "share_memory_": inspect.getattr_static(torch.UntypedStorage, "share_memory_"),
+}
 
 
 def _reset_after_fork() -> None:
@@ -77,8 +94,15 @@ def process_arena() -> Arena:
 def new_storage(nbytes: int) -> torch.UntypedStorage:
     """A CPU UntypedStorage of ``nbytes`` bytes in this process's arena."""
     global _allocs
+    nbytes = int(nbytes)
+    if nbytes < 0:
+        raise ValueError(f"new_storage: nbytes must be at least 0, got {nbytes}")
+    if nbytes == 0:
+        # No bytes to share: an empty storage, shared as PyTorch's own
+        # empty shared storages are (is_shared() True, sent as empty).
+        return _marked(torch.UntypedStorage(0))
     arena = process_arena()
-    block = arena.alloc(max(int(nbytes), 1))
+    block = arena.alloc(nbytes)
     _allocs += 1
     if _allocs % _COLLECT_EVERY == 0:
         arena.collect()  # holds of consumers that died
@@ -125,18 +149,29 @@ def in_arena(obj) -> bool:
 
 def _rebuild_storage(handle: bytes, address: str, nbytes: int) -> torch.UntypedStorage:
     view = open_shared(Handle.from_bytes(handle), address)
-    return _marked(torch.frombuffer(view, dtype=torch.uint8, count=nbytes).untyped_storage())
+    storage = _marked(torch.frombuffer(view, dtype=torch.uint8, count=nbytes).untyped_storage())
+    setattr(storage, _RECEIVED, (handle, address))
+    return storage
+
+
+def _reduce_received(storage):
+    """A received storage sent on: a new share of the producer's block, made
+    by the producer (this process proves its hold with its handle). None
+    when the producer is gone: then nobody else sees these bytes, and
+    PyTorch's reduction (a copy this process and the receiver share) loses
+    nothing."""
+    handle, address = getattr(storage, _RECEIVED)
+    try:
+        new = _native.reshare(Handle.from_bytes(handle), address)
+    except PeerGoneError:
+        return None
+    return (_rebuild_storage, (bytes(new), address, storage.nbytes()))
 
 
 def _reduce_storage(storage):
     arena = _arena
-    if (
-        arena is not None
-        and _arena_pid == os.getpid()
-        and type(storage) is torch.UntypedStorage
-        and storage.device.type == "cpu"
-        and storage.nbytes() > 0
-    ):
+    plain = type(storage) is torch.UntypedStorage and storage.device.type == "cpu" and storage.nbytes() > 0
+    if plain and arena is not None and _arena_pid == os.getpid():
         try:
             handle = arena._native.share(storage.data_ptr())
         except Error:
@@ -145,12 +180,33 @@ def _reduce_storage(storage):
             if handle.size >= storage.nbytes():
                 return (_rebuild_storage, (bytes(handle), arena.fd_server_address(), storage.nbytes()))
             arena.unshare(handle)
-    return _saved["reduce_storage"](storage)
+    if plain and hasattr(storage, _RECEIVED):
+        reduced = _reduce_received(storage)
+        if reduced is not None:
+            return reduced
+    return _torch["reduce_storage"](storage)
 
 
 def _is_shared(self) -> bool:
     # Arena memory is shared memory, like PyTorch's own shared storages.
-    return getattr(self, _MARK, False) or _saved["is_shared"](self)
+    return getattr(self, _MARK, False) or _torch["is_shared"](self)
+
+
+def _share_memory_(self, *args, **kwargs):
+    # PyTorch leaves a storage in shared memory where it is; moving arena
+    # memory to a copy would cut it off from the processes sharing it.
+    if getattr(self, _MARK, False):
+        return self
+    return _torch["share_memory_"](self, *args, **kwargs)
+
+
+def _install_arena_memory_hooks() -> None:
+    """Arena memory is shared memory in every process that imports this
+    module (a receiver need not call enable()); ordinary storages keep
+    PyTorch's behaviour."""
+    ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
+    torch.UntypedStorage.is_shared = _is_shared
+    torch.UntypedStorage.share_memory_ = _share_memory_
 
 
 def _new_shared(cls, size, *, device="cpu"):
@@ -190,47 +246,54 @@ def is_enabled() -> bool:
 
 def enable(segment_size: int = DEFAULT_SEGMENT_SIZE, large_threshold: int = DEFAULT_LARGE_THRESHOLD) -> None:
     """Puts CPU tensors shared through torch.multiprocessing and DataLoader
-    batches on the arena (see the module's doc). Idempotent.
+    batches on the arena (see the module's doc). Calling it again with the
+    same options does nothing.
 
     ``segment_size``: bytes of each shared segment blocks are carved from;
     blocks above ``large_threshold`` (at most a quarter of it) get a
     segment of their own. The defaults keep batches up to 64 MiB in
     reused segments: after the first batches, no new mapping is made.
+
+    The options are fixed while enabled and once this process has made its
+    arena: other options then raise ValueError (rather than being ignored
+    here and handed to child processes).
     """
+    segment_size, large_threshold = int(segment_size), int(large_threshold)
     if large_threshold > segment_size // 4:
         raise ValueError(f"large_threshold {large_threshold} must be at most a quarter of segment_size {segment_size}")
-    _options.update(segment_size=int(segment_size), large_threshold=int(large_threshold))
-    os.environ[ENV] = f"{int(segment_size)}:{int(large_threshold)}"
+    wanted = {"segment_size": segment_size, "large_threshold": large_threshold}
     with _lock:
+        fixed = _saved or (_arena is not None and _arena_pid == os.getpid())
+        if fixed and wanted != _options:
+            raise ValueError(
+                f"storage_sharing.torch.enable(segment_size={segment_size}, large_threshold={large_threshold}): "
+                f"enabled already with segment_size={_options['segment_size']}, large_threshold={_options['large_threshold']}"
+                + (", which this process's arena was made with" if _arena is not None and _arena_pid == os.getpid() else "")
+                + "; options cannot change once enabled or once the arena exists"
+            )
+        _options.update(wanted)
+        os.environ[ENV] = f"{segment_size}:{large_threshold}"
         if _saved:
             return
-        _saved["reduce_storage"] = ForkingPickler._extra_reducers[torch.UntypedStorage]
         _saved["new_shared"] = inspect.getattr_static(torch.UntypedStorage, "_new_shared")
         _saved["own_new_shared"] = "_new_shared" in torch.UntypedStorage.__dict__
-        _saved["is_shared"] = inspect.getattr_static(torch.UntypedStorage, "is_shared")
-        _saved["own_is_shared"] = "is_shared" in torch.UntypedStorage.__dict__
         _saved["iter_init"] = _dataloader._MultiProcessingDataLoaderIter.__init__
-        ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
         torch.UntypedStorage._new_shared = classmethod(_new_shared)
-        torch.UntypedStorage.is_shared = _is_shared
         _dataloader._MultiProcessingDataLoaderIter.__init__ = _iter_init
 
 
 def disable() -> None:
-    """Back to PyTorch's own sharing. Tensors already in the arena stay valid."""
+    """Back to PyTorch's own allocation: new storages and DataLoader batches
+    are PyTorch's again. Tensors already in the arena stay valid and stay
+    shared memory (they still pickle as handles)."""
     os.environ.pop(ENV, None)
     with _lock:
         if not _saved:
             return
-        ForkingPickler.register(torch.UntypedStorage, _saved["reduce_storage"])
         if _saved["own_new_shared"]:
             torch.UntypedStorage._new_shared = _saved["new_shared"]
         else:
             del torch.UntypedStorage._new_shared
-        if _saved["own_is_shared"]:
-            torch.UntypedStorage.is_shared = _saved["is_shared"]
-        else:
-            del torch.UntypedStorage.is_shared
         _dataloader._MultiProcessingDataLoaderIter.__init__ = _saved["iter_init"]
         _saved.clear()
 
@@ -246,4 +309,5 @@ def _enable_from_env() -> None:
     enable(seg, large)
 
 
+_install_arena_memory_hooks()
 _enable_from_env()

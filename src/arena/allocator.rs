@@ -263,6 +263,66 @@ impl Arena {
         })
     }
 
+    /// Another share of a block a consumer holds: the consumer proves its
+    /// hold with the handle it opened (`held`), and gets a new handle for
+    /// the same block, which a third process opens (a tensor received and
+    /// sent on stays over the producer's bytes). Works for a block the
+    /// producer freed already while it is held: the new hold keeps it from
+    /// reuse like the first.
+    pub fn reshare(&self, held: &ArenaHandle) -> Result<ArenaHandle> {
+        held.validate()?;
+        let mut st = self.lock("reshare")?;
+        let st = &mut *st;
+        let bad = |why: String| Err(Error::new(ErrorKind::InvalidArgument, format!("arena reshare: {why}")));
+        let id = held.key.segment_id;
+        let Some(seg) = st.segments.get(&id).filter(|s| s.seg.key() == held.key) else {
+            return Err(Error::new(
+                ErrorKind::NotFound,
+                format!("arena reshare: this arena has no segment {id} (freed, or another arena's)"),
+            ));
+        };
+        if held.segment_data_size != seg.seg.data_size() as u64 || held.slot as usize >= seg.seg.nslots() {
+            return bad(format!("the handle does not fit segment {id} (size {}, {} hold slots)", seg.seg.data_size(), seg.seg.nslots()));
+        }
+        let slot = seg.seg.slot(held.slot as usize);
+        if slot.load() != (held.generation, HELD) || slot.block() != (held.offset, held.size) {
+            return bad(format!(
+                "hold slot {} (generation {}) of segment {id} is not a held share of block (offset {}, size {}): only a consumer that holds the block can share it on",
+                held.slot, held.generation, held.offset, held.size
+            ));
+        }
+        let base = seg.seg.base() as usize;
+        let (offset, size) = (held.offset as usize, held.size as usize);
+        let is_it = |b: &Block| b.seg_id == id && b.offset == offset && b.size == size;
+        if !st.live.get(&(base + offset)).is_some_and(is_it) && !st.deferred.iter().any(is_it) {
+            return bad(format!("no block of this arena is at offset {offset} of segment {id} with size {size}"));
+        }
+        let seg = st.segments.get_mut(&id).expect("looked up above");
+        let me = counters::me();
+        let (slot, generation) = loop {
+            let slot = take_slot(seg, &mut st.live, &mut st.deferred)?;
+            if let Some(g) = seg.seg.slot(slot as usize).claim(offset as u64, size as u64, me) {
+                break (slot, g);
+            }
+        };
+        let block = match st.live.get_mut(&(base + offset)).filter(|b| is_it(b)) {
+            Some(b) => b,
+            None => st.deferred.iter_mut().find(|b| is_it(b)).expect("found above, under the same lock"),
+        };
+        block.holds.push((slot, generation));
+        let s = &seg.seg;
+        Ok(ArenaHandle {
+            strategy: s.strategy(),
+            key: s.key(),
+            segment_data_size: s.data_size() as u64,
+            offset: offset as u64,
+            size: size as u64,
+            slot,
+            generation,
+            name: s.name().unwrap_or("").to_string(),
+        })
+    }
+
     /// Cancels a share that will never be opened (the handle was not
     /// sent, or its receiver is gone before opening it).
     pub fn unshare(&self, h: &ArenaHandle) -> Result<()> {
@@ -575,6 +635,35 @@ mod tests {
         a.free(p).unwrap();
         assert_eq!(a.stats().unwrap().segments, 0);
         assert!(!std::path::Path::new(&path).exists(), "name removed with its segment");
+    }
+
+    #[test]
+    fn a_held_block_is_shared_on_and_lives_while_any_holder_does() {
+        let a = Arena::new(small_opts(Strategy::Name)).unwrap();
+        let p = a.alloc(1000, 64).unwrap();
+        let first = a.share(p).unwrap();
+        assert_eq!(a.reshare(&first).unwrap_err().kind(), ErrorKind::InvalidArgument, "an unopened share proves no hold");
+        let v1 = open_remote(&first).unwrap();
+        let second = a.reshare(&first).unwrap();
+        assert_eq!((second.key, second.offset, second.size), (first.key, first.offset, first.size), "the same block");
+        assert_ne!(second.slot, first.slot);
+        let mut forged = first.clone();
+        forged.generation = forged.generation.wrapping_add(1);
+        assert_eq!(a.reshare(&forged).unwrap_err().kind(), ErrorKind::InvalidArgument, "a stale generation");
+        // The producer frees its block, the first consumer lets go: the
+        // in-flight share alone keeps it, then the second view does.
+        a.free(p).unwrap();
+        drop(v1);
+        assert_eq!(a.collect().unwrap().recycled_blocks, 0, "held by the share in flight");
+        let v2 = open_remote(&second).unwrap();
+        let third = a.reshare(&second).unwrap();
+        assert_eq!(third.offset, first.offset, "a freed block still held is shared on too");
+        a.unshare(&third).unwrap();
+        assert_eq!(a.collect().unwrap().recycled_blocks, 0, "held by the second view");
+        assert_eq!(a.reshare(&first).unwrap_err().kind(), ErrorKind::InvalidArgument, "a released hold proves nothing");
+        drop(v2);
+        assert_eq!(a.collect().unwrap().recycled_blocks, 1);
+        assert_eq!(a.reshare(&second).unwrap_err().kind(), ErrorKind::InvalidArgument);
     }
 
     #[test]

@@ -764,7 +764,10 @@ ss_status ss_arena_stats_get(const ss_arena *a, ss_arena_stats *out);
  * Consumer: maps the segment a by-fd handle names from `fd`, received
  * from the producer. The descriptor is taken over on success (closed at
  * once if this process has the segment mapped already); on failure the
- * caller still owns it.
+ * caller still owns it. A descriptor not sealed against shrinking (the
+ * arena seals every segment it makes) is refused with
+ * `SS_ERR_PERMISSION`, one smaller than the segment with
+ * `SS_ERR_SIZE_MISMATCH`; nothing is mapped then.
  *
  * # Safety
  * `h` is NULL or points to a readable `ss_arena_handle`.

@@ -372,7 +372,7 @@ pub fn open_shared(py: Python<'_>, handle: &Handle, address: &str, timeout: f64)
     let address = address.to_string();
     py.allow_threads(|| {
         if h.strategy == Strategy::Fd && !arena::remote::has_segment(&h) {
-            let fd = fd_server::fetch(&address, h.key.segment_id, Duration::from_secs_f64(timeout))?;
+            let fd = fd_server::fetch(&address, h.key.producer_pid, h.key.segment_id, Duration::from_secs_f64(timeout))?;
             arena::import_segment_fd(&h, fd)?;
         }
         arena::open_remote(&h)

@@ -3,16 +3,27 @@
 //! Unix socket (gone with the process, nothing on disk); a request is the
 //! segment id, the answer its descriptor by SCM_RIGHTS. A consumer asks
 //! once per segment, so descriptors and connections stay O(segments)
-//! whatever the number of blocks. Only processes of the same user are
-//! answered (SO_PEERCRED), as only they could open a 0600 shm file.
+//! whatever the number of blocks.
+//!
+//! An abstract name has no permissions: once the producer's server is gone
+//! (its arena closed, the process exited) anyone may bind the name. So
+//! both sides check who is at the other end (SO_PEERCRED): the server
+//! answers only processes of its user (or root), the consumer takes a
+//! descriptor only from the producer process the handle names, running as
+//! its own user; and the segment itself must come sealed against
+//! shrinking (checked when it is mapped, `Segment::open`).
+//!
+//! Each connection is answered on a thread of its own with a short time
+//! limit, so a connection that never sends its request delays nobody.
 
 use crate::arena::SharedArena;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::time::Duration;
+use storage_sharing::fdpass::peer;
 use storage_sharing::storage::{recv_fds, send_fds};
 use storage_sharing::{Error, ErrorKind, Result};
 
@@ -75,14 +86,32 @@ pub fn stop(name: &str) {
     }
 }
 
+/// How long one connection may take to send its request and take the
+/// answer (both are a few bytes).
+const CONNECTION_LIMIT: Duration = Duration::from_secs(2);
+/// Connections answered at once; past it a new connection is closed
+/// unanswered (the consumer gets an error and may retry).
+const MAX_ACTIVE: usize = 64;
+
 fn serve(listener: UnixListener, arena: SharedArena) {
     let fd = listener.as_raw_fd();
+    let active = std::sync::Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         if arena.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
             break;
         }
-        if let Ok(conn) = conn {
+        let Ok(conn) = conn else { continue };
+        if active.fetch_add(1, Ordering::AcqRel) >= MAX_ACTIVE {
+            active.fetch_sub(1, Ordering::AcqRel);
+            continue;
+        }
+        let (arena, done) = (arena.clone(), active.clone());
+        let spawned = std::thread::Builder::new().name("ss-arena-fd".into()).spawn(move || {
             let _ = answer(&conn, &arena);
+            done.fetch_sub(1, Ordering::AcqRel);
+        });
+        if spawned.is_err() {
+            active.fetch_sub(1, Ordering::AcqRel);
         }
     }
     for l in &LISTENERS {
@@ -90,19 +119,14 @@ fn serve(listener: UnixListener, arena: SharedArena) {
     }
 }
 
+/// Whether the connecting process runs as this user, or as root.
 fn same_user(sock: RawFd) -> bool {
-    // SAFETY: plain data filled by getsockopt.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: cred and len are valid for the call.
-    let rc = unsafe { libc::getsockopt(sock, libc::SOL_SOCKET, libc::SO_PEERCRED, &mut cred as *mut _ as *mut libc::c_void, &mut len) };
-    // SAFETY: geteuid cannot fail.
-    rc == 0 && (cred.uid == unsafe { libc::geteuid() } || cred.uid == 0)
+    peer::credentials(sock).is_ok_and(|(_, uid)| uid == peer::my_uid() || uid == 0)
 }
 
 fn answer(conn: &UnixStream, arena: &SharedArena) -> std::io::Result<()> {
-    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
-    conn.set_write_timeout(Some(Duration::from_secs(10)))?;
+    conn.set_read_timeout(Some(CONNECTION_LIMIT))?;
+    conn.set_write_timeout(Some(CONNECTION_LIMIT))?;
     if !same_user(conn.as_raw_fd()) {
         return Ok(());
     }
@@ -128,13 +152,17 @@ fn answer(conn: &UnixStream, arena: &SharedArena) -> std::io::Result<()> {
     sent.map(|_| ()).map_err(|e| std::io::Error::other(e.message().to_string()))
 }
 
-/// Asks the server `name` for the descriptor of segment `segment_id`.
-pub fn fetch(name: &str, segment_id: u64, timeout: Duration) -> Result<OwnedFd> {
+/// Asks the server `name` of process `producer_pid` for the descriptor of
+/// segment `segment_id`. Whoever else answers there is refused before
+/// the request is sent (`Permission`).
+pub fn fetch(name: &str, producer_pid: i32, segment_id: u64, timeout: Duration) -> Result<OwnedFd> {
     let what = format!("arena fd server <@{name}>");
     let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| io_err(e, &what))?;
     let conn = UnixStream::connect_addr(&addr).map_err(|e| {
         Error::new(ErrorKind::PeerGone, format!("{what}: {e} (the process that shared the block exited before it was opened)"))
     })?;
+    // The producer's server gone, another process may have taken its name.
+    peer::expect_process(conn.as_raw_fd(), producer_pid, &what)?;
     conn.set_write_timeout(Some(timeout)).map_err(|e| io_err(e, &what))?;
     (&conn).write_all(&segment_id.to_le_bytes()).map_err(|e| io_err(e, &what))?;
     let mut pfd = libc::pollfd { fd: conn.as_raw_fd(), events: libc::POLLIN, revents: 0 };

@@ -8,6 +8,7 @@
 use super::counters::{HoldSlot, SLOT_SIZE};
 use super::handle::Strategy;
 use crate::error::{errno, Error, ErrorKind, Result};
+use crate::fdpass::seals::{check_received, file_size, seal_against_shrinking, sealable_memfd};
 use crate::shm::reserve::reserve;
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -117,6 +118,10 @@ impl Segment {
             if unsafe { libc::ftruncate(fd.as_raw_fd(), total as libc::off_t) } != 0 {
                 return Err(Error::last_os_error(format!("unable to size <{what}> to {total} bytes")));
             }
+            if strategy == Strategy::Fd {
+                // Consumers map it only sealed: nobody can shrink it under them.
+                seal_against_shrinking(fd.as_raw_fd(), &what)?;
+            }
             let base = map(fd.as_raw_fd(), total, &what)?;
             if let Err(e) = reserve(fd.as_raw_fd(), base, 0, total, false, &what) {
                 // SAFETY: the mapping we just made, not used by anyone.
@@ -170,22 +175,26 @@ impl Segment {
 
     /// Maps a segment received as `fd` (which it takes over) or opened by
     /// `name`, and checks that its header is the one `key` and
-    /// `data_size` describe.
+    /// `data_size` describe. A received descriptor must be sealed against
+    /// shrinking (as `create` seals every memfd segment) and cover the
+    /// data and header: one that its sender could truncate would crash
+    /// this process with SIGBUS, so it is refused unmapped.
     pub fn open(key: SegmentKey, strategy: Strategy, data_size: usize, fd: Option<OwnedFd>, name: Option<&str>) -> Result<Segment> {
         let what = name.map(str::to_string).unwrap_or_else(|| format!("arena segment {} of pid {}", key.segment_id, key.producer_pid));
-        let fd = match (fd, name) {
-            (Some(fd), _) => fd,
-            (None, Some(n)) => shm_open_existing(n)?,
+        let least = data_size.saturating_add(HEADER_SIZE);
+        let (fd, total) = match (fd, name) {
+            (Some(fd), _) => {
+                let total = check_received(fd.as_raw_fd(), least, &format!("<{what}>"))?;
+                (fd, total)
+            }
+            (None, Some(n)) => {
+                let fd = shm_open_existing(n)?;
+                let total = file_size(fd.as_raw_fd(), &format!("<{what}>"))?;
+                (fd, total)
+            }
             (None, None) => return Err(Error::new(ErrorKind::InvalidArgument, "a segment needs an fd or a name")),
         };
-        // SAFETY: plain data filled by fstat.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: fd is open, st is valid.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(Error::last_os_error(format!("fstat of <{what}>")));
-        }
-        let total = st.st_size as usize;
-        if data_size % page_size() != 0 || total < data_size.saturating_add(HEADER_SIZE) {
+        if data_size % page_size() != 0 || total < least {
             return Err(Error::new(
                 ErrorKind::SizeMismatch,
                 format!("<{what}> holds {total} bytes, not a segment with {data_size} bytes of data"),
@@ -345,13 +354,7 @@ fn tell_manager_freed(manager: &Option<std::sync::Arc<crate::manager::Client>>, 
 
 fn memfd(id: u64) -> Result<OwnedFd> {
     let label = CString::new(format!("ss_arena_{id}")).unwrap_or_default();
-    // SAFETY: memfd_create reads the NUL-terminated label only.
-    let fd = unsafe { libc::memfd_create(label.as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(Error::last_os_error("memfd_create for an arena segment"));
-    }
-    // SAFETY: a fresh descriptor we own.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    sealable_memfd(&label, "an arena segment")
 }
 
 fn shm_create(name: &str) -> Result<OwnedFd> {

@@ -1,7 +1,12 @@
 //! Sending and receiving file descriptors with a payload over a Unix
 //! socket (SCM_RIGHTS). Unlike CPython's reduction (which PyTorch uses), a
 //! receiver at its open-file limit gets a `TooManyFiles` error instead of a
-//! message whose descriptors the kernel silently dropped.
+//! message whose descriptors the kernel silently dropped. [`peer`] tells
+//! who is at the other end of a socket, [`seals`] whether a received
+//! descriptor is safe to map.
+
+pub mod peer;
+pub mod seals;
 
 use crate::error::{errno, Error, ErrorKind, Result};
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};

@@ -381,7 +381,10 @@ pub unsafe extern "C" fn ss_arena_stats_get(a: *const SsArena, out: *mut ss_aren
 /// Consumer: maps the segment a by-fd handle names from `fd`, received
 /// from the producer. The descriptor is taken over on success (closed at
 /// once if this process has the segment mapped already); on failure the
-/// caller still owns it.
+/// caller still owns it. A descriptor not sealed against shrinking (the
+/// arena seals every segment it makes) is refused with
+/// `SS_ERR_PERMISSION`, one smaller than the segment with
+/// `SS_ERR_SIZE_MISMATCH`; nothing is mapped then.
 ///
 /// # Safety
 /// `h` is NULL or points to a readable `ss_arena_handle`.

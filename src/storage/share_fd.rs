@@ -82,3 +82,23 @@ impl Storage {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A received descriptor cannot be sealed when PyTorch made it (a
+    /// /dev/shm file, not a memfd), so only its size is checked: one
+    /// smaller than the mapping is refused before anything is mapped.
+    #[test]
+    fn a_descriptor_smaller_than_the_storage_is_refused() {
+        let small = Storage::new_using_fd(4096).unwrap();
+        let fd = small.get_shared_fd().unwrap();
+        let e = Storage::new_shared_fd(fd, 8192).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::SizeMismatch, "{e}");
+        assert_eq!(Storage::new_shared_fd(fd, 4096).unwrap().nbytes(), 4096);
+        // The caller's descriptor stays open either way.
+        // SAFETY: F_GETFD only reads the descriptor's flags.
+        assert!(unsafe { libc::fcntl(fd, libc::F_GETFD) } >= 0);
+    }
+}

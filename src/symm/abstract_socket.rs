@@ -90,18 +90,8 @@ pub fn accept(listener: RawFd) -> io::Result<OwnedFd> {
     }
 }
 
-/// The process at the other end of connected socket `fd`: (pid, uid), as
-/// the kernel recorded them when it connected (or listened).
-pub fn peer(fd: RawFd) -> io::Result<(i32, u32)> {
-    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `cred`.
-    let rc = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok((cred.pid, cred.uid))
-}
+/// The process at the other end of a connected socket: (pid, uid).
+pub use crate::fdpass::peer::credentials as peer;
 
 /// A name no other socket has: `symm_mem-<pid>-<16 random hex digits>`.
 /// The random part keeps two channels of one process apart, and keeps a

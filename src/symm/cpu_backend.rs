@@ -8,8 +8,9 @@ use super::mapping::Mapping;
 use super::signals::{self, Deadline, Elapsed};
 use super::DeviceType;
 use crate::error::{Error, ErrorKind, Result};
+use crate::fdpass::seals::{check_received, seal_against_shrinking, sealable_memfd};
 use crate::store::Timeout;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
@@ -81,17 +82,13 @@ impl CpuBlock {
     /// A block whose signal pad holds `pad` bytes.
     pub fn with_pad(size: usize, pad: usize) -> Result<CpuBlock> {
         let layout = layout_for(size, pad)?;
-        // SAFETY: memfd_create takes a NUL-terminated name and flags.
-        let raw = unsafe { libc::memfd_create(c"ss_symm_mem".as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(Error::last_os_error("memfd_create for a symmetric block"));
-        }
-        // SAFETY: memfd_create just returned this descriptor to us alone.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let fd = sealable_memfd(c"ss_symm_mem", "a symmetric block")?;
         // SAFETY: ftruncate on our own descriptor.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), layout.block_size as libc::off_t) } != 0 {
             return Err(Error::last_os_error(format!("unable to size a symmetric block to {} bytes", layout.block_size)));
         }
+        // Peers map it only sealed: no rank can shrink it under the others.
+        seal_against_shrinking(fd.as_raw_fd(), "a symmetric block")?;
         let map = Arc::new(Mapping::map(fd.as_fd(), layout.block_size, "a symmetric block")?);
         // Real pages now: a full memory reports NoSpace here, not SIGBUS later.
         crate::shm::reserve::reserve(fd.as_raw_fd(), map.base(), 0, layout.block_size, false, "symmetric block")?;
@@ -134,7 +131,7 @@ impl SymmBlock for CpuBlock {
                 continue;
             }
             let fd = fd.ok_or_else(|| Error::new(ErrorKind::Protocol, format!("no block descriptor from rank {r}")))?;
-            check_peer_size(&fd, r, self.layout.block_size)?;
+            check_received(fd.as_raw_fd(), self.layout.block_size, &format!("the block of rank {r}"))?;
             let m = Mapping::map(fd.as_fd(), self.layout.block_size, &format!("the block of rank {r}"))?;
             bases.push(m.base() as usize);
             maps.push(Arc::new(m));
@@ -142,18 +139,6 @@ impl SymmBlock for CpuBlock {
         let buffers = bases.iter().map(|b| b + self.layout.buffer_offset).collect();
         Ok(Box::new(CpuPeers { rank, ws, layout: self.layout, bases, buffers, _maps: maps }))
     }
-}
-
-fn check_peer_size(fd: &OwnedFd, rank: usize, want: usize) -> Result<()> {
-    // SAFETY: fstat fills a plain struct for our descriptor.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(Error::last_os_error(format!("unable to stat the block of rank {rank}")));
-    }
-    if (st.st_size as usize) < want {
-        return Err(Error::new(ErrorKind::SizeMismatch, format!("the block of rank {rank} has {} bytes, expected {want}", st.st_size)));
-    }
-    Ok(())
 }
 
 /// Every rank's block mapped here (this rank's is the block's own mapping).

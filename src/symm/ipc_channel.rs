@@ -17,6 +17,7 @@
 use super::abstract_socket;
 use super::exchange::vec_for;
 use crate::error::{Error, ErrorKind, Result};
+use crate::fdpass::peer::{is_process_of_mine as is_expected, my_uid};
 use crate::fdpass::{recv_fds, send_fds};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
@@ -203,17 +204,6 @@ impl IpcChannel {
         }
         Ok((u32::from_ne_bytes(buf) as usize, fds.pop()))
     }
-}
-
-/// Whether the process at the other end (`pid`, `uid`) is the rank's
-/// process `want` of this user.
-fn is_expected(pid: i32, uid: u32, want: i32) -> bool {
-    pid == want && uid == my_uid()
-}
-
-fn my_uid() -> u32 {
-    // SAFETY: getuid cannot fail.
-    unsafe { libc::getuid() }
 }
 
 /// Whether process `pid` exists (EPERM: it does, owned by someone else).

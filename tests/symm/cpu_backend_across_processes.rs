@@ -608,12 +608,22 @@ fn role_stranger(me: Rank) {
     }
 }
 
-/// A memfd as large as a 64-byte CPU block, `text` at its buffer.
+/// A memfd as large as a 64-byte CPU block, `text` at its buffer, sealed
+/// against shrinking as the backend's own blocks are.
 fn memfd_block(text: &[u8]) -> std::fs::File {
+    use std::os::fd::AsRawFd;
+    let f = unsealed_memfd_block(text);
+    // SAFETY: fcntl on our own memfd.
+    assert_eq!(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
+    f
+}
+
+/// The same block without the seal: its sender could still shrink it.
+fn unsealed_memfd_block(text: &[u8]) -> std::fs::File {
     use std::io::{Seek, SeekFrom, Write};
     let layout = storage_sharing::symm::cpu_backend::layout_for(64, registry::DEFAULT_SIGNAL_PAD_SIZE).unwrap();
     // SAFETY: memfd_create with a NUL-terminated name.
-    let fd = unsafe { libc::memfd_create(c"test-block".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(c"test-block".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     assert!(fd >= 0);
     // SAFETY: the descriptor was just created and is ours alone.
     let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
@@ -621,6 +631,18 @@ fn memfd_block(text: &[u8]) -> std::fs::File {
     f.seek(SeekFrom::Start(layout.buffer_offset as u64)).unwrap();
     f.write_all(text).unwrap();
     f
+}
+
+/// Rank 0 of a two-rank group whose true rank 1 (the test) sends a block
+/// that is not sealed against shrinking: refused, nothing mapped.
+fn role_refuses_an_unsealed_block(me: Rank) {
+    me.join("world");
+    let p = symm::alloc(DeviceType::Cpu, 0, 64, Some("world")).unwrap();
+    let e = symm::rendezvous(p, None, t(30_000)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Permission, "{}", e.message());
+    assert!(e.message().contains("the block of rank 1") && e.message().contains("not sealed"), "{}", e.message());
+    symm::free(p).unwrap();
+    println!("ok");
 }
 
 #[test]
@@ -648,6 +670,7 @@ fn child_role() {
         "meets_the_test" => role_meets_the_test(me),
         "refuses_a_stranger_socket" => role_refuses_a_stranger_socket(me),
         "stranger" => role_stranger(me),
+        "refuses_an_unsealed_block" => role_refuses_an_unsealed_block(me),
         other => panic!("unknown role {other}"),
     }
 }
@@ -935,6 +958,40 @@ fn a_stranger_connection_is_not_taken_for_a_peer() {
     storage_sharing::storage::send_fds(out.as_raw_fd(), &1u32.to_ne_bytes(), &[honest.as_raw_fd()]).unwrap();
     // The closing barrier of the rendezvous (exchange 1).
     store.set(b"symmetric_memory-world/CPUSymmetricMemory/1/1", &0i32.to_ne_bytes()).unwrap();
+    let outs = finish(rank0);
+    assert_all_ok(&outs);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Blocks are sealed against shrinking when made, and a rank maps a
+/// peer's block only sealed: an unsealed one, even from the true peer
+/// process, could be truncated under the mapping (SIGBUS).
+#[test]
+fn an_unsealed_block_from_the_true_peer_is_refused() {
+    use std::os::fd::AsRawFd;
+    use storage_sharing::store::Store;
+    use storage_sharing::symm::abstract_socket;
+    let dir = test_dir("unsealed");
+    let store = FileStore::open(dir.join("store")).unwrap();
+    let name = abstract_socket::unique_name();
+    let listener = abstract_socket::listen(&name).unwrap();
+    publish_rank1(&store, std::process::id(), &name);
+    let rank0 = spawn_ranks("refuses_an_unsealed_block", &dir, 2, &[0], &[]);
+    // Ring step 1: rank 0 sends us its block, sealed.
+    readable(listener.as_raw_fd());
+    let conn = abstract_socket::accept(listener.as_raw_fd()).unwrap();
+    let mut origin = [0u8; 4];
+    let (_, fds) = storage_sharing::storage::recv_fds(conn.as_raw_fd(), &mut origin, 1).unwrap();
+    assert_eq!(fds.len(), 1);
+    // SAFETY: F_GET_SEALS only reads.
+    let seals = unsafe { libc::fcntl(fds[0].as_raw_fd(), libc::F_GET_SEALS) };
+    assert!(seals >= 0 && seals & libc::F_SEAL_SHRINK != 0, "rank 0's block is not sealed: {seals:#x}");
+    // We are rank 1's process, but our block could shrink.
+    let side = store.get(b"symmetric_memory-world/CPUSymmetricMemory/0/0/side", Some(Duration::from_secs(30))).unwrap();
+    let socket0 = String::from_utf8(side[8..].to_vec()).unwrap();
+    let unsealed = unsealed_memfd_block(b"unsealed");
+    let out = abstract_socket::connect(&socket0).unwrap();
+    storage_sharing::storage::send_fds(out.as_raw_fd(), &1u32.to_ne_bytes(), &[unsealed.as_raw_fd()]).unwrap();
     let outs = finish(rank0);
     assert_all_ok(&outs);
     let _ = std::fs::remove_dir_all(&dir);

@@ -1,0 +1,111 @@
+//! Descriptors that cannot shrink under a mapping. A process that maps a
+//! file another process can truncate dies of SIGBUS when it touches a page
+//! past the new end. So the library's own shared memfds (arena segments,
+//! symmetric-memory blocks) are sealed against shrinking when made, and a
+//! descriptor received for mapping is accepted only with that seal and a
+//! size that covers the mapping: the sender can then neither shrink it
+//! nor, having sealed it, unseal it.
+
+use crate::error::{Error, ErrorKind, Result};
+use std::ffi::CStr;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+
+/// Seals every sealed memfd of the library carries. `F_SEAL_SEAL` stops
+/// anyone who receives it from adding more (a `F_SEAL_FUTURE_WRITE` added
+/// by one consumer would stop every later consumer from mapping it
+/// writable).
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
+
+/// A new close-on-exec memfd named `label` that can be sealed.
+pub fn sealable_memfd(label: &CStr, what: &str) -> Result<OwnedFd> {
+    // SAFETY: memfd_create reads the NUL-terminated label only.
+    let fd = unsafe { libc::memfd_create(label.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(Error::last_os_error(format!("memfd_create for {what}")));
+    }
+    // SAFETY: a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Seals `fd` (a memfd made by [`sealable_memfd`], sized already) so that
+/// nobody can shrink it again, nor add other seals.
+pub fn seal_against_shrinking(fd: RawFd, what: &str) -> Result<()> {
+    // SAFETY: fcntl on a descriptor we own; F_ADD_SEALS takes an int.
+    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, SEALS) } != 0 {
+        return Err(Error::last_os_error(format!("unable to seal {what} against shrinking")));
+    }
+    Ok(())
+}
+
+/// Checks a received descriptor before it is mapped: it must be sealed
+/// against shrinking and hold at least `need` bytes. Returns its size.
+/// Refused descriptors get a `Permission` (not sealed) or `SizeMismatch`
+/// (too small) error naming `what`; nothing is mapped.
+pub fn check_received(fd: RawFd, need: usize, what: &str) -> Result<usize> {
+    // SAFETY: F_GET_SEALS only reads the descriptor's seals.
+    let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+    if seals < 0 {
+        let e = crate::error::errno();
+        if e != libc::EINVAL {
+            return Err(Error::from_errno(e, format!("reading the seals of {what}")));
+        }
+    }
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(Error::new(
+            ErrorKind::Permission,
+            format!(
+                "{what}: refused, the descriptor is not sealed against shrinking (F_SEAL_SHRINK), so its sender could truncate it and crash this process with SIGBUS; nothing was mapped"
+            ),
+        ));
+    }
+    let size = file_size(fd, what)?;
+    if size < need {
+        return Err(Error::new(
+            ErrorKind::SizeMismatch,
+            format!("{what}: refused, the descriptor holds {size} bytes, fewer than the {need} to be mapped; nothing was mapped"),
+        ));
+    }
+    Ok(size)
+}
+
+/// The size of the file behind `fd` (fstat).
+pub fn file_size(fd: RawFd, what: &str) -> Result<usize> {
+    // SAFETY: plain data filled by fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: st is valid for the call; a bad descriptor gives EBADF.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(Error::last_os_error(format!("fstat of {what}")));
+    }
+    Ok(st.st_size.max(0) as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    fn sized(fd: &OwnedFd, len: i64) {
+        // SAFETY: ftruncate on our own memfd.
+        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), len) }, 0);
+    }
+
+    #[test]
+    fn only_sealed_descriptors_that_cover_the_mapping_pass() {
+        let fd = sealable_memfd(c"ss-seal-test", "a test memfd").unwrap();
+        sized(&fd, 8192);
+        let e = check_received(fd.as_raw_fd(), 4096, "unsealed").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Permission, "{e}");
+        seal_against_shrinking(fd.as_raw_fd(), "a test memfd").unwrap();
+        assert_eq!(check_received(fd.as_raw_fd(), 8192, "sealed").unwrap(), 8192);
+        let e = check_received(fd.as_raw_fd(), 8193, "sealed").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::SizeMismatch, "{e}");
+        // SAFETY: ftruncate on our own memfd; the seal refuses it.
+        assert_ne!(unsafe { libc::ftruncate(fd.as_raw_fd(), 0) }, 0, "a sealed memfd shrank");
+        // F_SEAL_SEAL: no one adds seals afterwards.
+        // SAFETY: as above.
+        assert_ne!(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_FUTURE_WRITE) }, 0);
+        // A file that is no memfd has no seals at all.
+        let f = std::fs::File::open("/proc/self/stat").unwrap();
+        assert_eq!(check_received(f.as_raw_fd(), 0, "a proc file").unwrap_err().kind(), ErrorKind::Permission);
+    }
+}

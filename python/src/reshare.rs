@@ -16,6 +16,7 @@ use std::os::unix::net::{SocketAddr, UnixStream};
 use std::time::Duration;
 use storage_sharing::arena::handle::WIRE_SIZE;
 use storage_sharing::arena::ArenaHandle;
+use storage_sharing::fdpass::peer;
 use storage_sharing::{Error, ErrorKind, Result};
 
 /// The request word that asks for a reshare instead of a segment's fd.
@@ -46,18 +47,6 @@ pub fn answer(conn: &UnixStream, arena: &SharedArena) -> std::io::Result<()> {
     (&*conn).write_all(&msg)
 }
 
-/// `(pid, uid)` of the process at the other end of `conn`.
-fn peer(conn: &UnixStream) -> Option<(i32, u32)> {
-    // SAFETY: plain data filled by getsockopt.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: cred and len are valid for the call.
-    let rc = unsafe {
-        libc::getsockopt(conn.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, &mut cred as *mut _ as *mut libc::c_void, &mut len)
-    };
-    (rc == 0).then_some((cred.pid, cred.uid))
-}
-
 /// The consumer's side: asks the producer's fd server `name` for a new
 /// share of the block `held` (a handle this process opened and holds).
 pub fn request(name: &str, held: &ArenaHandle, timeout: Duration) -> Result<ArenaHandle> {
@@ -69,20 +58,7 @@ pub fn request(name: &str, held: &ArenaHandle, timeout: Duration) -> Result<Aren
     })?;
     // Only the producer itself may answer: a process that took over the
     // name after the producer went could hand out a handle of its own.
-    // SAFETY: geteuid cannot fail.
-    let uid = unsafe { libc::geteuid() };
-    match peer(&conn) {
-        Some((pid, peer_uid)) if pid == held.key.producer_pid && peer_uid == uid => {}
-        other => {
-            return Err(Error::new(
-                ErrorKind::Permission,
-                format!(
-                    "{what} is answered by {other:?} (pid, uid), not by the block's producer (pid {}, uid {uid})",
-                    held.key.producer_pid
-                ),
-            ))
-        }
-    }
+    peer::expect_process(conn.as_raw_fd(), held.key.producer_pid, &what)?;
     conn.set_write_timeout(Some(timeout)).map_err(io)?;
     conn.set_read_timeout(Some(timeout)).map_err(io)?;
     let mut req = Vec::with_capacity(8 + WIRE_SIZE);

@@ -365,6 +365,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, group=None, timeout=None) -> t
     every rank gathers the slices. Returns ``tensor``."""
     g = _group(group)
     t = g._timeout(timeout)
+    tensor = _plain(tensor)
     with g._refusals("all_reduce", t):
         name = _op_name(op)
         _check_tensor(tensor, "all_reduce", "tensor", written=True)
@@ -414,6 +415,7 @@ def broadcast(tensor: torch.Tensor, src: int, *, group=None, timeout=None) -> to
     """Copies rank ``src``'s ``tensor`` into every rank's. Returns it."""
     g = _group(group)
     t = g._timeout(timeout)
+    tensor = _plain(tensor)
     with g._refusals("broadcast", t):
         _check_tensor(tensor, "broadcast", "tensor", written=True)
         try:

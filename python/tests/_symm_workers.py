@@ -353,5 +353,11 @@ def confusing_inputs_are_named(rank, world_size):
         "negative_root": _error_of(lambda: symm.broadcast(torch.ones(4), src=-1)),
     }
     out["zero_size"] = list(symm.empty((0, 5)).tensor.shape)
+    # A SymmTensor itself is taken for its tensor, as all_gather takes it.
+    sym = symm.empty((3,), torch.int32)
+    sym.tensor.fill_(rank + 1)
+    symm.all_reduce(sym)
+    symm.broadcast(sym, src=0)
+    out["symm_tensor"] = sym.tensor.tolist()
     out["after"] = _matched_sum_works(ws)
     return out

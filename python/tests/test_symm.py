@@ -212,4 +212,5 @@ def test_negative_sizes_sparse_and_other_inputs_are_named(tmp_path):
         assert o["cast_list"].startswith("ValueError: symm.all_gather: output 0 has dtype torch.float16 but the input has torch.float32"), o
         assert o["negative_root"].startswith("ValueError: symm.broadcast: source rank -1 is not in a group of 2"), o
         assert o["zero_size"] == [0, 5] and o["after"], o
+        assert o["symm_tensor"] == [3, 3, 3], o
     del server

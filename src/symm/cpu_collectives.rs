@@ -6,7 +6,8 @@
 //! The next call writes the other half, so it needs no closing barrier: by
 //! the time a rank writes a half again (two calls later), every peer has
 //! passed the barrier of the call in between, hence finished reading it.
-//! Every rank must make the same calls in the same order with equal sizes.
+//! Every rank must make the same calls in the same order with equal sizes
+//! (checked: see below).
 //!
 //! all_reduce is a reduce-scatter then an all-gather: after the first
 //! barrier each rank reduces its 1/world slice from every peer's half into
@@ -18,7 +19,6 @@
 //! header of its half, and when every rank posted an input in the same
 //! allocation, peers copy straight out of each other's inputs and a closing
 //! barrier keeps the inputs untouched until every peer has read them.
-
 //!
 //! Every call starts by posting, in the header of its half, what it was
 //! passed (kind, dtype, element count and size, op or root: see

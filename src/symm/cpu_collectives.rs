@@ -106,7 +106,7 @@ impl CpuCollectives {
 
     /// The offset in the buffer of the half this call uses; every call,
     /// native or not, takes its turn here (and posts its header there
-    /// with [`agree_at`](Self::agree_at) or [`refuse_at`](Self::refuse_at)).
+    /// with [`agree_at`](Self::agree_at)).
     pub fn next_region(&self) -> usize {
         self.take_turn().1
     }

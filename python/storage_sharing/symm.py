@@ -15,14 +15,22 @@ The ranks meet through the group's store: when it is a TCPStore, through
 the library's own TCPStore client at its host and port; otherwise through
 the Python store object itself. Every rank must make the same calls in the
 same order (allocation and every collective are collective calls).
+
+Every collective first checks that every rank passed the same call (size,
+dtype, op, source rank): when they differ, or when one rank refuses its own
+arguments (a cast, a sparse tensor, a wrong count), every rank raises an
+error naming the ranks and what each passed, before any data moves, and
+the group can be used for the next call.
 """
 
+import contextlib
 import ctypes
 import itertools
 import math
+import operator
 import weakref
 from datetime import timedelta
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -54,6 +62,21 @@ def _seconds(timeout) -> Optional[float]:
     return float(timeout)
 
 
+def _shape_of(shape) -> torch.Size:
+    """``shape`` (an int or a sequence of ints) as a size, or an error
+    naming what is wrong with it."""
+    if isinstance(shape, int):
+        shape = (shape,)
+    try:
+        size = torch.Size(shape)
+    except TypeError as e:
+        raise TypeError(f"symm.empty: shape must be an int or a sequence of ints, got {shape!r}") from e
+    for i, d in enumerate(size):
+        if d < 0:
+            raise ValueError(f"symm.empty: dimension {i} of shape {tuple(size)} is negative ({d}); every size must be >= 0")
+    return size
+
+
 def _bytes_at(address: int, size: int, owner) -> torch.Tensor:
     """A uint8 tensor over ``size`` bytes at ``address``, keeping ``owner``."""
     if size == 0:
@@ -69,7 +92,9 @@ class SymmTensor:
     every process of the group."""
 
     def __init__(self, group: "Group", shape, dtype: torch.dtype):
-        shape = torch.Size(shape)
+        shape = _shape_of(shape)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"symm.empty: dtype must be a torch.dtype, got {dtype!r}")
         itemsize = torch.empty(0, dtype=dtype).element_size()
         nbytes = math.prod(shape) * itemsize
         self.group = group
@@ -143,7 +168,9 @@ class Group:
         return SymmTensor(self, shape, dtype)
 
     def barrier(self, timeout=None) -> None:
-        self._scratch_for(1).barrier(self._timeout(timeout))
+        """A barrier that is also a collective call: it raises on every
+        rank when another rank is in another collective."""
+        self._scratch_block().barrier(self._timeout(timeout))
 
     def _timeout(self, timeout):
         return self.timeout if timeout is None else _seconds(timeout)
@@ -165,16 +192,61 @@ class Group:
                 return serial, a.size, at - base, a.buffers
         return None
 
-    def _scratch_for(self, nbytes: int) -> "_native.SymmScratch":
-        """The group's scratch block, grown (a collective call: every rank
-        grows it alike) until a call may move ``nbytes`` per rank."""
-        s = self._scratch
-        if s is None or s.capacity < nbytes:
-            size = max(_SCRATCH_MIN, 1 << max(0, nbytes - 1).bit_length())
-            if s is not None:
-                s.close()
+    def _scratch_block(self) -> "_native.SymmScratch":
+        """The group's scratch block; the first collective makes it at its
+        smallest size (a collective call: alike on every rank, whatever
+        each rank passed)."""
+        if self._scratch is None:
+            self._scratch = _native.SymmScratch(_SCRATCH_MIN, self.name, self.timeout)
+        return self._scratch
+
+    def _scratch_for(self, call: "_Call", timeout) -> "_native.SymmScratch":
+        """The scratch block, grown until ``call`` fits. Growing is a
+        collective call, so the ranks first check that they all make the
+        same ``call`` (every rank raises when they do not)."""
+        s = self._scratch_block()
+        if s.capacity < call.nbytes:
+            call.agree(s, timeout)
+            size = max(_SCRATCH_MIN, 1 << max(0, call.nbytes - 1).bit_length())
+            s.close()
             self._scratch = s = _native.SymmScratch(size, self.name, self.timeout)
         return s
+
+    @contextlib.contextmanager
+    def _refusals(self, kind: str, timeout):
+        """Runs a collective's argument checks. When they refuse, every
+        peer is told (its call raises, naming this rank, instead of waiting
+        for a call this rank will not make), then the refusal is raised."""
+        try:
+            yield
+        except Exception:
+            try:
+                self._scratch_block().refuse(kind, timeout)
+            except Exception:  # this rank's own refusal is the error to raise
+                pass
+            raise
+
+
+class _Call(NamedTuple):
+    """What a rank passes to a collective; every rank must pass the same."""
+
+    kind: str
+    dtype: str
+    numel: int
+    itemsize: int
+    op: Optional[str] = None
+    root: Optional[int] = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def agree(self, scratch, timeout, region=None) -> None:
+        scratch.agree(self.kind, self.dtype, self.numel, self.itemsize, self.op, self.root, timeout, region)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
 
 
 def _store_of(pg):
@@ -258,9 +330,19 @@ def _bounds(numel: int, ws: int, r: int):
     return min(numel, r * per), min(numel, (r + 1) * per)
 
 
-def _check_cpu(t: torch.Tensor) -> None:
+def _check_tensor(t, fn: str, what: str, written: bool = False) -> None:
+    """Refuses, naming ``what`` and the reason, a tensor the collectives
+    cannot move: not a tensor, not dense, not on the CPU, or (when written)
+    with elements that share memory."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"symm.{fn}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        layout = str(t.layout).rsplit(".", 1)[-1]
+        raise ValueError(f"symm.{fn}: {what} is a {layout} tensor; symmetric collectives take dense CPU tensors (use .to_dense())")
     if t.device.type != "cpu":
-        raise ValueError(f"symmetric collectives take CPU tensors, got one on {t.device}")
+        raise ValueError(f"symm.{fn}: {what} is on {t.device}; symmetric collectives take CPU tensors")
+    if written and torch._debug_has_internal_overlap(t) == 1:
+        raise ValueError(f"symm.{fn}: {what} has elements that share memory (an expanded view?), so it cannot be written")
 
 
 # The dtypes reduced in Rust; others go through torch (_all_reduce_torch).
@@ -282,32 +364,36 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, group=None, timeout=None) -> t
     product): each rank reduces its slice from every peer's buffer, then
     every rank gathers the slices. Returns ``tensor``."""
     g = _group(group)
-    name = _op_name(op)
-    _check_cpu(tensor)
+    t = g._timeout(timeout)
+    tensor = _plain(tensor)
+    with g._refusals("all_reduce", t):
+        name = _op_name(op)
+        _check_tensor(tensor, "all_reduce", "tensor", written=True)
     dtype_name = _NATIVE_REDUCE.get(tensor.dtype)
     if dtype_name is None:
-        return _all_reduce_torch(g, tensor, name, timeout)
+        return _all_reduce_torch(g, tensor, name, t)
     flat = tensor if tensor.is_contiguous() else tensor.contiguous()
     n = flat.numel()
-    s = g._scratch_for(n * flat.element_size())
-    s.all_reduce(flat.data_ptr(), flat.data_ptr(), n, dtype_name, name, g._timeout(timeout))
+    s = g._scratch_for(_Call("all_reduce", dtype_name, n, flat.element_size(), op=name), t)
+    s.all_reduce(flat.data_ptr(), flat.data_ptr(), n, dtype_name, name, t)
     if flat is not tensor:
         tensor.copy_(flat)
     return tensor
 
 
-def _all_reduce_torch(g: Group, tensor: torch.Tensor, name: str, timeout) -> torch.Tensor:
+def _all_reduce_torch(g: Group, tensor: torch.Tensor, name: str, t) -> torch.Tensor:
     """all_reduce of a dtype without a native reduction (complex, bool,
     ...): the same two steps over the scratch block, reduced by torch."""
     flat = tensor.reshape(-1)
     n, itemsize = flat.numel(), flat.element_size()
-    s = g._scratch_for(n * itemsize)
+    call = _Call("all_reduce", _dtype_name(flat.dtype), n, itemsize, op=name)
+    s = g._scratch_for(call, t)
     off = s.next_region()
     bufs = [_bytes_at(s.buffer_address(r) + off, n * itemsize, s).view(flat.dtype) for r in range(g.world_size)]
     mine = bufs[g.rank]
     mine.copy_(flat)
-    t = g._timeout(timeout)
-    s.barrier(t)
+    # The first barrier, which also checks that every rank made this call.
+    call.agree(s, t, region=off)
     lo, hi = _bounds(n, g.world_size, g.rank)
     if hi > lo:
         # Only this rank reads its slice of every buffer, so it may
@@ -316,7 +402,7 @@ def _all_reduce_torch(g: Group, tensor: torch.Tensor, name: str, timeout) -> tor
         for p in range(g.world_size):
             if p != g.rank:
                 _accumulate(acc, bufs[p][lo:hi], name)
-    s.barrier(t)
+    s.sync(t)
     out = torch.empty_like(flat)
     for p in range(g.world_size):
         plo, phi = _bounds(n, g.world_size, p)
@@ -328,10 +414,19 @@ def _all_reduce_torch(g: Group, tensor: torch.Tensor, name: str, timeout) -> tor
 def broadcast(tensor: torch.Tensor, src: int, *, group=None, timeout=None) -> torch.Tensor:
     """Copies rank ``src``'s ``tensor`` into every rank's. Returns it."""
     g = _group(group)
-    _check_cpu(tensor)
+    t = g._timeout(timeout)
+    tensor = _plain(tensor)
+    with g._refusals("broadcast", t):
+        _check_tensor(tensor, "broadcast", "tensor", written=True)
+        try:
+            src = operator.index(src)
+        except TypeError:
+            raise TypeError(f"symm.broadcast: the source rank must be an int, got {src!r}") from None
+        if not 0 <= src < g.world_size:
+            raise ValueError(f"symm.broadcast: source rank {src} is not in a group of {g.world_size}")
     flat = tensor if tensor.is_contiguous() else tensor.contiguous()
-    nbytes = flat.numel() * flat.element_size()
-    g._scratch_for(nbytes).broadcast(src, flat.data_ptr(), nbytes, g._timeout(timeout))
+    call = _Call("broadcast", _dtype_name(flat.dtype), flat.numel(), flat.element_size(), root=src)
+    g._scratch_for(call, t).broadcast(src, flat.data_ptr(), call.numel, call.dtype, call.itemsize, t)
     if flat is not tensor and g.rank != src:
         tensor.copy_(flat)
     return tensor
@@ -342,41 +437,55 @@ def _plain(t) -> torch.Tensor:
     return t.tensor if isinstance(t, SymmTensor) else t
 
 
-def _gather(g: Group, outputs: Sequence[torch.Tensor], input: torch.Tensor, timeout) -> None:
-    """Every rank's ``input`` into ``outputs[rank]``: straight into the
-    outputs that are contiguous and of ``input``'s dtype, through a
-    temporary into the others. An input in a symmetric tensor is read by
-    the peers in place."""
-    input = _plain(input)
-    _check_cpu(input)
-    flat = input if input.is_contiguous() else input.contiguous()
-    n = flat.numel()
-    nbytes = n * flat.element_size()
-    direct = []
+def _check_outputs(fn: str, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> None:
+    """Refuses outputs that are no dense CPU tensors, overlap themselves,
+    or differ from ``input`` in dtype (as torch.distributed, no cast) or
+    element count."""
+    n = input.numel()
     for p, t in enumerate(outputs):
-        _check_cpu(t)
-        if t.numel() != n:
+        what = "output" if fn == "all_gather_into_tensor" else f"output {p}"
+        _check_tensor(t, fn, what, written=True)
+        if t.dtype != input.dtype:
+            raise ValueError(
+                f"symm.{fn}: {what} has dtype {t.dtype} but the input has {input.dtype}; "
+                "as torch.distributed with gloo, symmetric collectives do not cast"
+            )
+        if fn == "all_gather" and t.numel() != n:
             raise ValueError(f"output {p} has {t.numel()} elements; the input has {n}")
-        direct.append(t if t.is_contiguous() and t.dtype == flat.dtype else torch.empty(n, dtype=flat.dtype))
-    scratch = g._scratch_for(nbytes)
-    outs = [t.data_ptr() for t in direct]
-    if scratch.all_gather(flat.data_ptr(), nbytes, outs, g._timeout(timeout), g._symmetric_input(flat, nbytes)):
+
+
+def _gather(g: Group, outputs: Sequence[torch.Tensor], input: torch.Tensor, t) -> None:
+    """Every rank's ``input`` into ``outputs[rank]`` (checked: CPU, dense,
+    of ``input``'s dtype and size): straight into the contiguous outputs,
+    through a temporary into the others. An input in a symmetric tensor is
+    read by the peers in place."""
+    flat = input if input.is_contiguous() else input.contiguous()
+    n, itemsize = flat.numel(), flat.element_size()
+    direct = [o if o.is_contiguous() else torch.empty(n, dtype=flat.dtype) for o in outputs]
+    call = _Call("all_gather", _dtype_name(flat.dtype), n, itemsize)
+    scratch = g._scratch_for(call, t)
+    outs = [o.data_ptr() for o in direct]
+    if scratch.all_gather(flat.data_ptr(), n, call.dtype, itemsize, outs, t, g._symmetric_input(flat, call.nbytes)):
         g.gathers_in_place += 1
-    for t, d in zip(outputs, direct):
-        if d is not t:
-            t.copy_(d.view(t.shape))
+    for o, d in zip(outputs, direct):
+        if d is not o:
+            o.copy_(d.view(o.shape))
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=None, timeout=None) -> torch.Tensor:
-    """``output`` (world_size times ``input``'s elements) gets every rank's
-    ``input`` in rank order. Returns ``output``."""
+    """``output`` (world_size times ``input``'s elements, of its dtype)
+    gets every rank's ``input`` in rank order. Returns ``output``."""
     g = _group(group)
+    t = g._timeout(timeout)
     output, input = _plain(output), _plain(input)
-    n = input.numel()
-    if output.numel() != n * g.world_size:
-        raise ValueError(f"output has {output.numel()} elements; {g.world_size} ranks of {n} need {n * g.world_size}")
-    whole = output if output.is_contiguous() and output.dtype == input.dtype else torch.empty(n * g.world_size, dtype=input.dtype)
-    _gather(g, list(whole.view(g.world_size, n).unbind(0)), input, timeout)
+    with g._refusals("all_gather", t):
+        _check_tensor(input, "all_gather_into_tensor", "input")
+        _check_outputs("all_gather_into_tensor", [output], input)
+        n = input.numel()
+        if output.numel() != n * g.world_size:
+            raise ValueError(f"output has {output.numel()} elements; {g.world_size} ranks of {n} need {n * g.world_size}")
+    whole = output if output.is_contiguous() else torch.empty(n * g.world_size, dtype=input.dtype)
+    _gather(g, list(whole.view(g.world_size, n).unbind(0)), input, t)
     if whole is not output:
         output.copy_(whole.view(output.shape))
     return output
@@ -384,10 +493,16 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
 
 def all_gather(tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, *, group=None, timeout=None) -> List[torch.Tensor]:
     """``tensor_list[r]`` gets rank ``r``'s ``tensor`` (as
-    ``torch.distributed.all_gather``). Returns ``tensor_list``."""
+    ``torch.distributed.all_gather``; the outputs must have its dtype).
+    Returns ``tensor_list``."""
     g = _group(group)
-    tensor_list = [_plain(t) for t in tensor_list]
-    if len(tensor_list) != g.world_size:
-        raise ValueError(f"tensor_list has {len(tensor_list)} tensors for {g.world_size} ranks")
-    _gather(g, tensor_list, tensor, timeout)
+    t = g._timeout(timeout)
+    with g._refusals("all_gather", t):
+        tensor_list = [_plain(x) for x in tensor_list]
+        tensor = _plain(tensor)
+        _check_tensor(tensor, "all_gather", "tensor")
+        if len(tensor_list) != g.world_size:
+            raise ValueError(f"tensor_list has {len(tensor_list)} tensors for {g.world_size} ranks")
+        _check_outputs("all_gather", tensor_list, tensor)
+    _gather(g, tensor_list, tensor, t)
     return list(tensor_list)

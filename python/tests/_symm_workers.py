@@ -259,12 +259,13 @@ def copies_of_every_dtype(rank, world_size):
     symm.all_gather_into_tensor(whole, whole[rank])
     if not torch.equal(whole, torch.arange(1, world_size + 1, dtype=torch.int32).repeat_interleave(13).view(world_size, 13)):
         failures.append("all_gather_into_tensor in place")
-    # Strided outputs and outputs of another dtype go through a temporary.
+    # Strided outputs go through a temporary (outputs of another dtype are
+    # refused, as torch.distributed refuses them).
     mine = torch.full((6,), float(rank), dtype=torch.float32)
-    outs = [torch.zeros(6, 2, dtype=torch.float64)[:, 0] if r % 2 else torch.zeros(6, dtype=torch.float16) for r in range(world_size)]
+    outs = [torch.zeros(6, 2, dtype=torch.float32)[:, 0] if r % 2 else torch.zeros(6, dtype=torch.float32) for r in range(world_size)]
     symm.all_gather(outs, mine)
     if [o.tolist() for o in outs] != [[float(r)] * 6 for r in range(world_size)]:
-        failures.append(f"all_gather strided/other dtype: {[o.tolist() for o in outs]}")
+        failures.append(f"all_gather strided: {[o.tolist() for o in outs]}")
     # A strided broadcast target.
     grid = torch.full((5, 3), float(rank))
     symm.broadcast(grid[:, 2], src=world_size - 1)
@@ -285,4 +286,78 @@ def wrong_sizes_are_named(rank, world_size):
     except Exception as e:  # the native error: an invalid-argument class
         out["broadcast"] = f"{type(e).__name__}: {e}"
     symm.barrier()
+    return out
+
+
+def _error_of(call):
+    """The error ``call`` raises on this rank, as "Class: message"."""
+    try:
+        call()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _matched_sum_works(world_size):
+    t = torch.arange(5, dtype=torch.float32)
+    symm.all_reduce(t)
+    return bool(torch.equal(t, torch.arange(5, dtype=torch.float32) * world_size))
+
+
+def mismatches_fail_every_rank(rank, world_size):
+    """Collectives where the last rank passes other arguments than the
+    others; returns each case's error on this rank and whether a matched
+    all_reduce works right after it."""
+    symm.join(timeout=20)
+    odd = rank == world_size - 1
+    f32, f64 = torch.float32, torch.float64
+    sym = symm.empty((8,), f32)
+    sym.tensor.fill_(rank)
+    cases = {
+        "size": lambda: symm.all_reduce(torch.ones(6 if odd else 4)),
+        "dtype": lambda: symm.all_reduce(torch.ones(4, dtype=f64 if odd else f32)),
+        "op": lambda: symm.all_reduce(torch.ones(4), op="max" if odd else "sum"),
+        "complex": lambda: symm.all_reduce(torch.ones(4, dtype=torch.complex128 if odd else torch.complex64)),
+        "grow": lambda: symm.all_reduce(torch.ones(100_000 if odd else 4)),
+        "broadcast_size": lambda: symm.broadcast(torch.ones(6 if odd else 4), src=0),
+        "broadcast_root": lambda: symm.broadcast(torch.ones(4), src=1 if odd else 0),
+        "gather_size": lambda: symm.all_gather([torch.empty(6 if odd else 4) for _ in range(world_size)], torch.ones(6 if odd else 4)),
+        "gather_dtype": lambda: symm.all_gather_into_tensor(torch.empty(world_size * 4, dtype=f64 if odd else f32), torch.ones(4, dtype=f64 if odd else f32)),
+        "gather_in_place": lambda: symm.all_gather([torch.empty(6 if odd else 4) for _ in range(world_size)], sym.tensor[: 6 if odd else 4]),
+        "barrier": lambda: symm.barrier() if odd else symm.all_reduce(torch.ones(4)),
+        "cast_into": lambda: symm.all_gather_into_tensor(torch.empty(world_size * 4, dtype=torch.int64 if odd else f32), torch.ones(4)),
+        "sparse": lambda: symm.all_reduce(torch.ones(4).to_sparse() if odd else torch.ones(4)),
+    }
+    out = {}
+    for name, call in cases.items():
+        out[name] = _error_of(call)
+        out[name + "_after"] = _matched_sum_works(world_size)
+    out["in_place_untouched"] = sym.tensor.tolist() == [float(rank)] * 8
+    return out
+
+
+def confusing_inputs_are_named(rank, world_size):
+    """Inputs every rank gets wrong alike; returns the errors."""
+    symm.join(timeout=20)
+    ws = world_size
+    out = {
+        "negative": _error_of(lambda: symm.empty((-1,))),
+        "negative_2d": _error_of(lambda: symm.empty((2, -3), torch.int64)),
+        "not_a_dtype": _error_of(lambda: symm.empty((2,), "float32")),
+        "sparse_reduce": _error_of(lambda: symm.all_reduce(torch.ones(4).to_sparse())),
+        "csr_gather": _error_of(lambda: symm.all_gather([torch.empty(4) for _ in range(ws)], torch.ones(2, 2).to_sparse_csr())),
+        "sparse_output": _error_of(lambda: symm.all_gather_into_tensor(torch.zeros(ws * 4).to_sparse(), torch.ones(4))),
+        "meta": _error_of(lambda: symm.broadcast(torch.empty(4, device="meta"), src=0)),
+        "expanded": _error_of(lambda: symm.all_reduce(torch.zeros(1).expand(4))),
+        "cast_list": _error_of(lambda: symm.all_gather([torch.empty(4, dtype=torch.float16) for _ in range(ws)], torch.ones(4))),
+        "negative_root": _error_of(lambda: symm.broadcast(torch.ones(4), src=-1)),
+    }
+    out["zero_size"] = list(symm.empty((0, 5)).tensor.shape)
+    # A SymmTensor itself is taken for its tensor, as all_gather takes it.
+    sym = symm.empty((3,), torch.int32)
+    sym.tensor.fill_(rank + 1)
+    symm.all_reduce(sym)
+    symm.broadcast(sym, src=0)
+    out["symm_tensor"] = sym.tensor.tolist()
+    out["after"] = _matched_sum_works(ws)
     return out

@@ -155,3 +155,62 @@ def test_wrong_sizes_and_ranks_are_named(tmp_path):
         assert "output 0 has 3 elements; the input has 4" in out[r]["gather"], out[r]
         assert "source rank 2 is not in a group of 2" in out[r]["broadcast"], out[r]
     del server
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mismatched_collectives_fail_every_rank_and_the_group_goes_on(tmp_path, world_size):
+    """gloo aborts or returns garbage; here every rank raises, naming the
+    ranks and what each passed, and the next matched call works."""
+    server, procs, results = launch(workers.mismatches_fail_every_rank, world_size, "tcp", tmp_path)
+    out = ok(collect(procs, results, world_size), world_size)
+    last = world_size - 1
+    named = {
+        "size": ["rank 0 passed all_reduce of 4 float32 elements (4 bytes each) with op sum", f"rank {last} passed all_reduce of 6 float32"],
+        "dtype": [f"rank {last} passed all_reduce of 4 float64 elements (8 bytes each)"],
+        "op": ["with op sum but", "with op max"],
+        "complex": ["4 complex64 elements", f"rank {last} passed all_reduce of 4 complex128"],
+        "grow": ["of 4 float32", f"rank {last} passed all_reduce of 100000 float32"],
+        "broadcast_size": ["broadcast of 4 float32 elements (4 bytes each) from rank 0", f"rank {last} passed broadcast of 6 float32"],
+        "broadcast_root": ["from rank 0 but", f"rank {last} passed broadcast of 4 float32 elements (4 bytes each) from rank 1"],
+        "gather_size": ["all_gather of 4 float32", f"rank {last} passed all_gather of 6 float32"],
+        "gather_dtype": ["all_gather of 4 float32", f"rank {last} passed all_gather of 4 float64"],
+        "gather_in_place": ["all_gather of 4 float32", f"rank {last} passed all_gather of 6 float32"],
+        "barrier": ["rank 0 passed all_reduce", f"rank {last} passed barrier"],
+    }
+    for r in range(world_size):
+        o = out[r]
+        for case, parts in named.items():
+            assert o[case].startswith("InvalidArgumentError: symm "), (r, case, o[case])
+            for part in parts:
+                assert part in o[case], (r, case, o[case])
+            assert o[case + "_after"], (r, case, "a matched all_reduce failed after the mismatch")
+        refused = f"InvalidArgumentError: symm all_gather: rank(s) {last} refused their own arguments"
+        if r == last:
+            assert o["cast_into"].startswith("ValueError: symm.all_gather_into_tensor: output has dtype torch.int64 but the input has torch.float32"), o
+            assert o["sparse"].startswith("ValueError: symm.all_reduce: tensor is a sparse_coo tensor"), o
+        else:
+            assert o["cast_into"].startswith(refused), o
+            assert o["sparse"].startswith(refused.replace("all_gather", "all_reduce")), o
+        assert o["cast_into_after"] and o["sparse_after"], o
+        assert o["in_place_untouched"], o
+    del server
+
+
+def test_negative_sizes_sparse_and_other_inputs_are_named(tmp_path):
+    server, procs, results = launch(workers.confusing_inputs_are_named, 2, "tcp", tmp_path)
+    out = ok(collect(procs, results, 2), 2)
+    for r in range(2):
+        o = out[r]
+        assert o["negative"] == "ValueError: symm.empty: dimension 0 of shape (-1,) is negative (-1); every size must be >= 0", o
+        assert o["negative_2d"].startswith("ValueError: symm.empty: dimension 1 of shape (2, -3) is negative (-3)"), o
+        assert o["not_a_dtype"].startswith("TypeError: symm.empty: dtype must be a torch.dtype"), o
+        assert o["sparse_reduce"].startswith("ValueError: symm.all_reduce: tensor is a sparse_coo tensor; symmetric collectives take dense"), o
+        assert o["csr_gather"].startswith("ValueError: symm.all_gather: tensor is a sparse_csr tensor"), o
+        assert o["sparse_output"].startswith("ValueError: symm.all_gather_into_tensor: output is a sparse_coo tensor"), o
+        assert o["meta"].startswith("ValueError: symm.broadcast: tensor is on meta; symmetric collectives take CPU tensors"), o
+        assert "has elements that share memory" in o["expanded"], o
+        assert o["cast_list"].startswith("ValueError: symm.all_gather: output 0 has dtype torch.float16 but the input has torch.float32"), o
+        assert o["negative_root"].startswith("ValueError: symm.broadcast: source rank -1 is not in a group of 2"), o
+        assert o["zero_size"] == [0, 5] and o["after"], o
+        assert o["symm_tensor"] == [3, 3, 3], o
+    del server

@@ -15,6 +15,7 @@
 pub mod abstract_socket;
 pub mod alloc;
 pub mod backend;
+pub mod collective_header;
 pub mod cpu_backend;
 pub mod cpu_collectives;
 pub mod cuda_backend;

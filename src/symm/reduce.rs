@@ -43,6 +43,21 @@ impl Elem {
         })
     }
 
+    /// The PyTorch dtype name (without `torch.`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Elem::F32 => "float32",
+            Elem::F64 => "float64",
+            Elem::F16 => "float16",
+            Elem::BF16 => "bfloat16",
+            Elem::I8 => "int8",
+            Elem::U8 => "uint8",
+            Elem::I16 => "int16",
+            Elem::I32 => "int32",
+            Elem::I64 => "int64",
+        }
+    }
+
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {

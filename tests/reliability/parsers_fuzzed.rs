@@ -253,7 +253,9 @@ proptest! {
 
 // ---- TCPStore requests ------------------------------------------------------
 
-use storage_sharing::store::tcp::protocol::{parse_counter, parse_request, query, Request, RequestScanner, MAX_FIELD, MAX_KEYS, MAX_KEY_LEN, MAX_VALUE_LEN};
+use storage_sharing::store::tcp::protocol::{
+    parse_counter, parse_request, query, Request, RequestScanner, MAX_FIELD, MAX_KEYS, MAX_KEY_LEN, MAX_VALUE_LEN,
+};
 
 /// Feeds `bytes` to the server's scanner in the chunks given by `cuts`
 /// (the way reads deliver them) and returns what it decided for the

@@ -25,6 +25,7 @@
 //! split ranks that name the same path. The folder is not cleaned up: give
 //! each job a fresh one (old keys would otherwise be seen by the new job).
 
+use super::bounded_read::{Forward, ReadError};
 use super::deadline::{deadline, expired, remaining, timeout_error, Backoff};
 use super::file_key::{file_name, is_key_file};
 use super::shared_watch::{SharedWatch, Waiter};
@@ -33,7 +34,7 @@ use super::{Store, Timeout};
 use crate::error::{Error, ErrorKind, Result};
 use std::fs::FileType;
 use std::fs::{File, OpenOptions};
-use std::io::{ErrorKind as IoKind, Read, Write};
+use std::io::{ErrorKind as IoKind, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -179,7 +180,7 @@ impl FileStore {
         let path = self.key_path(key);
         // O_NONBLOCK: opening a FIFO would otherwise wait for a writer.
         let opened = OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(&path);
-        let mut file = match opened {
+        let file = match opened {
             Ok(f) => f,
             Err(e) if e.kind() == IoKind::NotFound => return Ok(Attempt::Missing),
             Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => return Ok(Attempt::NoDescriptor(e)),
@@ -193,9 +194,36 @@ impl FileStore {
         };
         let meta = file.metadata().map_err(|e| self.read_error(key, e))?;
         self.check_regular(key, &path, meta.file_type())?;
-        let mut value = Vec::new();
-        file.read_to_end(&mut value).map_err(|e| self.read_error(key, e))?;
-        Ok(Attempt::Value(value))
+        self.read_value(key, &path, &file, meta.len()).map(Attempt::Value)
+    }
+
+    /// The `size` bytes of a key's file, read in bounded chunks: a file
+    /// grown sparse to terabytes by another process is `Corrupt` (this
+    /// store writes every byte of a value), and a value this process cannot
+    /// hold is `NoSpace`, never an abort.
+    fn read_value(&self, key: &[u8], path: &Path, file: &File, size: u64) -> Result<Vec<u8>> {
+        let corrupt = |detail: String| {
+            Error::new(ErrorKind::Corrupt, format!("key {} in {}: <{}> {detail}", show_key(key), self.describe(), path.display()))
+        };
+        match Forward::new(file, 0, size).take(size) {
+            Ok(value) => Ok(value),
+            Err(ReadError::Hole(at)) => Err(corrupt(format!(
+                "is {size} bytes with a hole at offset {at}: it was grown with truncate, and this store writes every byte of a value"
+            ))),
+            Err(ReadError::Io(e)) if e.kind() == IoKind::UnexpectedEof => {
+                Err(corrupt(format!("was {size} bytes and shrank while it was read: this store never rewrites a key's file in place")))
+            }
+            Err(ReadError::Io(e)) => Err(self.read_error(key, e)),
+            Err(ReadError::NoMemory) => Err(Error::new(
+                ErrorKind::NoSpace,
+                format!(
+                    "key {} in {}: <{}> is {size} bytes, more than this process can allocate",
+                    show_key(key),
+                    self.describe(),
+                    path.display()
+                ),
+            )),
+        }
     }
 
     /// A key's file must be a regular file: this store writes nothing else.

@@ -4,6 +4,7 @@
 //! Every store implements [`Store`]; groups and callers share one through
 //! [`StoreRef`] (an `Arc`, so a group keeps its own reference).
 
+pub mod bounded_read;
 pub mod deadline;
 pub mod dir_watch;
 pub mod file;

@@ -6,10 +6,11 @@
 //! newest record of a key wins, and a record whose key starts with `-`
 //! deletes the key that follows the dash.
 
+use super::bounded_read::{Forward, ReadError};
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashMap;
 use std::fs::File;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::MetadataExt;
 
 /// The first byte of a deleting record's key.
 pub const DELETE_MARK: u8 = b'-';
@@ -41,8 +42,11 @@ pub struct Replay {
 impl Replay {
     /// Reads the records appended since the last call. The caller holds a
     /// lock of the file, so no writer is mid-record: bytes that do not
-    /// make whole records are corruption (a writer killed mid-write, or a
-    /// file that is not a FileStore) and reported with their offset.
+    /// make whole records are corruption (a writer killed mid-write, a
+    /// file grown by `truncate`, or a file that is not a FileStore) and
+    /// reported with their offset. Reads go in bounded chunks; a length is
+    /// believed only as far as the file reaches, so a huge claimed length
+    /// or a huge sparse file costs no memory.
     pub fn catch_up(&mut self, file: &File, describe: &dyn Fn() -> String) -> Result<()> {
         let meta = file.metadata().map_err(|e| io_error(e, format_args!("unable to stat {}", describe())))?;
         let id = (meta.dev(), meta.ino());
@@ -50,31 +54,29 @@ impl Replay {
         if self.file != Some(id) || size < self.pos {
             *self = Replay { file: Some(id), ..Replay::default() };
         }
-        if size == self.pos {
-            return Ok(());
-        }
-        let len = usize::try_from(size - self.pos).map_err(|_| {
-            Error::new(ErrorKind::NoSpace, format!("{} grew by {} bytes, more than this process can read", describe(), size - self.pos))
-        })?;
-        let mut bytes = vec![0u8; len];
-        file.read_exact_at(&mut bytes, self.pos)
-            .map_err(|e| io_error(e, format_args!("unable to read {} at offset {}", describe(), self.pos)))?;
-        let mut at = 0usize;
-        while at < bytes.len() {
-            let record_start = self.pos + at as u64;
-            let (key, after_key) = field(&bytes, at, record_start, "key", describe)?;
-            let (value, after_value) = field(&bytes, after_key, record_start, "value", describe)?;
+        let mut log = Forward::new(file, self.pos, size);
+        while log.left() > 0 {
+            let record_start = log.pos();
+            let bad = Bad { record_start, end: size, describe };
+            let key = field(&mut log, &bad, "key")?;
+            // PyTorch never writes an empty key (every key has a prefix):
+            // zeros where a record should be are a file grown with
+            // truncate, and would otherwise replay as billions of records.
+            if key.is_empty() {
+                return Err(bad.corrupt("has an empty key, which no FileStore writes (zero bytes: was the file grown with truncate?)"));
+            }
+            let value = field(&mut log, &bad, "value")?;
             match key.split_first() {
                 Some((&DELETE_MARK, deleted)) => {
                     self.entries.remove(deleted);
                 }
                 _ => {
-                    self.entries.insert(key.to_vec(), value.to_vec());
+                    self.entries.insert(key, value);
                 }
             }
-            at = after_value;
+            // Whole records only: a later call resumes after the last one.
+            self.pos = log.pos();
         }
-        self.pos = size;
         Ok(())
     }
 
@@ -114,23 +116,58 @@ impl Replay {
     }
 }
 
-/// One length-prefixed field at `at`: its bytes and the offset after it.
-fn field<'a>(bytes: &'a [u8], at: usize, record_start: u64, what: &str, describe: &dyn Fn() -> String) -> Result<(&'a [u8], usize)> {
-    let end_of_file = record_start + (bytes.len() - at) as u64;
-    let corrupt = |detail: String| {
+/// Where a bad record starts, for messages naming the file and offset.
+struct Bad<'a> {
+    record_start: u64,
+    end: u64,
+    describe: &'a dyn Fn() -> String,
+}
+
+impl Bad<'_> {
+    fn corrupt(&self, detail: impl std::fmt::Display) -> Error {
         Error::new(
             ErrorKind::Corrupt,
-            format!("{} is not a valid FileStore log: the record at offset {record_start} {detail} (file ends at offset {end_of_file}); a writer was killed mid-record or the file is not a FileStore", describe()),
+            format!(
+                "{} is not a valid FileStore log: the record at offset {} {detail} (file ends at offset {}); a writer was killed mid-record or the file is not a FileStore",
+                (self.describe)(),
+                self.record_start,
+                self.end
+            ),
         )
-    };
-    let Some(len_bytes) = bytes.get(at..at + 4) else {
-        return Err(corrupt(format!("is cut inside the length of its {what}")));
-    };
-    let len = u32::from_ne_bytes(len_bytes.try_into().expect("4 bytes")) as usize;
-    let start = at + 4;
-    match bytes.get(start..).filter(|rest| rest.len() >= len) {
-        Some(rest) => Ok((&rest[..len], start + len)),
-        None => Err(corrupt(format!("claims a {what} of {len} bytes but only {} follow", bytes.len() - start))),
+    }
+}
+
+/// The next length-prefixed field: its length is checked against the bytes
+/// left in the file before anything is allocated.
+fn field(log: &mut Forward<'_>, bad: &Bad<'_>, what: &str) -> Result<Vec<u8>> {
+    if log.left() < 4 {
+        return Err(bad.corrupt(format_args!("is cut inside the length of its {what}")));
+    }
+    let len = log.u32_ne().map_err(|e| read_error(e, bad, what, 4))?;
+    let left = log.left();
+    if u64::from(len) > left {
+        return Err(bad.corrupt(format_args!("claims a {what} of {len} bytes but only {left} follow")));
+    }
+    log.take(u64::from(len)).map_err(|e| read_error(e, bad, what, len))
+}
+
+fn read_error(e: ReadError, bad: &Bad<'_>, what: &str, len: u32) -> Error {
+    match e {
+        ReadError::Io(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            bad.corrupt(format_args!("claims a {what} of {len} bytes, but the file shrank while it was read"))
+        }
+        ReadError::Io(e) => io_error(e, format_args!("unable to read {} at offset {}", (bad.describe)(), bad.record_start)),
+        ReadError::Hole(at) => bad.corrupt(format_args!(
+            "claims a {what} of {len} bytes that runs into a hole at offset {at} (the file was grown with truncate, not written)"
+        )),
+        ReadError::NoMemory => Error::new(
+            ErrorKind::NoSpace,
+            format!(
+                "unable to read {}: the record at offset {} claims a {what} of {len} bytes, more than this process can allocate",
+                (bad.describe)(),
+                bad.record_start
+            ),
+        ),
     }
 }
 

@@ -253,7 +253,9 @@ proptest! {
 
 // ---- TCPStore requests ------------------------------------------------------
 
-use storage_sharing::store::tcp::protocol::{parse_counter, parse_request, query, Request, RequestScanner, MAX_FIELD, MAX_KEYS};
+use storage_sharing::store::tcp::protocol::{
+    parse_counter, parse_request, query, Request, RequestScanner, MAX_FIELD, MAX_KEYS, MAX_KEY_LEN, MAX_VALUE_LEN,
+};
 
 /// Feeds `bytes` to the server's scanner in the chunks given by `cuts`
 /// (the way reads deliver them) and returns what it decided for the
@@ -388,10 +390,11 @@ proptest! {
     /// byte of the field is waited for, never allocated.
     #[test]
     fn tcpstore_request_limits(kind in prop::sample::select(vec![query::GET, query::SET, query::CHECK, query::MULTI_SET, query::ADD]),
-                               n in prop_oneof![Just(MAX_FIELD), Just(MAX_FIELD + 1), Just(MAX_KEYS), Just(MAX_KEYS + 1), Just(u64::MAX), any::<u64>()]) {
+                               n in prop_oneof![Just(MAX_KEY_LEN), Just(MAX_KEY_LEN + 1), Just(MAX_VALUE_LEN), Just(MAX_FIELD + 1), Just(MAX_KEYS), Just(MAX_KEYS + 1), Just(u64::MAX), any::<u64>()]) {
         let mut bytes = vec![kind];
         bytes.extend_from_slice(&n.to_le_bytes());
-        let limit = if matches!(kind, query::CHECK | query::MULTI_SET) { MAX_KEYS } else { MAX_FIELD };
+        // The first field of GET, SET and ADD is a key.
+        let limit = if matches!(kind, query::CHECK | query::MULTI_SET) { MAX_KEYS } else { MAX_KEY_LEN };
         match parse_request(&bytes) {
             Ok(None) => prop_assert!(n <= limit),
             Ok(Some(_)) => prop_assert!(n == 0 && matches!(kind, query::CHECK | query::MULTI_SET)),
@@ -401,6 +404,26 @@ proptest! {
             }
         }
         check_request_stream(&bytes, &[3]);
+    }
+
+    /// A value's limit is its own (8 MiB), a key's 8 KiB, as PyTorch's
+    /// libuv server: a SET with a key at its limit and a value just over
+    /// its limit is refused at the value's length.
+    #[test]
+    fn tcpstore_value_limits(value_len in prop_oneof![Just(MAX_VALUE_LEN), Just(MAX_VALUE_LEN + 1), Just(MAX_FIELD), any::<u64>()]) {
+        let mut bytes = vec![query::SET];
+        bytes.extend_from_slice(&MAX_KEY_LEN.to_le_bytes());
+        bytes.extend(std::iter::repeat_n(b'k', MAX_KEY_LEN as usize));
+        bytes.extend_from_slice(&value_len.to_le_bytes());
+        match parse_request(&bytes) {
+            Ok(None) => prop_assert!(value_len <= MAX_VALUE_LEN),
+            Ok(Some(_)) => prop_assert!(false, "a SET without its value bytes was accepted"),
+            Err(e) => {
+                prop_assert!(value_len > MAX_VALUE_LEN);
+                prop_assert!(e.message().contains("value length") && e.message().contains("over the limit"), "{}", e.message());
+            }
+        }
+        check_request_stream(&bytes, &[3, 9000]);
     }
 
     /// `ADD` on a stored value parses it as C++ `std::stoll` does; the

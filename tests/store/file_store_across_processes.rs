@@ -364,3 +364,47 @@ fn unknown_child_role_fails() {
     let out = child_command("no-such-role", &["/nonexistent-ss-store"]).output().unwrap();
     assert!(!out.status.success());
 }
+
+/// Regression (issue 30, A5, the same pattern as the FileStore log): a key's
+/// file grown sparse to 8 TiB by another process was read whole; now it is
+/// read within its size in chunks, and a hole (this store writes every byte
+/// of a value) is `Corrupt` naming the key, file and size, through the Rust
+/// API and the C API. Where the file system reports no holes, the size
+/// cannot be allocated: `NoSpace`, still no abort.
+#[test]
+fn a_key_file_grown_sparse_to_8_tib_is_corrupt() {
+    const HUGE: u64 = 8 << 40;
+    let dir = fresh_dir("sparse");
+    let store = FileStore::open(&dir).unwrap();
+    store.set(b"big", b"small value").unwrap();
+    let key_path = dir.join(file_name(b"big"));
+    if let Err(e) = std::fs::OpenOptions::new().write(true).open(&key_path).unwrap().set_len(HUGE) {
+        println!("SKIP: this file system cannot hold an 8 TiB sparse file: {e}");
+        return;
+    }
+    let holes_seen = storage_sharing::store::bounded_read::first_hole(&std::fs::File::open(&key_path).unwrap(), 0, HUGE).is_some();
+    let expected = if holes_seen { ErrorKind::Corrupt } else { ErrorKind::NoSpace };
+    let e = store.get(b"big", Some(Duration::from_secs(5))).unwrap_err();
+    assert_eq!(e.kind(), expected, "{}", e.message());
+    for part in ["\"big\"", key_path.to_str().unwrap(), &HUGE.to_string()] {
+        assert!(e.message().contains(part), "{part} missing: {}", e.message());
+    }
+    assert_eq!(store.add(b"big", 1).unwrap_err().kind(), expected);
+    assert_eq!(store.compare_set(b"big", b"x", b"y").unwrap_err().kind(), expected);
+    let s = open(&dir);
+    let key = CString::new("big").unwrap();
+    let mut buf = [0u8; 16];
+    let mut len = 0usize;
+    // SAFETY: a live handle, a NUL-terminated key and valid out pointers.
+    let st = unsafe { ss_store_get(s, key.as_ptr(), 5000, buf.as_mut_ptr().cast(), buf.len(), &mut len) };
+    let want = if holes_seen { ss_status::SS_ERR_CORRUPT } else { ss_status::SS_ERR_NO_SPACE };
+    assert_eq!(st, want, "{}", last_error());
+    // SAFETY: the handle opened above, freed once.
+    unsafe { ss_store_free(s) };
+    // The store still works for its other keys, and a new value heals it.
+    store.set(b"other", b"1").unwrap();
+    assert_eq!(store.get(b"other", None).unwrap(), b"1");
+    store.set(b"big", b"again").unwrap();
+    assert_eq!(store.get(b"big", None).unwrap(), b"again");
+    let _ = std::fs::remove_dir_all(&dir);
+}

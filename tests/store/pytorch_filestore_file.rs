@@ -366,6 +366,7 @@ fn child_role() {
         "forks_a_child_that_exits" => forks_a_child_that_exits(args),
         "write_cut_by_a_file_size_limit" => write_cut_by_a_file_size_limit(args),
         "symm_rank" => symm_rank(args),
+        "huge_lengths_are_corrupt" => huge_lengths_are_corrupt(args),
         other => panic!("unknown role {other}"),
     }
 }
@@ -577,4 +578,124 @@ fn a_lock_held_by_a_stalled_peer_times_out() {
     assert_eq!(store.get(b"k", LONG).unwrap(), b"v");
     drop(store);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ------------------------------------------- huge lengths (issue 30, A5)
+
+/// The size a hostile or broken process grows the file to (sparse).
+const HUGE: u64 = 8 << 40;
+
+/// Regression: catching up read the whole unread part of the file into one
+/// `vec![0; len]`, so a file grown sparse to 8 TiB aborted the process
+/// ("memory allocation failed"), which no C guard can catch. Now every
+/// length is bounded by the file and read in chunks: the file is
+/// `Corrupt`, through the Rust API and the C API, and the process lives.
+/// Run in a child so the old abort shows as a failed child, not a lost
+/// test binary.
+#[test]
+fn a_file_grown_sparse_to_8_tib_or_with_huge_lengths_is_corrupt() {
+    let dir = test_dir("huge");
+    let mut cmd = child_command("huge_lengths_are_corrupt", &[dir.to_str().unwrap()]);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    assert_ok(&cmd.output().unwrap(), "child reading huge lengths");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One valid record (`/a` = `1`), as PyTorch writes it.
+fn one_record() -> Vec<u8> {
+    let mut bytes = Vec::new();
+    bytes.extend(2u32.to_ne_bytes());
+    bytes.extend(b"/a");
+    bytes.extend(1u32.to_ne_bytes());
+    bytes.extend(b"1");
+    bytes
+}
+
+fn huge_lengths_are_corrupt(args: Vec<String>) {
+    use storage_sharing::ffi::status::ss_status::*;
+    use storage_sharing::ffi::store::{ss_store_free, ss_store_get, ss_store_torch_file_open};
+    let dir = PathBuf::from(&args[0]);
+    let c = |p: &Path| CString::new(p.to_str().unwrap()).unwrap();
+    let c_get = |s: *mut storage_sharing::ffi::store::SsStore| {
+        let mut buf = [0u8; 16];
+        let mut len = 0usize;
+        // SAFETY: a live handle, a NUL-terminated key and valid out pointers.
+        unsafe { ss_store_get(s, c"a".as_ptr(), 1000, buf.as_mut_ptr().cast(), buf.len(), &mut len) }
+    };
+
+    // 1. A store in use, then the file grown sparse to 8 TiB behind it.
+    let path = dir.join("sparse");
+    let ours = open(&path, -1);
+    ours.set(b"a", b"1").unwrap();
+    let c_path = c(&path);
+    let mut handle = std::ptr::null_mut();
+    // SAFETY: a valid path and out pointer.
+    assert_eq!(unsafe { ss_store_torch_file_open(c_path.as_ptr(), -1, 1000, &mut handle) }, SS_OK);
+    let end = std::fs::metadata(&path).unwrap().len();
+    if let Err(e) = OpenOptions::new().write(true).open(&path).unwrap().set_len(HUGE) {
+        println!("SKIP: this file system cannot hold an 8 TiB sparse file: {e}");
+        // SAFETY: the handle opened above.
+        unsafe { ss_store_free(handle) };
+        return;
+    }
+    let e = ours.get(b"a", LONG).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{}", e.message());
+    for part in [path.to_str().unwrap(), &format!("offset {end}"), &format!("ends at offset {HUGE}")] {
+        assert!(e.message().contains(part), "{part} missing: {}", e.message());
+    }
+    assert_eq!(ours.add(b"n", 1).unwrap_err().kind(), ErrorKind::Corrupt);
+    let e = TorchFileStore::open(&path, -1, LONG).err().expect("a fresh store must refuse the file");
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{}", e.message());
+    assert_eq!(c_get(handle), SS_ERR_CORRUPT, "the C handle opened before the file grew");
+    let mut fresh = std::ptr::null_mut();
+    // SAFETY: a valid path and out pointer.
+    assert_eq!(unsafe { ss_store_torch_file_open(c_path.as_ptr(), -1, 1000, &mut fresh) }, SS_ERR_CORRUPT);
+    assert!(fresh.is_null());
+    // SAFETY: the handle opened above, freed once.
+    unsafe { ss_store_free(handle) };
+    drop(ours);
+
+    // 2. Records whose key or value claims more than the file holds: at
+    // the format's largest length, and one byte more than is left.
+    let good = one_record();
+    let mut cases: Vec<(&str, Vec<u8>)> = Vec::new();
+    let mut max_key = good.clone();
+    max_key.extend(u32::MAX.to_ne_bytes());
+    max_key.extend(b"/k");
+    cases.push(("max-key", max_key));
+    let mut max_value = good.clone();
+    max_value.extend(2u32.to_ne_bytes());
+    max_value.extend(b"/k");
+    max_value.extend(u32::MAX.to_ne_bytes());
+    max_value.extend(b"v");
+    cases.push(("max-value", max_value));
+    let mut one_over = good.clone();
+    one_over.extend(2u32.to_ne_bytes());
+    one_over.extend(b"/k");
+    one_over.extend(4u32.to_ne_bytes());
+    one_over.extend(b"abc");
+    cases.push(("one-over", one_over));
+    for (tag, bytes) in cases {
+        let path = dir.join(tag);
+        std::fs::write(&path, &bytes).unwrap();
+        let e = TorchFileStore::open(&path, -1, LONG).err().expect(tag);
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{tag}: {}", e.message());
+        assert!(e.message().contains(&format!("offset {}", good.len())) && e.message().contains(tag), "{tag}: {}", e.message());
+        assert!(e.message().contains("bytes but only"), "{tag}: the length is named: {}", e.message());
+        let mut out = std::ptr::null_mut();
+        // SAFETY: a valid path and out pointer.
+        assert_eq!(unsafe { ss_store_torch_file_open(c(&path).as_ptr(), -1, 1000, &mut out) }, SS_ERR_CORRUPT, "{tag}");
+        assert!(out.is_null());
+        // The same record appended under an open store fails its reads.
+        let path = dir.join(format!("{tag}-later"));
+        std::fs::write(&path, &good).unwrap();
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: as above.
+        assert_eq!(unsafe { ss_store_torch_file_open(c(&path).as_ptr(), -1, 1000, &mut handle) }, SS_OK, "{tag}");
+        OpenOptions::new().append(true).open(&path).unwrap().write_all(&bytes[good.len()..]).unwrap();
+        assert_eq!(c_get(handle), SS_ERR_CORRUPT, "{tag}");
+        // SAFETY: the handle opened above, freed once.
+        unsafe { ss_store_free(handle) };
+    }
+    println!("ok");
 }

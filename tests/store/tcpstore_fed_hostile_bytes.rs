@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use storage_sharing::store::tcp::client::TcpClient;
-use storage_sharing::store::tcp::protocol::{parse_counter, parse_request, Request, VALIDATION_MAGIC};
+use storage_sharing::store::tcp::protocol::{parse_counter, parse_request, Request, MAX_KEYS, VALIDATION_MAGIC};
 use storage_sharing::store::tcp::server::TcpServer;
 use storage_sharing::store::{Store, TcpStore};
 use storage_sharing::ErrorKind;
@@ -757,7 +757,8 @@ fn emfile_child() {
 /// every read, so a key list that arrives a few bytes at a time cost work
 /// quadratic in its length (one rank could keep a core busy for minutes
 /// with one CHECK). Now a scanner frames the request reading each byte
-/// once. The child sends a CHECK of a million keys (the limit) in 4 KiB pieces and
+/// once. The child sends a CHECK of `MAX_KEYS` keys (the limit, 128 Ki; a
+/// million before the limits became PyTorch's) in 4 KiB pieces and
 /// measures its own CPU time (the server runs in it).
 #[test]
 fn trickled_key_list_costs_linear_work() {
@@ -772,7 +773,7 @@ fn trickle_child() {
     let mut s = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
     s.set_nodelay(true).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let keys: Vec<Vec<u8>> = (0..1_000_000u32).map(|i| vec![(i % 251) as u8]).collect();
+    let keys: Vec<Vec<u8>> = (0..MAX_KEYS as u32).map(|i| vec![(i % 251) as u8]).collect();
     let bytes = [Request::Validate(VALIDATION_MAGIC).to_bytes(), Request::Check(keys).to_bytes()].concat();
     let c0 = cpu_time();
     for piece in bytes.chunks(4096) {
@@ -785,7 +786,7 @@ fn trickle_child() {
     s.read_exact(&mut answer).unwrap();
     let cpu = cpu_time() - c0;
     assert_eq!(answer[0], 1, "CHECK of keys nobody set");
-    println!("cpu for a trickled CHECK of 1000000 keys in {} pieces: {cpu:?}", bytes.len().div_ceil(4096));
+    println!("cpu for a trickled CHECK of {MAX_KEYS} keys in {} pieces: {cpu:?}", bytes.len().div_ceil(4096));
     assert!(cpu < Duration::from_millis(2500), "the server re-parses: {cpu:?} of CPU");
 }
 

@@ -235,6 +235,7 @@ impl TcpClient {
     /// The connection stays only if the whole exchange worked and left no
     /// unread bytes.
     fn exchange<T>(&self, bytes: &[u8], read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
+        self.within_limits(bytes)?;
         let mut main = lock(&self.links().main);
         let mut conn = match main.take() {
             Some(c) => c,
@@ -252,6 +253,7 @@ impl TcpClient {
     /// so it is checked first and replaced by a new one (which reports a
     /// server that is gone).
     fn send_only(&self, bytes: &[u8]) -> Result<()> {
+        self.within_limits(bytes)?;
         let mut main = lock(&self.links().main);
         let mut conn = match main.take().filter(Conn::still_open) {
             Some(c) => c,
@@ -266,6 +268,7 @@ impl TcpClient {
     /// read taking up to `timeout`; the connection goes back to the idle
     /// ones only if the exchange worked and left no unread bytes.
     fn exchange_waiting<T>(&self, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
+        self.within_limits(bytes)?;
         let links = self.links();
         let idle = lock(&links.waiting).pop();
         let mut conn = match idle {
@@ -280,6 +283,23 @@ impl TcpClient {
             }
         }
         result
+    }
+
+    /// Refuses a request over the servers' limits (a key over 8 KiB with
+    /// its prefix, a value over 8 MiB, more than 128 Ki keys) before it is
+    /// sent: our server and PyTorch's libuv server would only close the
+    /// connection, which the caller would see as a server gone.
+    fn within_limits(&self, bytes: &[u8]) -> Result<()> {
+        protocol::RequestScanner::new().scan(bytes).map(|_| ()).map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "TCPStore at {}: request not sent: {} (a TCPStore server closes the connection on such a request)",
+                    self.addr,
+                    e.message()
+                ),
+            )
+        })
     }
 
     fn run<T>(&self, conn: &mut Conn, bytes: &[u8], timeout: Timeout, read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {

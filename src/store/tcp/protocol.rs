@@ -14,11 +14,20 @@ pub const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
 pub const KEY_PREFIX: &str = "/";
 /// The counter every rank adds 1 to when it joins (no key prefix).
 pub const INIT_KEY: &str = "init/";
-/// Longest key or value we accept (a bound, so a bad length cannot make
-/// us wait for or allocate terabytes).
+/// Longest field of a reply our client accepts (a bound, so a bad length
+/// cannot make it wait for or allocate terabytes; PyTorch's classic server
+/// sends values of any length).
 pub const MAX_FIELD: u64 = 1 << 31;
-/// Most keys in one key list.
-pub const MAX_KEYS: u64 = 1 << 20;
+/// Longest key in a request (8 KiB, PyTorch's libuv server's limit): a
+/// longer one makes our server close the connection, as PyTorch's does.
+pub const MAX_KEY_LEN: u64 = 8 << 10;
+/// Longest value in a request (8 MiB, PyTorch's libuv server's limit):
+/// `SET`, `APPEND`, `QUEUE_PUSH`, both values of `COMPARE_SET`, and each
+/// value of `MULTI_SET`.
+pub const MAX_VALUE_LEN: u64 = 8 << 20;
+/// Most keys (or key-value pairs) in one request (128 Ki, PyTorch's libuv
+/// server's limit).
+pub const MAX_KEYS: u64 = 128 << 10;
 
 /// `CHECK` replies.
 pub const CHECK_READY: u8 = 0;
@@ -210,6 +219,36 @@ impl Request {
     }
 }
 
+/// What a length-prefixed field of a request holds, for its limit.
+#[derive(Clone, Copy, Debug)]
+enum Field {
+    Key,
+    Value,
+}
+
+impl Field {
+    fn limit(self) -> u64 {
+        match self {
+            Field::Key => MAX_KEY_LEN,
+            Field::Value => MAX_VALUE_LEN,
+        }
+    }
+
+    /// A `Protocol` error for a length over the field's limit.
+    fn check(self, len: u64, what: &str) -> Result<()> {
+        let limit = self.limit();
+        if len > limit {
+            return Err(bad(format!("{what} length {len} is over the limit of {limit} bytes")));
+        }
+        Ok(())
+    }
+}
+
+const NO_FIELDS: &[Field] = &[];
+const KEY: &[Field] = &[Field::Key];
+const KEY_VALUE: &[Field] = &[Field::Key, Field::Value];
+const KEY_TWO_VALUES: &[Field] = &[Field::Key, Field::Value, Field::Value];
+
 /// Reads fields from a buffer that may end early: `Ok(None)` means "wait
 /// for more bytes", an error means the bytes can never become a request.
 struct Cursor<'a> {
@@ -241,12 +280,18 @@ impl<'a> Cursor<'a> {
         self.take(8).map(|b| u64::from_le_bytes(b.try_into().unwrap()))
     }
 
-    fn bytes(&mut self, what: &str) -> Result<Option<Vec<u8>>> {
+    fn bytes(&mut self, field: Field, what: &str) -> Result<Option<Vec<u8>>> {
         let Some(len) = self.u64() else { return Ok(None) };
-        if len > MAX_FIELD {
-            return Err(bad(format!("{what} length {len} is over the limit of {MAX_FIELD} bytes")));
-        }
+        field.check(len, what)?;
         Ok(self.take(len as usize).map(<[u8]>::to_vec))
+    }
+
+    fn key(&mut self, what: &str) -> Result<Option<Vec<u8>>> {
+        self.bytes(Field::Key, what)
+    }
+
+    fn value(&mut self, what: &str) -> Result<Option<Vec<u8>>> {
+        self.bytes(Field::Value, what)
     }
 
     fn count(&mut self, what: &str) -> Result<Option<u64>> {
@@ -261,7 +306,7 @@ impl<'a> Cursor<'a> {
         let Some(n) = self.count("key")? else { return Ok(None) };
         let mut keys = Vec::new();
         for _ in 0..n {
-            let Some(k) = self.bytes("key")? else { return Ok(None) };
+            let Some(k) = self.key("key")? else { return Ok(None) };
             keys.push(k);
         }
         Ok(Some(keys))
@@ -293,40 +338,40 @@ fn parse_fields(c: &mut Cursor<'_>) -> Result<Option<Request>> {
     let Some(kind) = c.u8() else { return Ok(None) };
     let req = match kind {
         VALIDATE => Request::Validate(get!(c.u32())),
-        SET => Request::Set { key: get!(c.bytes("key")?), value: get!(c.bytes("value")?) },
+        SET => Request::Set { key: get!(c.key("key")?), value: get!(c.value("value")?) },
         COMPARE_SET => Request::CompareSet {
-            key: get!(c.bytes("key")?),
-            expected: get!(c.bytes("expected value")?),
-            desired: get!(c.bytes("desired value")?),
+            key: get!(c.key("key")?),
+            expected: get!(c.value("expected value")?),
+            desired: get!(c.value("desired value")?),
         },
-        GET => Request::Get(get!(c.bytes("key")?)),
+        GET => Request::Get(get!(c.key("key")?)),
         ADD => {
-            let key = get!(c.bytes("key")?);
+            let key = get!(c.key("key")?);
             Request::Add { key, delta: get!(c.u64()) as i64 }
         }
         CHECK => Request::Check(get!(c.keys()?)),
         WAIT => Request::Wait(get!(c.keys()?)),
         GETNUMKEYS => Request::GetNumKeys,
-        DELETE_KEY => Request::DeleteKey(get!(c.bytes("key")?)),
-        APPEND => Request::Append { key: get!(c.bytes("key")?), value: get!(c.bytes("value")?) },
+        DELETE_KEY => Request::DeleteKey(get!(c.key("key")?)),
+        APPEND => Request::Append { key: get!(c.key("key")?), value: get!(c.value("value")?) },
         MULTI_GET => Request::MultiGet(get!(c.keys()?)),
         MULTI_SET => {
             let n = get!(c.count("key-value pair")?);
             let mut pairs = Vec::new();
             for _ in 0..n {
-                let k = get!(c.bytes("key")?);
-                pairs.push((k, get!(c.bytes("value")?)));
+                let k = get!(c.key("key")?);
+                pairs.push((k, get!(c.value("value")?)));
             }
             Request::MultiSet(pairs)
         }
         CANCEL_WAIT => Request::CancelWait,
         PING => Request::Ping(get!(c.u32())),
-        QUEUE_PUSH => Request::QueuePush { key: get!(c.bytes("queue key")?), value: get!(c.bytes("value")?) },
-        QUEUE_POP => Request::QueuePop(get!(c.bytes("queue key")?)),
-        QUEUE_LEN => Request::QueueLen(get!(c.bytes("queue key")?)),
+        QUEUE_PUSH => Request::QueuePush { key: get!(c.key("queue key")?), value: get!(c.value("value")?) },
+        QUEUE_POP => Request::QueuePop(get!(c.key("queue key")?)),
+        QUEUE_LEN => Request::QueueLen(get!(c.key("queue key")?)),
         LIST_KEYS => Request::ListKeys,
         BARRIER => {
-            let key = get!(c.bytes("barrier key")?);
+            let key = get!(c.key("barrier key")?);
             Request::Barrier { key, world_size: get!(c.u64()) as i64 }
         }
         other => return Err(bad(format!("unknown or unsupported query type {other}"))),
@@ -352,10 +397,17 @@ enum Phase {
     /// Nothing read yet.
     #[default]
     Start,
-    /// A count comes next; each counted item is `per_item` byte fields.
-    Count { per_item: u64, what: &'static str },
-    /// `left` length-prefixed fields, then `tail` fixed bytes.
-    Fields { left: u64, tail: usize },
+    /// A count comes next; each counted item is the fields `item`.
+    Count { item: &'static [Field], what: &'static str },
+    /// `total` length-prefixed fields (their kinds `kinds`, repeated), of
+    /// which `done` are checked, then `tail` fixed bytes.
+    Fields { kinds: &'static [Field], done: u64, total: u64, tail: usize },
+}
+
+impl Phase {
+    fn fields(kinds: &'static [Field], tail: usize) -> Phase {
+        Phase::Fields { kinds, done: 0, total: kinds.len() as u64, tail }
+    }
 }
 
 impl RequestScanner {
@@ -366,8 +418,10 @@ impl RequestScanner {
     /// `Ok(Some(n))`: the first `n` bytes of `buf` are one whole request
     /// (the scanner is then reset for the next one); `Ok(None)`: more bytes
     /// are needed; an error: the bytes can never be a request (the same
-    /// cases as [`parse_request`]). `buf` must start with the same bytes on
-    /// every call until a request is complete (it may only grow).
+    /// cases as [`parse_request`]: an unknown type, a count or a length over
+    /// its limit, found as soon as the count or length has arrived). `buf`
+    /// must start with the same bytes on every call until a request is
+    /// complete (it may only grow).
     pub fn scan(&mut self, buf: &[u8]) -> Result<Option<usize>> {
         use query::*;
         loop {
@@ -376,30 +430,30 @@ impl RequestScanner {
                     let Some(&kind) = buf.first() else { return Ok(None) };
                     self.at = 1;
                     self.phase = match kind {
-                        VALIDATE | PING => Phase::Fields { left: 0, tail: 4 },
-                        GETNUMKEYS | CANCEL_WAIT | LIST_KEYS => Phase::Fields { left: 0, tail: 0 },
-                        GET | DELETE_KEY | QUEUE_POP | QUEUE_LEN => Phase::Fields { left: 1, tail: 0 },
-                        SET | APPEND | QUEUE_PUSH => Phase::Fields { left: 2, tail: 0 },
-                        COMPARE_SET => Phase::Fields { left: 3, tail: 0 },
-                        ADD | BARRIER => Phase::Fields { left: 1, tail: 8 },
-                        CHECK | WAIT | MULTI_GET => Phase::Count { per_item: 1, what: "key" },
-                        MULTI_SET => Phase::Count { per_item: 2, what: "key-value pair" },
+                        VALIDATE | PING => Phase::fields(NO_FIELDS, 4),
+                        GETNUMKEYS | CANCEL_WAIT | LIST_KEYS => Phase::fields(NO_FIELDS, 0),
+                        GET | DELETE_KEY | QUEUE_POP | QUEUE_LEN => Phase::fields(KEY, 0),
+                        SET | APPEND | QUEUE_PUSH => Phase::fields(KEY_VALUE, 0),
+                        COMPARE_SET => Phase::fields(KEY_TWO_VALUES, 0),
+                        ADD | BARRIER => Phase::fields(KEY, 8),
+                        CHECK | WAIT | MULTI_GET => Phase::Count { item: KEY, what: "key" },
+                        MULTI_SET => Phase::Count { item: KEY_VALUE, what: "key-value pair" },
                         other => {
                             self.phase = Phase::Start;
                             return Err(bad(format!("unknown or unsupported query type {other}")));
                         }
                     };
                 }
-                Phase::Count { per_item, what } => {
+                Phase::Count { item, what } => {
                     let Some(n) = read_u64(buf, self.at) else { return Ok(None) };
                     if n > MAX_KEYS {
                         self.phase = Phase::Start;
                         return Err(bad(format!("{what} count {n} is over the limit of {MAX_KEYS}")));
                     }
                     self.at += 8;
-                    self.phase = Phase::Fields { left: n * per_item, tail: 0 };
+                    self.phase = Phase::Fields { kinds: item, done: 0, total: n * item.len() as u64, tail: 0 };
                 }
-                Phase::Fields { left: 0, tail } => {
+                Phase::Fields { done, total, tail, .. } if done == total => {
                     let end = self.at + tail;
                     if buf.len() < end {
                         return Ok(None);
@@ -407,18 +461,19 @@ impl RequestScanner {
                     *self = Self::default();
                     return Ok(Some(end));
                 }
-                Phase::Fields { left, tail } => {
+                Phase::Fields { kinds, done, total, tail } => {
                     let Some(len) = read_u64(buf, self.at) else { return Ok(None) };
-                    if len > MAX_FIELD {
+                    let field = kinds[(done % kinds.len() as u64) as usize];
+                    if let Err(e) = field.check(len, if matches!(field, Field::Key) { "key" } else { "value" }) {
                         self.phase = Phase::Start;
-                        return Err(bad(format!("field length {len} is over the limit of {MAX_FIELD} bytes")));
+                        return Err(e);
                     }
                     let end = self.at + 8 + len as usize;
                     if buf.len() < end {
                         return Ok(None);
                     }
                     self.at = end;
-                    self.phase = Phase::Fields { left: left - 1, tail };
+                    self.phase = Phase::Fields { kinds, done: done + 1, total, tail };
                 }
             }
         }

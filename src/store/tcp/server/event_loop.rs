@@ -8,8 +8,13 @@
 //!   [`WRITE_TIMEOUT`] it is closed. Nobody else waits on it.
 //! - half a request: kept (only the bytes that came) until the rest comes;
 //!   an idle connection costs a descriptor and a few hundred bytes.
-//! - a huge length: refused by the scanner beyond `MAX_FIELD`, never
-//!   allocated ahead of the bytes.
+//! - an over-limit request (more than `MAX_KEYS` keys, a key over
+//!   `MAX_KEY_LEN` or a value over `MAX_VALUE_LEN`, PyTorch's libuv
+//!   server's limits): refused by the scanner as soon as the count or
+//!   length arrives, and that connection is closed; nothing is allocated
+//!   ahead of the bytes, and other connections go on.
+//! - many parked waits: indexed by key in the state, so another client's
+//!   `SET`/`ADD` costs the same however many keys are waited on.
 //! - running out of descriptors: the listener is left alone for
 //!   [`ACCEPT_RETRY`] instead of failing accept in a spin.
 

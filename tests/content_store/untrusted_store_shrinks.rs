@@ -86,7 +86,7 @@ impl Shrinker {
             .collect();
         let as_nobody = am_root();
         // SAFETY: the child makes only async-signal-safe calls (setgid,
-        // setuid, ftruncate, pwrite, usleep, _exit) on memory prepared
+        // setuid, prctl, ftruncate, pwrite, usleep, _exit) on memory prepared
         // before the fork, and never returns.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
@@ -94,6 +94,11 @@ impl Shrinker {
             unsafe {
                 if as_nobody && (libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(65534) != 0 || libc::setuid(65534) != 0) {
                     libc::_exit(2);
+                }
+                // Dies with the test process, even one killed by a signal
+                // (set after setuid, which clears it).
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 || libc::getppid() == 1 {
+                    libc::_exit(3);
                 }
                 let mut round = 0usize;
                 loop {

@@ -411,8 +411,9 @@ impl Reader {
         files
             .into_iter()
             .map(|(hash, file_len)| {
-                // A file that does not parse shows its file size; verify names it.
-                let size = self.read_storage(&hash).map_or(file_len, |s| s.bytes().len() as u64);
+                // Parsed from the file's ends (no copy of the data); a file
+                // that does not parse shows its file size, and verify names it.
+                let size = self.open_parsed(&hash).map_or(file_len, |(_, _, range, _)| range.len() as u64);
                 Ok((hash, size))
             })
             .collect()

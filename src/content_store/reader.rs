@@ -319,8 +319,7 @@ impl Reader {
     /// hashed and compared with the name as well.
     pub fn open_storage_file(&self, hash: &str) -> Result<StorageFile> {
         self.check_storage_name(hash)?;
-        let (file, meta, range, crc) = self.open_parsed(hash)?;
-        drop(meta);
+        let (file, _meta, range, crc) = self.open_parsed(hash)?;
         let verify = self.verify.load(Ordering::Relaxed).then_some(self.hash);
         Ok(StorageFile { hash: hash.to_string(), file, range, crc, verify })
     }

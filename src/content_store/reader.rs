@@ -3,7 +3,7 @@
 //! followed, records are size-limited and fully checked, and a view that
 //! reaches past its storage is refused. A storage is mapped read-only
 //! when nobody but us can shrink its file, and otherwise copied into
-//! memory of our own and checked (see [`super::storage_io`]); a storage
+//! memory of our own and checked (see `storage_io.rs`); a storage
 //! read twice while in use is one mapping or copy. [`Reader::open_storage_file`]
 //! copies a storage straight from its file into the caller's memory with
 //! its CRC-32 checked.

@@ -327,12 +327,12 @@ typedef struct ss_content_list ss_content_list;
 typedef struct ss_content_reader ss_content_reader;
 
 /**
- * A storage read from a store, mapped read-only. Immutable.
+ * A storage read from a store, read-only. Immutable.
  */
 typedef struct ss_content_storage ss_content_storage;
 
 /**
- * A tensor read from a store: its view and its storage, mapped read-only.
+ * A tensor read from a store: its view and its storage, read-only.
  * Immutable; may be shared between threads.
  */
 typedef struct ss_content_tensor ss_content_tensor;
@@ -1009,8 +1009,12 @@ int ss_content_reader_format(const ss_content_reader *r);
 ss_status ss_content_reader_set_verify(const ss_content_reader *r, bool verify);
 
 /**
- * Reads tensor entry `name`: its view and its storage, mapped read-only
- * (no copy; a storage already mapped for a live tensor is shared). Free
+ * Reads tensor entry `name`: its view and its storage, read-only. The
+ * storage is mapped (no copy) when nobody but this process's user can
+ * shrink its file; any other file (another user's store) is copied into
+ * memory of the reader's own and checked against its CRC-32 or name, so
+ * that its owner truncating it can never crash the reader. A storage
+ * already read for a live tensor is shared. Free
  * the result with `ss_content_tensor_free`.
  *
  * # Safety
@@ -1023,7 +1027,8 @@ ss_status ss_content_reader_read_tensor(const ss_content_reader *r,
                                         ss_content_tensor **out);
 
 /**
- * Reads the storage named `hash`, mapped read-only. Free the result with
+ * Reads the storage named `hash`, read-only (mapped or copied, as
+ * `ss_content_reader_read_tensor` says). Free the result with
  * `ss_content_storage_free`.
  *
  * # Safety
@@ -1060,9 +1065,9 @@ ss_status ss_content_reader_list_storages(const ss_content_reader *r, ss_content
  * reported. `*out_checked` (may be NULL) gets the number of objects
  * checked, `*out_problems` one line `"<object>: <why>"` per corrupt or
  * unreadable object (empty when all is well). A PyTorch-format storage
- * named by PyTorch's default hash (not the SHA-1 of its bytes, which
- * match their zip CRC-32) cannot be checked and is not listed. SS_OK
- * means the check ran, whatever it found.
+ * may be named by the SHA-1 or by PyTorch's default hash of its bytes;
+ * any other name is corrupt. SS_OK means the check ran, whatever it
+ * found.
  *
  * # Safety
  * `r` is NULL or a live `ss_content_reader` (other threads may use it
@@ -1158,7 +1163,7 @@ bool ss_content_tensor_neg(const ss_content_tensor *t);
  *
  * # Safety
  * `t` is NULL or a live `ss_content_tensor` (other threads may use it
- * meanwhile). The bytes are mapped read-only: writing them faults.
+ * meanwhile). The bytes are read-only: writing them may fault.
  */
 const void *ss_content_tensor_data(const ss_content_tensor *t);
 
@@ -1195,7 +1200,7 @@ void ss_content_tensor_free(ss_content_tensor *t);
  *
  * # Safety
  * `s` is NULL or a live `ss_content_storage` (other threads may use it
- * meanwhile). The bytes are mapped read-only (writing them faults) and valid
+ * meanwhile). The bytes are read-only (writing them may fault) and valid
  * until the storage is freed.
  */
 const void *ss_content_storage_data(const ss_content_storage *s);

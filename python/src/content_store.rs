@@ -174,13 +174,21 @@ impl PyContentReader {
         Ok(PyContentReader { reader: py.allow_threads(|| Reader::open(&path)).or_raise()? })
     }
 
-    /// The entry `name`: (dtype name, hash, offset, shape, stride).
-    #[allow(clippy::type_complexity)]
-    /// (dtype, storage hash, offset, shape, stride, conj bit, neg bit).
+    /// The entry `name`: (dtype, storage hash, offset, shape, stride,
+    /// conj bit, neg bit).
     #[allow(clippy::type_complexity)]
     fn read_meta(&self, py: Python<'_>, name: &str) -> PyResult<(&'static str, String, i64, Vec<i64>, Vec<i64>, bool, bool)> {
         let (m, bits) = py.allow_threads(|| self.reader.read_entry(name)).or_raise()?;
         Ok((m.dtype.torch_name(), m.storage_hash, m.offset, m.shape, m.stride, bits.conj, bits.neg))
+    }
+
+    /// The entry `name`'s bytes, unparsed, after every check of the name
+    /// and the file (inside `tensors/`, no link, a regular file, bounded
+    /// size): what may be handed to another parser when ours refuses the
+    /// contents. Raises what `read_meta` raises for a refused name.
+    fn read_entry_bytes<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let bytes = py.allow_threads(|| self.reader.read_entry_file(name)).or_raise()?;
+        Ok(pyo3::types::PyBytes::new(py, &bytes))
     }
 
     /// The storage named `hash`, its file open and parsed, to be copied

@@ -17,8 +17,12 @@ are PyTorch's (each side reads what the other wrote). What differs:
   unpickling), checking them against their zip record's CRC-32 on the way:
   a damaged storage file raises ``Error`` (kind ``Corrupt``), where
   PyTorch's reader returns the damaged bytes; entries are parsed by a
-  restricted reader, and an entry it cannot parse is handed to
-  ``torch.load(weights_only=True)``.
+  restricted reader, and an entry it cannot parse is handed, as the bytes
+  read, to ``torch.load(weights_only=True)``. Names are checked as the
+  library checks them: a name that leaves ``tensors/`` (``..``, an
+  absolute path) or an entry that is a link or not a regular file is
+  refused with ``Error``, never read through PyTorch's loader;
+* ``hash_storage`` also takes a tensor (its whole storage).
 
 Storages not on the CPU are hashed by PyTorch's own ``hash_storage`` for
 the default mode (its value there depends on the device's generator) and
@@ -26,6 +30,7 @@ copied to the CPU to be written.
 """
 
 import atexit
+import io
 import os
 import warnings
 import weakref
@@ -75,9 +80,25 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype)[len("torch.") :]
 
 
+def _as_untyped(storage) -> torch.UntypedStorage:
+    # PyTorch's hash_storage takes an UntypedStorage only (a tensor fails
+    # in it with "'int' object is not callable"); we also take a tensor,
+    # as its whole storage (the storage write_tensor names), and a
+    # TypedStorage.
+    if isinstance(storage, torch.UntypedStorage):
+        return storage
+    if isinstance(storage, torch.Tensor):
+        return storage.untyped_storage()
+    if isinstance(storage, torch.TypedStorage):
+        return storage.untyped()
+    raise TypeError(f"hash_storage takes a torch.UntypedStorage, a TypedStorage or a tensor, not {type(storage).__name__}")
+
+
 def hash_storage(storage: torch.UntypedStorage, *, stable_hash: bool = False) -> str:
     """Hex digest of the storage's bytes: SHA-1 with ``stable_hash``,
-    otherwise PyTorch's default hash (the same value PyTorch computes)."""
+    otherwise PyTorch's default hash (the same value PyTorch computes).
+    A tensor is hashed as its whole untyped storage."""
+    storage = _as_untyped(storage)
     if storage.device.type != "cpu":
         if not stable_hash:
             from torch.utils._content_store import hash_storage as torch_hash
@@ -219,15 +240,16 @@ class ContentStoreReader:
 
     def read_tensor_metadata(self, name: str):
         reader = self._reader()
-        fn = os.path.join(self.loc, "tensors", name)
-        if not os.path.exists(fn):
-            raise FileNotFoundError(fn)
         try:
             dtype, h, offset, shape, stride, conj, neg = reader.read_meta(name)
         except Error:
-            # An entry with metadata our parser does not take: PyTorch's own
-            # loader, weights only.
-            return torch.load(fn, weights_only=True)
+            # A name that leaves tensors/, a link, a FIFO, a missing entry:
+            # refused again here (NotFoundError is a FileNotFoundError, as
+            # PyTorch raises). Only an entry read safely whose contents our
+            # parser does not take goes to PyTorch's loader, weights only,
+            # from the bytes read (never by path, which could lead elsewhere).
+            raw = reader.read_entry_bytes(name)
+            return torch.load(io.BytesIO(raw), weights_only=True)
         # PyTorch's tensor metadata: the lazy bits that are set, and no others.
         metadata = {key: True for key, bit in (("conj", conj), ("neg", neg)) if bit}
         return (getattr(torch, dtype), h, offset, torch.Size(shape), tuple(stride), metadata)

@@ -3,11 +3,12 @@
 //! (storages no entry refers to, and temporary files of dead writers).
 
 use super::fsio;
+use super::hash::hash_hex;
 use super::layout::{self, Format};
 use super::names::TEMP_PREFIX;
-use super::reader::{check_hash, OddObject, Reader};
+use super::reader::{OddObject, Reader};
 use super::store_lock::StoreLock;
-use super::torch_format::{self, DataCrc};
+use super::torch_default_hash::torch_default_hash_hex;
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -28,15 +29,7 @@ pub struct VerifyReport {
     pub bytes: u64,
     /// Corrupt or unreadable objects.
     pub problems: Vec<Problem>,
-    /// PyTorch-format storages whose names are not the SHA-1 of their
-    /// bytes but whose bytes match their zip CRC-32: written with
-    /// PyTorch's default hash, which cannot be recomputed (it depends on
-    /// the process's random generator). Not corruption.
-    pub unverifiable: Vec<Problem>,
 }
-
-/// What [`verify`] says of a PyTorch-format storage named by another hash.
-pub const UNVERIFIABLE: &str = "unverifiable: name not from the stable hash";
 
 /// Checks every storage and tensor entry of the store, and reports every
 /// object under `tensors/` or `storages/` that cannot be read as a
@@ -50,11 +43,7 @@ pub fn verify(reader: &Reader, progress: &mut dyn FnMut(u64, u64)) -> Result<Ver
     for (hash, size) in &storages {
         let object = format!("{}/{hash}", layout::STORAGES);
         match check_storage(reader, hash) {
-            Ok(StorageCheck::Verified(n)) => report.bytes += n,
-            Ok(StorageCheck::Unverifiable(n, why)) => {
-                report.bytes += n;
-                report.unverifiable.push(Problem { object, why });
-            }
+            Ok(n) => report.bytes += n,
             Err(e) => report.problems.push(Problem { object, why: e.message().to_string() }),
         }
         report.storages += 1;
@@ -83,40 +72,38 @@ fn odd_entry_text(odd: &OddObject) -> String {
     format!("{} is {}, not a regular tensor entry (it cannot be read, and the storage it stands for cannot be known)", odd.object, odd.kind)
 }
 
-enum StorageCheck {
-    /// The name is the hash of the bytes (this many).
-    Verified(u64),
-    /// Intact as far as can be told, but the name cannot be checked.
-    Unverifiable(u64, String),
-}
-
-fn check_storage(reader: &Reader, hash: &str) -> Result<StorageCheck> {
+/// Checks that the storage's name is the hash of its bytes; returns how
+/// many bytes it has. In the PyTorch format a name is the SHA-1
+/// (`stable_hash=True`) or PyTorch's default hash of the bytes (both 40
+/// hex digits): anything else is corrupt, even when the bytes match their
+/// zip CRC-32 (another storage's file put in its place).
+fn check_storage(reader: &Reader, hash: &str) -> Result<u64> {
     let s = reader.read_storage(hash)?;
     let n = s.bytes().len() as u64;
-    let mismatch = match check_hash(&s, reader.hash_mode()) {
-        Ok(()) => return Ok(StorageCheck::Verified(n)),
-        Err(e) => e,
-    };
+    let mode = reader.hash_mode();
+    let named = hash_hex(s.bytes(), mode);
+    if named == hash {
+        return Ok(n);
+    }
     if reader.format() != Format::Torch {
-        return Err(mismatch);
+        return Err(Error::new(ErrorKind::Corrupt, format!("storage {hash} has bytes whose {} hash is {named}", mode.name())));
     }
-    // PyTorch's default hash also gives 40 hex digits: only the zip
-    // record's CRC-32 tells a default-hash name from damaged bytes.
-    match torch_format::storage_data_crc(s.file())? {
-        DataCrc::Matches => {
-            Ok(StorageCheck::Unverifiable(n, format!("{UNVERIFIABLE} (PyTorch's default hash; the bytes match their CRC-32)")))
-        }
-        DataCrc::Absent => {
-            Ok(StorageCheck::Unverifiable(n, format!("{UNVERIFIABLE} (and the file holds no CRC-32 to check the bytes against)")))
-        }
-        DataCrc::Differs => Err(Error::new(
-            ErrorKind::Corrupt,
-            format!(
-                "storage {hash}: its bytes match neither their name ({}) nor the CRC-32 of their zip record: damaged",
-                mismatch.message()
-            ),
-        )),
+    let default = torch_default_hash_hex(s.bytes());
+    if default == hash {
+        return Ok(n);
     }
+    let crc = s.stored_crc();
+    let why = if crc == 0 {
+        "the file holds no CRC-32 to tell damage from a swapped file"
+    } else if crc32fast::hash(s.bytes()) == crc {
+        "the bytes match their zip CRC-32: the file holds another storage (replaced or renamed)"
+    } else {
+        "nor do they match their zip CRC-32: the bytes are damaged"
+    };
+    Err(Error::new(
+        ErrorKind::Corrupt,
+        format!("storage {hash}: its name is neither the SHA-1 ({}) nor PyTorch's default hash ({default}) of its bytes; {why}", named),
+    ))
 }
 
 /// What [`gc`] removed (or would remove, on a dry run).

@@ -15,6 +15,7 @@ pub mod names;
 pub mod pipeline;
 pub mod reader;
 pub mod record;
+mod storage_io;
 mod store_lock;
 pub mod torch_default_hash;
 pub mod torch_format;

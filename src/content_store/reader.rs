@@ -1,10 +1,12 @@
 //! Reading a store, which may come from anyone: names are checked before
 //! they touch the file system, no symbolic link below the root is
 //! followed, records are size-limited and fully checked, and a view that
-//! reaches past its storage is refused. Storages are mapped read-only
-//! (a storage read twice while in use is one mapping), or copied straight
-//! from their file into the caller's memory with their CRC-32 checked
-//! ([`Reader::open_storage_file`]).
+//! reaches past its storage is refused. A storage is mapped read-only
+//! when nobody but us can shrink its file, and otherwise copied into
+//! memory of our own and checked (see `storage_io.rs`); a storage
+//! read twice while in use is one mapping or copy. [`Reader::open_storage_file`]
+//! copies a storage straight from its file into the caller's memory with
+//! its CRC-32 checked.
 
 use super::bounds::check_fits;
 use super::copy_out;
@@ -14,6 +16,7 @@ use super::hash::{hash_hex, is_digest, HashMode};
 use super::layout::{self, Format};
 use super::meta::{TensorMeta, ViewBits};
 use super::names::{tensor_name_parts, TEMP_PREFIX};
+use super::storage_io::{self, CopiedBytes};
 use super::{record, torch_glue};
 use crate::error::{Error, ErrorKind, Result};
 use memmap2::{Mmap, MmapOptions};
@@ -31,12 +34,27 @@ const TORCH_ENTRY_MAX: usize = 1 << 20;
 /// Deepest folder nesting listed under `tensors/`.
 const MAX_DEPTH: usize = 256;
 
-/// A storage's bytes, mapped read-only.
+/// A storage's bytes, read-only: mapped from a file nobody else can
+/// shrink, or copied from any other.
 pub struct StorageBytes {
     hash: String,
-    map: Option<Mmap>,
+    data: Held,
+    /// Where the bytes lie in what is held.
     range: Range<usize>,
+    /// The CRC-32 the file's zip record gives for them (PyTorch format;
+    /// 0: none).
+    crc: u32,
     verified: AtomicBool,
+}
+
+/// How a storage's bytes are held.
+enum Held {
+    Empty,
+    /// The whole file, mapped.
+    Mapped(Mmap),
+    /// The bytes alone, copied (already checked against the file's
+    /// CRC-32 or, in the native format, against the name).
+    Copied(CopiedBytes),
 }
 
 /// A storage's file, open and parsed, for copying its bytes out once
@@ -95,16 +113,23 @@ impl StorageBytes {
     }
 
     pub fn bytes(&self) -> &[u8] {
-        match &self.map {
-            Some(m) => &m[self.range.clone()],
-            None => &[],
+        match &self.data {
+            Held::Empty => &[],
+            Held::Mapped(m) => &m[self.range.clone()],
+            Held::Copied(c) => &c.as_slice()[self.range.clone()],
         }
     }
 
-    /// The whole file the bytes sit in (in the PyTorch format, the
-    /// torch.save zip around them).
-    pub fn file(&self) -> &[u8] {
-        self.map.as_deref().unwrap_or(&[])
+    /// The CRC-32 the file's zip record holds for the bytes (PyTorch
+    /// format; 0: none, and always in the native format).
+    pub fn stored_crc(&self) -> u32 {
+        self.crc
+    }
+
+    /// Whether the bytes were copied into memory of our own (the file was
+    /// not one only we can shrink) rather than mapped.
+    pub fn is_copied(&self) -> bool {
+        matches!(self.data, Held::Copied(_))
     }
 }
 
@@ -198,6 +223,27 @@ impl Reader {
     /// The entry `name` without its storage, with PyTorch's lazy
     /// conjugate/negative bits (always clear in the native format).
     pub fn read_entry(&self, name: &str) -> Result<(TensorMeta, ViewBits)> {
+        let bytes = self.read_entry_file(name)?;
+        let what = format!("tensor entry {name:?}");
+        let (meta, bits) = match self.format {
+            Format::Native => record::decode(&bytes).map(|m| (m, ViewBits::default())),
+            Format::Torch => torch_glue::parse_tensor_file(&bytes),
+        }
+        .map_err(|e| e.context(&what))?;
+        if !self.is_storage_name(&meta.storage_hash) {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("{what} names storage {:?}, which is not a {} hash", meta.storage_hash, self.hash.name()),
+            ));
+        }
+        Ok((meta, bits))
+    }
+
+    /// The bytes of the entry `name`, unparsed, read with every check
+    /// but the parse: the name stays inside `tensors/`, no link is
+    /// followed, only a regular file of bounded size is read. Errors
+    /// here are refusals (or a missing entry), never "cannot parse".
+    pub fn read_entry_file(&self, name: &str) -> Result<Vec<u8>> {
         let mut parts = vec![layout::TENSORS];
         parts.extend(tensor_name_parts(name)?);
         let file = fsio::open_regular(&self.root_fd, &self.root, &parts, "tensor entry").map_err(|e| {
@@ -210,18 +256,11 @@ impl Reader {
             }
         })?;
         let what = format!("tensor entry {name:?}");
-        let (meta, bits) = match self.format {
-            Format::Native => record::decode(&fsio::read_small(file, record::MAX_RECORD_LEN, &what)?).map(|m| (m, ViewBits::default())),
-            Format::Torch => torch_glue::parse_tensor_file(&fsio::read_small(file, TORCH_ENTRY_MAX, &what)?),
-        }
-        .map_err(|e| e.context(&what))?;
-        if !self.is_storage_name(&meta.storage_hash) {
-            return Err(Error::new(
-                ErrorKind::Corrupt,
-                format!("{what} names storage {:?}, which is not a {} hash", meta.storage_hash, self.hash.name()),
-            ));
-        }
-        Ok((meta, bits))
+        let max = match self.format {
+            Format::Native => record::MAX_RECORD_LEN,
+            Format::Torch => TORCH_ENTRY_MAX,
+        };
+        fsio::read_small(file, max, &what)
     }
 
     fn check_storage_name(&self, hash: &str) -> Result<()> {
@@ -280,19 +319,42 @@ impl Reader {
     /// hashed and compared with the name as well.
     pub fn open_storage_file(&self, hash: &str) -> Result<StorageFile> {
         self.check_storage_name(hash)?;
-        let (file, _map, range, crc) = self.open_parsed(hash)?;
+        let (file, _meta, range, crc) = self.open_parsed(hash)?;
         let verify = self.verify.load(Ordering::Relaxed).then_some(self.hash);
         Ok(StorageFile { hash: hash.to_string(), file, range, crc, verify })
     }
 
+    /// The storage's bytes: mapped when nobody but us can shrink the
+    /// file, else copied and checked (CRC-32, or the name in the native
+    /// format), so that what is handed out never faults.
     fn map_storage(&self, hash: &str) -> Result<StorageBytes> {
-        let (_file, map, range, _crc) = self.open_parsed(hash)?;
-        Ok(StorageBytes { hash: hash.to_string(), map, range, verified: AtomicBool::new(false) })
+        let (file, meta, range, crc) = self.open_parsed(hash)?;
+        let what = format!("storage {hash}");
+        let mut verified = false;
+        let (data, range) = if range.is_empty() {
+            (Held::Empty, 0..0)
+        } else if storage_io::only_we_can_shrink(&meta) {
+            // SAFETY: a read-only private mapping of a regular file that
+            // only this user (or root) can truncate; files in a store are
+            // never modified in place, only replaced by rename.
+            let map = unsafe { MmapOptions::new().len(meta.len() as usize).map(&file) }
+                .map_err(|e| Error::new(ErrorKind::Io, format!("unable to map {what}: {e}")))?;
+            (Held::Mapped(map), range)
+        } else {
+            let copied = storage_io::copy_range(&file, range.clone(), crc, &what)?;
+            if self.format == Format::Native {
+                // No CRC in the file: the name is the check.
+                check_bytes(hash, copied.as_slice(), self.hash)?;
+                verified = true;
+            }
+            (Held::Copied(copied), 0..range.len())
+        };
+        Ok(StorageBytes { hash: hash.to_string(), data, range, crc, verified: AtomicBool::new(verified) })
     }
 
-    /// The storage's file, mapped, where its bytes lie in it, and the
-    /// CRC-32 it holds for them (0: none).
-    fn open_parsed(&self, hash: &str) -> Result<(File, Option<Mmap>, Range<usize>, u32)> {
+    /// The storage's file, its metadata, where its bytes lie in it, and
+    /// the CRC-32 it holds for them (0: none). Nothing is mapped.
+    fn open_parsed(&self, hash: &str) -> Result<(File, std::fs::Metadata, Range<usize>, u32)> {
         let file = fsio::open_regular(&self.root_fd, &self.root, &[layout::STORAGES, hash], "storage").map_err(|e| {
             if e.kind() == ErrorKind::NotFound {
                 Error::new(ErrorKind::NotFound, format!("no storage {hash} in {}", self.root.display()))
@@ -300,32 +362,19 @@ impl Reader {
                 e
             }
         })?;
-        let len = file.metadata().map_err(|e| Error::new(ErrorKind::Io, format!("unable to stat storage {hash}: {e}")))?.len();
-        let len = usize::try_from(len).map_err(|_| Error::new(ErrorKind::Corrupt, format!("storage {hash} is too big to map")))?;
-        let map = if len == 0 {
-            None
-        } else {
-            // SAFETY: a read-only private mapping of a regular file. Files in
-            // a store are never modified in place (only replaced by rename),
-            // so the bytes stay as mapped unless someone else truncates the
-            // file, which no Rust mapping can guard against.
-            Some(
-                unsafe { MmapOptions::new().len(len).map(&file) }
-                    .map_err(|e| Error::new(ErrorKind::Io, format!("unable to map storage {hash}: {e}")))?,
-            )
-        };
+        let meta = file.metadata().map_err(|e| Error::new(ErrorKind::Io, format!("unable to stat storage {hash}: {e}")))?;
+        let len = usize::try_from(meta.len()).map_err(|_| Error::new(ErrorKind::Corrupt, format!("storage {hash} is too big to read")))?;
         let (range, crc) = match self.format {
             Format::Native => (0..len, 0),
             Format::Torch => {
-                let all: &[u8] = map.as_deref().unwrap_or(&[]);
-                let (r, crc) = torch_glue::storage_data_record(all).map_err(|e| e.context(format!("storage {hash}")))?;
+                let (r, crc) = storage_io::torch_data_record(&file, len, &format!("storage {hash}"))?;
                 if r.start > r.end || r.end > len {
                     return Err(Error::new(ErrorKind::Corrupt, format!("storage {hash}: data range {r:?} outside its {len}-byte file")));
                 }
                 (r, crc)
             }
         };
-        Ok((file, map, range, crc))
+        Ok((file, meta, range, crc))
     }
 
     /// Names of every tensor entry that is a regular file, sorted (links,
@@ -361,8 +410,9 @@ impl Reader {
         files
             .into_iter()
             .map(|(hash, file_len)| {
-                // A file that does not parse shows its file size; verify names it.
-                let size = self.read_storage(&hash).map_or(file_len, |s| s.bytes().len() as u64);
+                // Parsed from the file's ends (no copy of the data); a file
+                // that does not parse shows its file size, and verify names it.
+                let size = self.open_parsed(&hash).map_or(file_len, |(_, _, range, _)| range.len() as u64);
                 Ok((hash, size))
             })
             .collect()

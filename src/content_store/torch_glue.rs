@@ -7,7 +7,6 @@ use super::torch_format;
 use crate::error::Result;
 use rayon::prelude::*;
 use std::io::Write;
-use std::ops::Range;
 
 /// Writes `torch.save(UntypedStorage)` of `data` to a new file (small
 /// records buffered, the data passed straight through).
@@ -38,12 +37,6 @@ fn crc32(data: &[u8]) -> u32 {
 /// The bytes of a tensor entry.
 pub fn tensor_file(meta: &TensorMeta) -> Vec<u8> {
     torch_format::tensor_file(meta)
-}
-
-/// Where the storage's bytes sit inside a storage file, and the CRC-32
-/// its zip record gives for them (0: none).
-pub fn storage_data_record(file: &[u8]) -> Result<(Range<usize>, u32)> {
-    torch_format::storage_data_record(file)
 }
 
 /// A tensor entry, with its conjugate/negative bits, through the

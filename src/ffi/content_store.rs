@@ -60,14 +60,14 @@ pub struct SsContentReader {
     reader: Reader,
 }
 
-/// A tensor read from a store: its view and its storage, mapped read-only.
+/// A tensor read from a store: its view and its storage, read-only.
 /// Immutable; may be shared between threads.
 pub struct SsContentTensor {
     tensor: Tensor,
     hash: CString,
 }
 
-/// A storage read from a store, mapped read-only. Immutable.
+/// A storage read from a store, read-only. Immutable.
 pub struct SsContentStorage {
     storage: Arc<StorageBytes>,
 }
@@ -350,8 +350,12 @@ pub unsafe extern "C" fn ss_content_reader_set_verify(r: *const SsContentReader,
     })
 }
 
-/// Reads tensor entry `name`: its view and its storage, mapped read-only
-/// (no copy; a storage already mapped for a live tensor is shared). Free
+/// Reads tensor entry `name`: its view and its storage, read-only. The
+/// storage is mapped (no copy) when nobody but this process's user can
+/// shrink its file; any other file (another user's store) is copied into
+/// memory of the reader's own and checked against its CRC-32 or name, so
+/// that its owner truncating it can never crash the reader. A storage
+/// already read for a live tensor is shared. Free
 /// the result with `ss_content_tensor_free`.
 ///
 /// # Safety
@@ -376,7 +380,8 @@ pub unsafe extern "C" fn ss_content_reader_read_tensor(
     })
 }
 
-/// Reads the storage named `hash`, mapped read-only. Free the result with
+/// Reads the storage named `hash`, read-only (mapped or copied, as
+/// `ss_content_reader_read_tensor` says). Free the result with
 /// `ss_content_storage_free`.
 ///
 /// # Safety
@@ -444,9 +449,9 @@ pub unsafe extern "C" fn ss_content_reader_list_storages(r: *const SsContentRead
 /// reported. `*out_checked` (may be NULL) gets the number of objects
 /// checked, `*out_problems` one line `"<object>: <why>"` per corrupt or
 /// unreadable object (empty when all is well). A PyTorch-format storage
-/// named by PyTorch's default hash (not the SHA-1 of its bytes, which
-/// match their zip CRC-32) cannot be checked and is not listed. SS_OK
-/// means the check ran, whatever it found.
+/// may be named by the SHA-1 or by PyTorch's default hash of its bytes;
+/// any other name is corrupt. SS_OK means the check ran, whatever it
+/// found.
 ///
 /// # Safety
 /// `r` is NULL or a live `ss_content_reader` (other threads may use it
@@ -577,7 +582,7 @@ pub unsafe extern "C" fn ss_content_tensor_neg(t: *const SsContentTensor) -> boo
 ///
 /// # Safety
 /// `t` is NULL or a live `ss_content_tensor` (other threads may use it
-/// meanwhile). The bytes are mapped read-only: writing them faults.
+/// meanwhile). The bytes are read-only: writing them may fault.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_tensor_data(t: *const SsContentTensor) -> *const c_void {
     ffi_value!("ss_content_tensor_data", std::ptr::null(), {
@@ -630,7 +635,7 @@ pub unsafe extern "C" fn ss_content_tensor_free(t: *mut SsContentTensor) {
 ///
 /// # Safety
 /// `s` is NULL or a live `ss_content_storage` (other threads may use it
-/// meanwhile). The bytes are mapped read-only (writing them faults) and valid
+/// meanwhile). The bytes are read-only (writing them may fault) and valid
 /// until the storage is freed.
 #[no_mangle]
 pub unsafe extern "C" fn ss_content_storage_data(s: *const SsContentStorage) -> *const c_void {

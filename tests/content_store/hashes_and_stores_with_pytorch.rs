@@ -197,13 +197,13 @@ fn we_read_what_torch_writes() {
     let out = python(TORCH_COMPARE_PY, &[root.to_str().unwrap()]);
     assert_eq!(out.trim(), "True");
 
-    // PyTorch's default (non-portable) hash: readable, not verifiable.
+    // PyTorch's default hash: readable, and verified (computed natively).
     let root2 = dir.join("store2");
     write_with_torch(&root2, false);
     let r2 = Reader::open(&root2).unwrap();
     assert_eq!(r2.read_tensor("slice").unwrap().storage.bytes(), &base[..]);
     let report = content_store::verify(&r2, &mut |_, _| {}).unwrap();
-    assert!(report.problems.is_empty() && report.unverifiable.len() == 3, "{:?} {:?}", report.problems, report.unverifiable);
+    assert!(report.problems.is_empty() && report.storages == 3, "{:?}", report.problems);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -249,30 +249,55 @@ fn ssctl(args: &[&str]) -> (i32, String) {
     (out.status.code().unwrap_or(-1), text)
 }
 
+/// Puts storage `from`'s file in the place of storage `to` (same
+/// bytes as another storage's file, so its zip CRC-32 still matches).
+fn swap_in(root: &Path, from: &str, to: &str) {
+    let storages = root.join("storages");
+    std::fs::copy(storages.join(from), storages.join(to)).unwrap();
+}
+
 #[test]
-fn default_hash_store_is_unverifiable_not_corrupt() {
-    if !common::torch_available("default_hash_store_is_unverifiable_not_corrupt") {
+fn default_hash_store_verifies_and_a_swapped_file_is_corrupt() {
+    if !common::torch_available("default_hash_store_verifies_and_a_swapped_file_is_corrupt") {
         return;
     }
-    let dir = temp_dir("default-hash");
+    for stable in [false, true] {
+        let dir = temp_dir(if stable { "swap-stable" } else { "swap-default" });
+        let root = dir.join("store");
+        write_with_torch(&root, stable);
+        let p = root.to_str().unwrap();
+        let r = Reader::open(&root).unwrap();
+        let storages = r.list_storages().unwrap();
+        // Both hashes give 40 hex digits: the name alone cannot tell them apart.
+        assert!(storages.len() == 3 && storages.iter().all(|(h, _)| h.len() == 40), "{storages:?}");
+        let report = content_store::verify(&r, &mut |_, _| {}).unwrap();
+        assert!(report.problems.is_empty(), "valid PyTorch store (stable {stable}) called corrupt: {:?}", report.problems);
+        let (code, out) = ssctl(&["store", "verify", p]);
+        assert_eq!(code, 0, "{out}");
+        assert!(out.contains("ok: no corrupt object"), "{out}");
+
+        // Another storage's file under this name: its CRC-32 matches, the name does not.
+        let (from, to) = (&storages[0].0, &storages[1].0);
+        swap_in(&root, from, to);
+        let report = content_store::verify(&Reader::open(&root).unwrap(), &mut |_, _| {}).unwrap();
+        // (Entries over it may no longer fit it either: those are named too.)
+        let swapped = format!("storages/{to}");
+        let storage_problems: Vec<_> = report.problems.iter().filter(|p| p.object.starts_with("storages/")).collect();
+        assert!(storage_problems.len() == 1 && storage_problems[0].object == swapped, "stable {stable}: {:?}", report.problems);
+        let why = &storage_problems[0].why;
+        assert!(why.contains("neither the SHA-1") && why.contains("another storage"), "{why}");
+        let (code, out) = ssctl(&["store", "verify", p]);
+        assert_eq!(code, 1, "{out}");
+        assert!(out.contains(&format!("storages/{to}")) && out.contains("corrupt object(s)"), "{out}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    // Damaged data in such a store is found too, and named as damage.
+    let dir = temp_dir("default-hash-damaged");
     let root = dir.join("store");
     write_with_torch(&root, false);
-    let p = root.to_str().unwrap();
-    let r = Reader::open(&root).unwrap();
-    let storages = r.list_storages().unwrap();
-    // Both hashes give 40 hex digits: the name alone cannot tell them apart.
-    assert!(storages.iter().all(|(h, _)| h.len() == 40), "{storages:?}");
-    let report = content_store::verify(&r, &mut |_, _| {}).unwrap();
-    assert!(report.problems.is_empty(), "valid PyTorch store called corrupt: {:?}", report.problems);
-    assert_eq!(report.unverifiable.len(), storages.len(), "{:?}", report.unverifiable);
-    assert!(report.unverifiable.iter().all(|p| p.why.contains("unverifiable: name not from the stable hash")), "{:?}", report.unverifiable);
-    let (code, out) = ssctl(&["store", "verify", p]);
-    assert_eq!(code, 0, "{out}");
-    assert!(out.contains("unverifiable: name not from the stable hash") && !out.contains("corrupt object(s)"), "{out}");
-
-    // Damaged data in such a store is still found (its zip CRC-32).
-    let (hash, _) = &storages[0];
-    let path = root.join("storages").join(hash);
+    let (hash, _) = Reader::open(&root).unwrap().list_storages().unwrap()[0].clone();
+    let path = root.join("storages").join(&hash);
     let mut file = std::fs::read(&path).unwrap();
     let at = content_store::torch_format::storage_data_range(&file).unwrap().start;
     file[at] ^= 0x10;
@@ -280,7 +305,8 @@ fn default_hash_store_is_unverifiable_not_corrupt() {
     let report = content_store::verify(&Reader::open(&root).unwrap(), &mut |_, _| {}).unwrap();
     let objects: Vec<&str> = report.problems.iter().map(|p| p.object.as_str()).collect();
     assert_eq!(objects, [format!("storages/{hash}")], "{:?}", report.problems);
-    let (code, out) = ssctl(&["store", "verify", p]);
+    assert!(report.problems[0].why.contains("damaged"), "{}", report.problems[0].why);
+    let (code, out) = ssctl(&["store", "verify", root.to_str().unwrap()]);
     assert_eq!(code, 1, "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -313,7 +339,7 @@ fn conj_and_neg_views_are_read_as_pytorch_reads_them() {
         assert_eq!(t.storage.bytes(), &want[..], "{name}");
     }
     let report = content_store::verify(&r, &mut |_, _| {}).unwrap();
-    assert!(report.problems.is_empty() && report.unverifiable.is_empty(), "{:?}", report.problems);
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
     let gc = content_store::gc(&root, true).unwrap();
     assert_eq!((gc.storages.len(), gc.kept_storages), (0, 1));
     let (code, out) = ssctl(&["store", "verify", root.to_str().unwrap()]);

@@ -8,6 +8,7 @@
 //! The facts this relies on, and how each was checked, are in
 //! docs/torch-save-format.md.
 
+pub mod image;
 pub mod pickle;
 pub mod unpickle;
 pub mod zip;
@@ -15,6 +16,7 @@ pub mod zip;
 use std::io::{self, Write};
 use std::ops::Range;
 
+use self::image::Image;
 use self::pickle::Pickler;
 use self::unpickle::{Allow, Global, Value};
 use self::zip::{ZipEntry, ZipWriter};
@@ -143,14 +145,14 @@ fn corrupt(what: impl Into<String>) -> Error {
 
 /// A parsed torch.save archive: its records and their common folder.
 struct Archive<'a> {
-    file: &'a [u8],
+    file: &'a Image<'a>,
     prefix: String,
     entries: Vec<ZipEntry>,
 }
 
 impl<'a> Archive<'a> {
-    fn parse(file: &'a [u8]) -> Result<Self> {
-        let entries = zip::read_entries(file)?;
+    fn parse(file: &'a Image<'a>) -> Result<Self> {
+        let entries = zip::read_entries_in(file)?;
         let first = entries.first().ok_or_else(|| corrupt("not a torch.save zip: it has no records"))?;
         let prefix = match first.name.split_once('/') {
             Some((p, _)) if !p.is_empty() => format!("{p}/"),
@@ -161,7 +163,7 @@ impl<'a> Archive<'a> {
         }
         let archive = Archive { file, prefix, entries };
         if let Some(order) = archive.record("byteorder") {
-            let text = &file[order.data.clone()];
+            let text = archive.data(order)?;
             if text != BYTEORDER_RECORD {
                 return Err(Error::new(
                     ErrorKind::Unsupported,
@@ -177,13 +179,21 @@ impl<'a> Archive<'a> {
         self.entries.iter().find(|e| e.name == full)
     }
 
+    /// A record's bytes (an error if they are not at hand).
+    fn data(&self, rec: &ZipEntry) -> Result<&'a [u8]> {
+        self.file
+            .get(rec.data.start, rec.data.len())
+            .map_err(|_| corrupt(format!("not a torch.save zip: record {} lies in the part of the file not read", rec.name)))
+    }
+
     /// The unpickled `data.pkl`, whose CRC must match.
     fn pickle(&self, allow: Allow) -> Result<Value> {
         let rec = self.record("data.pkl").ok_or_else(|| corrupt(format!("torch.save zip has no {}data.pkl", self.prefix)))?;
-        if !rec.crc_ok(self.file) {
+        let bytes = self.data(rec)?;
+        if !rec.crc_ok_in(self.file) {
             return Err(corrupt(format!("{} does not match its CRC-32", rec.name)));
         }
-        unpickle::unpickle(&self.file[rec.data.clone()], allow).map_err(|e| e.context(&rec.name))
+        unpickle::unpickle(bytes, allow).map_err(|e| e.context(&rec.name))
     }
 }
 
@@ -199,6 +209,12 @@ pub fn storage_data_range(file: &[u8]) -> Result<Range<usize>> {
 /// [`storage_data_range`] and the CRC-32 the zip gives for the data (0:
 /// none was stored), for checking the bytes as they are copied out.
 pub fn storage_data_record(file: &[u8]) -> Result<(Range<usize>, u32)> {
+    storage_data_record_in(&Image::whole(file))
+}
+
+/// [`storage_data_record`] from an image of the file: only its records
+/// other than the data need be at hand (see [`Image`]).
+pub fn storage_data_record_in(file: &Image) -> Result<(Range<usize>, u32)> {
     let archive = Archive::parse(file)?;
     let storage = match archive.pickle(Allow::StorageFile)? {
         Value::Storage(s) => s,
@@ -228,7 +244,8 @@ pub enum DataCrc {
 /// CRC-32 (after the checks of [`storage_data_range`]).
 pub fn storage_data_crc(file: &[u8]) -> Result<DataCrc> {
     storage_data_range(file)?;
-    let archive = Archive::parse(file)?;
+    let img = Image::whole(file);
+    let archive = Archive::parse(&img)?;
     let rec = archive.record("data/0").ok_or_else(|| corrupt(format!("storage file has no {}data/0 record", archive.prefix)))?;
     Ok(match (rec.crc, rec.crc_ok(file)) {
         (0, _) => DataCrc::Absent,
@@ -257,7 +274,8 @@ pub fn parse_tensor_file(file: &[u8]) -> Result<TensorMeta> {
 /// Reads any tensor entry ContentStoreWriter writes, with its conjugate
 /// and negative bits, as `ContentStoreReader.read_tensor` does.
 pub fn parse_tensor_entry(file: &[u8]) -> Result<(TensorMeta, ViewBits)> {
-    let archive = Archive::parse(file)?;
+    let img = Image::whole(file);
+    let archive = Archive::parse(&img)?;
     let value = archive.pickle(Allow::TensorEntry)?;
     tensor_meta(&value).map_err(|e| e.context("tensor entry"))
 }

@@ -7,6 +7,7 @@
 use std::io::{self, Write};
 use std::ops::Range;
 
+use super::image::{Image, Missing};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Record data starts on a multiple of this (torch's default alignment).
@@ -232,23 +233,40 @@ impl ZipEntry {
     pub fn crc_ok(&self, file: &[u8]) -> bool {
         self.crc == 0 || crc32fast::hash(&file[self.data.clone()]) == self.crc
     }
+
+    /// [`ZipEntry::crc_ok`] in an image of the file; false when the
+    /// data is not at hand.
+    pub fn crc_ok_in(&self, img: &Image) -> bool {
+        self.crc == 0 || img.get(self.data.start, self.data.len()).is_ok_and(|d| crc32fast::hash(d) == self.crc)
+    }
 }
 
 fn corrupt(what: impl Into<String>) -> Error {
     Error::new(ErrorKind::Corrupt, format!("not a torch.save zip: {}", what.into()))
 }
 
-/// Bounds-checked little-endian reads from a byte slice.
+/// Bounds-checked little-endian reads from an image of the file, below
+/// `limit`.
 struct Cursor<'a> {
-    buf: &'a [u8],
+    img: &'a Image<'a>,
+    limit: usize,
     what: &'static str,
 }
 
 impl<'a> Cursor<'a> {
+    fn new(img: &'a Image<'a>, what: &'static str) -> Self {
+        Cursor { img, limit: img.len(), what }
+    }
+
     fn bytes(&self, at: usize, len: usize) -> Result<&'a [u8]> {
-        at.checked_add(len)
-            .and_then(|end| self.buf.get(at..end))
-            .ok_or_else(|| corrupt(format!("{} at byte {at} runs past the end of the file", self.what)))
+        let past_end = || corrupt(format!("{} at byte {at} runs past the end of the file", self.what));
+        if at.checked_add(len).map_or(true, |end| end > self.limit) {
+            return Err(past_end());
+        }
+        self.img.get(at, len).map_err(|m| match m {
+            Missing::PastEnd => past_end(),
+            Missing::NotRead => corrupt(format!("{} at byte {at} lies in the part of the file not read", self.what)),
+        })
     }
     fn u16(&self, at: usize) -> Result<u16> {
         Ok(u16::from_le_bytes(self.bytes(at, 2)?.try_into().unwrap()))
@@ -270,8 +288,8 @@ struct Directory {
     end_records: usize,
 }
 
-fn find_directory(file: &[u8]) -> Result<Directory> {
-    let c = Cursor { buf: file, what: "end of central directory" };
+fn find_directory(file: &Image) -> Result<Directory> {
+    let c = Cursor::new(file, "end of central directory");
     if file.len() < EOCD_LEN {
         return Err(corrupt(format!("{} bytes is too short to hold a zip end record", file.len())));
     }
@@ -297,7 +315,7 @@ fn find_directory(file: &[u8]) -> Result<Directory> {
     let has_locator = eocd >= ZIP64_LOCATOR_LEN && c.u32(eocd - ZIP64_LOCATOR_LEN)? == ZIP64_LOCATOR_SIG;
     if has_locator {
         let loc = eocd - ZIP64_LOCATOR_LEN;
-        let c64 = Cursor { buf: file, what: "zip64 end of central directory" };
+        let c64 = Cursor::new(file, "zip64 end of central directory");
         let rec = usize::try_from(c64.u64(loc + 8)?).map_err(|_| corrupt("zip64 end record offset out of range"))?;
         if rec.checked_add(ZIP64_EOCD_LEN).map_or(true, |end| end > loc) {
             return Err(corrupt(format!("zip64 end record at {rec} overlaps its locator at {loc}")));
@@ -341,8 +359,14 @@ fn find_directory(file: &[u8]) -> Result<Directory> {
 /// compression, encryption, duplicate names, overlapping records and
 /// anything out of bounds. Entries come back in file order.
 pub fn read_entries(file: &[u8]) -> Result<Vec<ZipEntry>> {
+    read_entries_in(&Image::whole(file))
+}
+
+/// [`read_entries`] from an image of the file (see [`Image`]): a byte it
+/// needs that is not at hand is an error (`Corrupt`).
+pub fn read_entries_in(file: &Image) -> Result<Vec<ZipEntry>> {
     let dir = find_directory(file)?;
-    let c = Cursor { buf: file, what: "central directory entry" };
+    let c = Cursor::new(file, "central directory entry");
     // (local header offset, end of the record with its descriptor, entry)
     let mut entries: Vec<(usize, usize, ZipEntry)> = Vec::with_capacity(dir.count);
     let mut at = dir.offset;
@@ -460,8 +484,8 @@ fn local_zip64(name: &str, mut extra: &[u8]) -> Result<Option<Vec<u64>>> {
 /// after the data that carries them) and returns where its data lies and
 /// where the record ends (after its descriptor); both must end before the
 /// central directory.
-fn local_data(file: &[u8], name: &str, header_offset: u64, size: u64, crc: u32, cd_offset: usize) -> Result<(Range<usize>, usize)> {
-    let c = Cursor { buf: file, what: "local header" };
+fn local_data(file: &Image, name: &str, header_offset: u64, size: u64, crc: u32, cd_offset: usize) -> Result<(Range<usize>, usize)> {
+    let c = Cursor::new(file, "local header");
     let at = usize::try_from(header_offset)
         .ok()
         .filter(|a| *a < cd_offset)
@@ -518,7 +542,7 @@ fn local_data(file: &[u8], name: &str, header_offset: u64, size: u64, crc: u32, 
         // (as torch's miniz and the APPNOTE write them); the other width is
         // tried too, for writers that decide otherwise: either way the
         // values must be the central directory's.
-        let d = Cursor { buf: &file[..cd_offset], what: "data descriptor" };
+        let d = Cursor { img: file, limit: cd_offset, what: "data descriptor" };
         let fields_at = |p: usize, wide: bool| -> Option<usize> {
             let crc_ok = d.u32(p).ok()? == crc;
             let (cs, us, next) = if wide {

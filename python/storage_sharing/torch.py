@@ -11,8 +11,15 @@ After :func:`enable`:
   comes from the producer's fd server, once per segment) and builds an
   ordinary tensor over the producer's bytes, no copy. The block goes back
   to the producer when the last tensor over it dies;
-* every other storage (not in this process's arena, CUDA, empty, ...)
-  takes PyTorch's own reduction, unchanged.
+* a CPU storage PyTorch would copy into a fresh segment (its own
+  ``share_memory_``) is copied into an arena block instead and points to
+  it from then on, as ``share_memory_`` moves it, then goes as above;
+* every other storage (in PyTorch's shared memory already, received from
+  another process, CUDA, empty, ...) takes PyTorch's own reduction.
+
+Receivers let go of segments by themselves: a large block's segment with
+its last tensor, a dead or retired producer's with the last tensor over
+it (DataLoader: when an epoch's workers are joined).
 
 DataLoader workers get ``enable()`` through a wrapped ``worker_init_fn``
 (fork, spawn and forkserver alike), and processes started after
@@ -30,7 +37,7 @@ import torch.multiprocessing  # noqa: F401  (registers PyTorch's reductions firs
 import torch.utils.data.dataloader as _dataloader
 from multiprocessing.reduction import ForkingPickler
 
-from . import Arena, Error, Handle, open_shared
+from . import Arena, Error, Handle, open_shared, trim_remote_cache
 
 ENV = "STORAGE_SHARING_TORCH"
 DEFAULT_SEGMENT_SIZE = 256 << 20
@@ -128,23 +135,46 @@ def _rebuild_storage(handle: bytes, address: str, nbytes: int) -> torch.UntypedS
     return _marked(torch.frombuffer(view, dtype=torch.uint8, count=nbytes).untyped_storage())
 
 
-def _reduce_storage(storage):
+def _reduce_own(storage):
+    """The arena reduction of a storage over a block of this process's
+    arena, or None when it is not one."""
     arena = _arena
-    if (
-        arena is not None
-        and _arena_pid == os.getpid()
-        and type(storage) is torch.UntypedStorage
-        and storage.device.type == "cpu"
-        and storage.nbytes() > 0
-    ):
-        try:
-            handle = arena._native.share(storage.data_ptr())
-        except Error:
-            handle = None  # not a block of ours: PyTorch's way
-        if handle is not None:
-            if handle.size >= storage.nbytes():
-                return (_rebuild_storage, (bytes(handle), arena.fd_server_address(), storage.nbytes()))
-            arena.unshare(handle)
+    if arena is None or _arena_pid != os.getpid():
+        return None
+    try:
+        handle = arena._native.share(storage.data_ptr())
+    except Error:
+        return None  # not a block of ours
+    if handle.size >= storage.nbytes():
+        return (_rebuild_storage, (bytes(handle), arena.fd_server_address(), storage.nbytes()))
+    arena.unshare(handle)
+    return None
+
+
+def _move_to_arena(storage: torch.UntypedStorage) -> None:
+    """What ``share_memory_`` does, into an arena block: the storage's bytes
+    are copied once into a block and the storage points to the block from
+    now on (every tensor over it with it); its old memory goes."""
+    block = new_storage(storage.nbytes())
+    block.copy_(storage)
+    storage._swap_data_ptr_(block)
+    _marked(storage)
+    # `block` now owns the storage's old memory, freed when it goes here.
+
+
+def _reduce_storage(storage):
+    if type(storage) is torch.UntypedStorage and storage.device.type == "cpu" and storage.nbytes() > 0:
+        reduced = _reduce_own(storage)
+        if reduced is not None:
+            return reduced
+        if not getattr(storage, _MARK, False) and not _saved["is_shared"](storage):
+            # PyTorch would copy it into a fresh segment of its own (one
+            # descriptor and one mapping per storage): an arena block costs
+            # neither once the segment is mapped.
+            _move_to_arena(storage)
+            reduced = _reduce_own(storage)
+            if reduced is not None:
+                return reduced
     return _saved["reduce_storage"](storage)
 
 
@@ -184,6 +214,22 @@ def _iter_init(self, loader, *args, **kwargs):
     return _saved["iter_init"](self, loader, *args, **kwargs)
 
 
+def _trimming_shutdown(original):
+    def _shutdown_workers(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            # The workers are joined: their segments that no batch uses any
+            # more are unmapped now, not at the next epoch's first batch.
+            try:
+                trim_remote_cache()
+            except Exception:  # noqa: BLE001  (may run from __del__ at exit)
+                pass
+
+    _shutdown_workers.__wrapped__ = original
+    return _shutdown_workers
+
+
 def is_enabled() -> bool:
     return bool(_saved)
 
@@ -210,10 +256,12 @@ def enable(segment_size: int = DEFAULT_SEGMENT_SIZE, large_threshold: int = DEFA
         _saved["is_shared"] = inspect.getattr_static(torch.UntypedStorage, "is_shared")
         _saved["own_is_shared"] = "is_shared" in torch.UntypedStorage.__dict__
         _saved["iter_init"] = _dataloader._MultiProcessingDataLoaderIter.__init__
+        _saved["shutdown_workers"] = _dataloader._MultiProcessingDataLoaderIter._shutdown_workers
         ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
         torch.UntypedStorage._new_shared = classmethod(_new_shared)
         torch.UntypedStorage.is_shared = _is_shared
         _dataloader._MultiProcessingDataLoaderIter.__init__ = _iter_init
+        _dataloader._MultiProcessingDataLoaderIter._shutdown_workers = _trimming_shutdown(_saved["shutdown_workers"])
 
 
 def disable() -> None:
@@ -232,6 +280,7 @@ def disable() -> None:
         else:
             del torch.UntypedStorage.is_shared
         _dataloader._MultiProcessingDataLoaderIter.__init__ = _saved["iter_init"]
+        _dataloader._MultiProcessingDataLoaderIter._shutdown_workers = _saved["shutdown_workers"]
         _saved.clear()
 
 

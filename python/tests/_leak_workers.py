@@ -61,12 +61,15 @@ def large_queue_under_fd_limit(out, n, numel, segment_size, large_threshold, win
     out.put((got, peak_fds, peak_maps, p.exitcode, error))
 
 
-def fresh_producer(queue, n):
-    """Sends `n` tensors made by PyTorch (not in the arena)."""
+def fresh_producer(queue, n, done):
+    """Sends `n` tensors made by PyTorch (not in the arena), then stays
+    until the consumer is done (PyTorch's file_descriptor strategy needs
+    the sender alive until each tensor is received)."""
     import storage_sharing.torch  # noqa: F401  (enabled by the parent's environment)
 
     for i in range(n):
         queue.put(torch.full((16,), float(i)))
+    done.wait(300)
 
 
 def add_100_then_done(queue, done):

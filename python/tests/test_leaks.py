@@ -67,8 +67,8 @@ def test_large_tensors_through_a_queue_under_1024_fds(torch_enabled):
 def test_fresh_tensors_cost_no_descriptor_each(torch_enabled):
     n = 2000
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=lw.fresh_producer, args=(q, n))
+    q, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=lw.fresh_producer, args=(q, n, done))
     p.start()
     base = lw.open_fds()
     kept, peak = [], base
@@ -78,6 +78,7 @@ def test_fresh_tensors_cost_no_descriptor_each(torch_enabled):
             assert torch.equal(t, torch.full((16,), float(i)))
             kept.append(t)  # all alive at once: PyTorch's way holds one fd per tensor
             peak = max(peak, lw.open_fds())
+        done.set()
         p.join(60)
     finally:
         if p.is_alive():

@@ -371,11 +371,19 @@ pub fn open_shared(py: Python<'_>, handle: &Handle, address: &str, timeout: f64)
     let h = handle.0.clone();
     let address = address.to_string();
     py.allow_threads(|| {
-        if h.strategy == Strategy::Fd && !arena::remote::has_segment(&h) {
+        // Mapped and opened under one lock: a large block's segment goes
+        // with its last view, which another thread may drop meanwhile.
+        let fetch_and_open = || {
             let fd = fd_server::fetch(&address, h.key.producer_pid, h.key.segment_id, Duration::from_secs_f64(timeout))?;
-            arena::import_segment_fd(&h, fd)?;
+            arena::remote::open_with_fd(&h, fd)
+        };
+        if h.strategy == Strategy::Fd && !arena::remote::has_segment(&h) {
+            return fetch_and_open();
         }
-        arena::open_remote(&h)
+        match arena::open_remote(&h) {
+            Err(e) if e.kind() == storage_sharing::ErrorKind::NotFound && h.strategy == Strategy::Fd => fetch_and_open(),
+            r => r,
+        }
     })
     .map(view)
     .or_raise()

@@ -14,13 +14,20 @@ After :func:`enable`:
 * a storage received that way and sent on (A -> B -> C) pickles as a new
   handle of the same block that the producer A makes for it, so C maps
   A's bytes too and all three see each other's writes;
-* every other storage (not arena memory, CUDA, empty, ...) takes
-  PyTorch's own reduction, unchanged.
+* a CPU storage PyTorch would copy into a fresh segment (its own
+  ``share_memory_``) is copied into an arena block instead and points to
+  it from then on, as ``share_memory_`` moves it, then goes as above;
+* every other storage (in PyTorch's shared memory already, CUDA, empty,
+  ...) takes PyTorch's own reduction.
 
 Arena memory is shared memory whether or not ``enable()`` was called (a
 process can receive arena tensors without it): importing this module makes
 ``is_shared()`` True and ``share_memory_()`` a no-op for it, and makes it
 pickle as a handle, as PyTorch does for its own shared storages.
+
+Receivers let go of segments by themselves: a large block's segment with
+its last tensor, a dead or retired producer's with the last tensor over
+it (DataLoader: when an epoch's workers are joined).
 
 DataLoader workers get ``enable()`` through a wrapped ``worker_init_fn``
 (fork, spawn and forkserver alike), and processes started after
@@ -38,7 +45,7 @@ import torch.multiprocessing  # noqa: F401  (registers PyTorch's reductions firs
 import torch.utils.data.dataloader as _dataloader
 from multiprocessing.reduction import ForkingPickler
 
-from . import Arena, Error, Handle, PeerGoneError, _native, open_shared
+from . import Arena, Error, Handle, PeerGoneError, _native, open_shared, trim_remote_cache
 
 ENV = "STORAGE_SHARING_TORCH"
 DEFAULT_SEGMENT_SIZE = 256 << 20
@@ -168,22 +175,50 @@ def _reduce_received(storage):
     return (_rebuild_storage, (bytes(new), address, storage.nbytes()))
 
 
-def _reduce_storage(storage):
+def _reduce_own(storage):
+    """The arena reduction of a storage over a block of this process's
+    arena, or None when it is not one."""
     arena = _arena
-    plain = type(storage) is torch.UntypedStorage and storage.device.type == "cpu" and storage.nbytes() > 0
-    if plain and arena is not None and _arena_pid == os.getpid():
-        try:
-            handle = arena._native.share(storage.data_ptr())
-        except Error:
-            handle = None  # not a block of ours: PyTorch's way
-        if handle is not None:
-            if handle.size >= storage.nbytes():
-                return (_rebuild_storage, (bytes(handle), arena.fd_server_address(), storage.nbytes()))
-            arena.unshare(handle)
-    if plain and hasattr(storage, _RECEIVED):
-        reduced = _reduce_received(storage)
+    if arena is None or _arena_pid != os.getpid():
+        return None
+    try:
+        handle = arena._native.share(storage.data_ptr())
+    except Error:
+        return None  # not a block of ours
+    if handle.size >= storage.nbytes():
+        return (_rebuild_storage, (bytes(handle), arena.fd_server_address(), storage.nbytes()))
+    arena.unshare(handle)
+    return None
+
+
+def _move_to_arena(storage: torch.UntypedStorage) -> None:
+    """What ``share_memory_`` does, into an arena block: the storage's bytes
+    are copied once into a block and the storage points to the block from
+    now on (every tensor over it with it); its old memory goes."""
+    block = new_storage(storage.nbytes())
+    block.copy_(storage)
+    storage._swap_data_ptr_(block)
+    _marked(storage)
+    # `block` now owns the storage's old memory, freed when it goes here.
+
+
+def _reduce_storage(storage):
+    if type(storage) is torch.UntypedStorage and storage.device.type == "cpu" and storage.nbytes() > 0:
+        reduced = _reduce_own(storage)
         if reduced is not None:
             return reduced
+        if hasattr(storage, _RECEIVED):
+            reduced = _reduce_received(storage)
+            if reduced is not None:
+                return reduced
+        elif is_enabled() and not getattr(storage, _MARK, False) and not _torch["is_shared"](storage):
+            # PyTorch would copy it into a fresh segment of its own (one
+            # descriptor and one mapping per storage): an arena block costs
+            # neither once the segment is mapped.
+            _move_to_arena(storage)
+            reduced = _reduce_own(storage)
+            if reduced is not None:
+                return reduced
     return _torch["reduce_storage"](storage)
 
 
@@ -240,6 +275,22 @@ def _iter_init(self, loader, *args, **kwargs):
     return _saved["iter_init"](self, loader, *args, **kwargs)
 
 
+def _trimming_shutdown(original):
+    def _shutdown_workers(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            # The workers are joined: their segments that no batch uses any
+            # more are unmapped now, not at the next epoch's first batch.
+            try:
+                trim_remote_cache()
+            except Exception:  # noqa: BLE001  (may run from __del__ at exit)
+                pass
+
+    _shutdown_workers.__wrapped__ = original
+    return _shutdown_workers
+
+
 def is_enabled() -> bool:
     return bool(_saved)
 
@@ -278,8 +329,10 @@ def enable(segment_size: int = DEFAULT_SEGMENT_SIZE, large_threshold: int = DEFA
         _saved["new_shared"] = inspect.getattr_static(torch.UntypedStorage, "_new_shared")
         _saved["own_new_shared"] = "_new_shared" in torch.UntypedStorage.__dict__
         _saved["iter_init"] = _dataloader._MultiProcessingDataLoaderIter.__init__
+        _saved["shutdown_workers"] = _dataloader._MultiProcessingDataLoaderIter._shutdown_workers
         torch.UntypedStorage._new_shared = classmethod(_new_shared)
         _dataloader._MultiProcessingDataLoaderIter.__init__ = _iter_init
+        _dataloader._MultiProcessingDataLoaderIter._shutdown_workers = _trimming_shutdown(_saved["shutdown_workers"])
 
 
 def disable() -> None:
@@ -295,6 +348,7 @@ def disable() -> None:
         else:
             del torch.UntypedStorage._new_shared
         _dataloader._MultiProcessingDataLoaderIter.__init__ = _saved["iter_init"]
+        _dataloader._MultiProcessingDataLoaderIter._shutdown_workers = _saved["shutdown_workers"]
         _saved.clear()
 
 

@@ -225,10 +225,16 @@ impl Arena {
             Some(b) => b,
             None => return Err(st.unknown_pointer(p, "free")),
         };
+        let block_was_large = block.class.is_none();
         if st.still_held(&block) {
             st.deferred.push(block);
         } else {
             st.recycle(block);
+        }
+        if block_was_large && !st.deferred.is_empty() {
+            // Large segments waiting for their consumers cost a descriptor
+            // each: look again whenever one is freed.
+            st.reap_deferred();
         }
         Ok(())
     }
@@ -497,6 +503,9 @@ impl State {
     }
 
     fn alloc_large(&mut self, size: usize) -> Result<*mut u8> {
+        // Freed large blocks whose consumers are done give their segments
+        // (memory, descriptor, mapping) back now, not at the next collect.
+        self.reap_deferred();
         let seg = Segment::create(self.opts.strategy, size, LARGE_SEGMENT_SLOTS)?;
         let id = seg.key().segment_id;
         self.segments.insert(id, SegState::new(seg, true));

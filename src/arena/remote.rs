@@ -14,6 +14,10 @@ use std::sync::{Arc, MutexGuard};
 struct Entry {
     seg: Arc<Segment>,
     views: usize,
+    /// A view covered the segment's whole data: it holds one large block,
+    /// which its producer never reuses, so the mapping goes with the last
+    /// view (a later share of the same block maps it again).
+    whole: bool,
 }
 
 static CACHE: ForkSafeMutex<Option<HashMap<SegmentKey, Entry>>> = ForkSafeMutex::new(None);
@@ -72,8 +76,9 @@ impl Drop for RemoteView {
         e.views -= 1;
         // kill(pid, 0) only: a /proc read per released view would cost more
         // than the rest of the release. A dead producer whose pid was reused
-        // or that is an unreaped zombie is left to `trim_cache`.
-        if e.views == 0 && (e.seg.retired() || !counters::maybe_alive(key.producer_pid)) {
+        // or that is an unreaped zombie is left to `trim_cache`, which runs
+        // whenever another segment is mapped.
+        if e.views == 0 && (e.whole || e.seg.retired() || !counters::maybe_alive(key.producer_pid)) {
             forget(map, key);
         }
     }
@@ -93,17 +98,39 @@ fn forget(map: &mut HashMap<SegmentKey, Entry>, key: SegmentKey) {
 /// Maps the segment a by-fd handle names from `fd` (received from the
 /// producer; taken over: closed here if the segment is mapped already).
 pub fn import_segment_fd(h: &ArenaHandle, fd: OwnedFd) -> Result<()> {
+    check_by_fd(h)?;
+    let mut c = cache();
+    insert_fd(c.get_or_insert_with(HashMap::new), h, fd)
+}
+
+/// Maps the by-fd segment of `h` from `fd` unless it is mapped already,
+/// then opens the block, under one lock: a view of the same segment that
+/// another thread drops in between cannot unmap it before it is opened.
+pub fn open_with_fd(h: &ArenaHandle, fd: OwnedFd) -> Result<RemoteView> {
+    check_by_fd(h)?;
+    let mut c = cache();
+    let map = c.get_or_insert_with(HashMap::new);
+    insert_fd(map, h, fd)?;
+    open_in(map, h)
+}
+
+fn check_by_fd(h: &ArenaHandle) -> Result<()> {
     h.validate()?;
     if h.strategy != Strategy::Fd {
         return Err(Error::new(ErrorKind::InvalidArgument, "import_segment_fd: the handle is by name, not by fd"));
     }
-    let mut c = cache();
-    let map = c.get_or_insert_with(HashMap::new);
+    Ok(())
+}
+
+fn insert_fd(map: &mut HashMap<SegmentKey, Entry>, h: &ArenaHandle, fd: OwnedFd) -> Result<()> {
     if map.contains_key(&h.key) {
         return Ok(());
     }
+    // A new segment: let go of idle ones of producers that are gone first
+    // (a DataLoader's workers of the previous epoch, say).
+    trim_map(map);
     let seg = Segment::open(h.key, Strategy::Fd, h.segment_data_size as usize, Some(fd), None)?;
-    map.insert(h.key, Entry { seg: Arc::new(seg), views: 0 });
+    map.insert(h.key, Entry { seg: Arc::new(seg), views: 0, whole: false });
     Ok(())
 }
 
@@ -118,7 +145,10 @@ pub fn has_segment(h: &ArenaHandle) -> bool {
 pub fn open_remote(h: &ArenaHandle) -> Result<RemoteView> {
     h.validate()?;
     let mut c = cache();
-    let map = c.get_or_insert_with(HashMap::new);
+    open_in(c.get_or_insert_with(HashMap::new), h)
+}
+
+fn open_in(map: &mut HashMap<SegmentKey, Entry>, h: &ArenaHandle) -> Result<RemoteView> {
     if !map.contains_key(&h.key) {
         // Mapping a new segment is rare: drop idle segments of dead
         // producers first (a pid reused by another process, or a zombie,
@@ -136,7 +166,7 @@ pub fn open_remote(h: &ArenaHandle) -> Result<RemoteView> {
                 ))
             }
         };
-        map.insert(h.key, Entry { seg: Arc::new(seg), views: 0 });
+        map.insert(h.key, Entry { seg: Arc::new(seg), views: 0, whole: false });
     }
     let e = map.get_mut(&h.key).expect("inserted above");
     if e.seg.data_size() as u64 != h.segment_data_size {
@@ -171,6 +201,7 @@ pub fn open_remote(h: &ArenaHandle) -> Result<RemoteView> {
         }
     }
     e.views += 1;
+    e.whole |= covers_whole_segment(h);
     Ok(RemoteView {
         seg: e.seg.clone(),
         offset: h.offset as usize,
@@ -179,6 +210,15 @@ pub fn open_remote(h: &ArenaHandle) -> Result<RemoteView> {
         generation: h.generation,
         holder_pid: me.0 as u32,
     })
+}
+
+/// Whether `h` is a large block alone in its segment. Small blocks are at
+/// most a quarter of their segment, so in a segment of two pages or more
+/// only a large block covers all of its page-rounded data. (In a one-page
+/// segment both could: it is treated as shared, as before.)
+pub fn covers_whole_segment(h: &ArenaHandle) -> bool {
+    let page = super::segment::page_size() as u64;
+    h.offset == 0 && h.segment_data_size > page && h.size.div_ceil(page) * page == h.segment_data_size
 }
 
 /// Unmaps cached segments no view uses whose producer retired them or

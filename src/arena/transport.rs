@@ -1,11 +1,12 @@
 //! Sending shared blocks over a Unix socket: the handle as bytes, plus the
 //! segment's descriptor the first time that segment goes to that peer
-//! (SCM_RIGHTS once per segment per peer). Peers are told apart by the
+//! (SCM_RIGHTS once per segment per peer; with every share for a large
+//! block, whose segment the receiver unmaps with its last view). Peers are told apart by the
 //! socket's inode, so a closed and reconnected peer gets the fds again.
 
 use super::allocator::Arena;
 use super::handle::{ArenaHandle, Strategy, WIRE_SIZE};
-use super::remote::{has_segment, import_segment_fd, open_remote, RemoteView};
+use super::remote::{covers_whole_segment, has_segment, open_remote, open_with_fd, RemoteView};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fdpass::{recv_fds, send_fds};
 use crate::fork_safe::ForkSafeMutex;
@@ -36,7 +37,10 @@ pub fn send_block(arena: &Arena, sock: RawFd, p: *mut u8) -> Result<()> {
     let result = (|| {
         let mut fds = Vec::new();
         let key = (peer.0, peer.1, h.key.segment_id);
-        let first = h.strategy == Strategy::Fd && !SENT.lock_static().get_or_insert_with(HashSet::new).contains(&key);
+        // A large block's segment is unmapped by the receiver with its last
+        // view: its fd goes with every share (and is not remembered).
+        let whole = covers_whole_segment(&h);
+        let first = h.strategy == Strategy::Fd && (whole || !SENT.lock_static().get_or_insert_with(HashSet::new).contains(&key));
         if first {
             fds.push(arena.segment_fd(h.key.segment_id)?);
         }
@@ -47,7 +51,7 @@ pub fn send_block(arena: &Arena, sock: RawFd, p: *mut u8) -> Result<()> {
         while sent < msg.len() {
             sent += send_fds(sock, &msg[sent..], &[])?;
         }
-        if first {
+        if first && !whole {
             SENT.lock_static().get_or_insert_with(HashSet::new).insert(key);
         }
         Ok(())
@@ -79,7 +83,7 @@ pub fn recv_block(sock: RawFd) -> Result<RemoteView> {
     }
     let h = ArenaHandle::decode(&msg[1..])?;
     if let Some(fd) = fds.pop() {
-        import_segment_fd(&h, fd)?;
+        return open_with_fd(&h, fd);
     } else if h.strategy == Strategy::Fd && !has_segment(&h) {
         return Err(Error::new(ErrorKind::Protocol, "arena message without the fd of a segment this process has not mapped"));
     }

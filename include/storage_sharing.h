@@ -2098,8 +2098,9 @@ ss_status ss_storage_get_shared_fd(const ss_storage *s, int *out_fd);
  * started on first use) and writes the manager's socket path and the
  * segment name, NUL-terminated, into the two buffers, and the size into
  * `out_nbytes`. These three values are what `ss_storage_new_shared_filename`
- * takes in another process. Buffers of 108 and 64 bytes always suffice;
- * a smaller one gives `SS_ERR_BUFFER_TOO_SMALL` and writes neither buffer
+ * takes in another process; an empty storage gets a segment of the 64-byte
+ * header alone and size 0, as ATen's. Buffers of 108 and 64 bytes always
+ * suffice; a smaller one gives `SS_ERR_BUFFER_TOO_SMALL` and writes neither buffer
  * (the storage is shared anyway; call again with room).
  *
  * # Safety

@@ -16,6 +16,11 @@
  *     O(1) as a plain ArenaTensorHandle.
  *   - share_cuda / open_cuda: the 8-value _share_cuda_() tuple.
  *
+ * What another process sends (names, sizes, views, arena handles) is
+ * checked before use: a view must fit its storage, as set_ demands.
+ * Storages in shared memory are not resizable, so their bytes stay where
+ * receivers mapped them.
+ *
  * Errors throw storage_sharing::Error (status and the library's message).
  * Thread safety is c10's: sharing a storage may swap its DataPtr (as
  * PyTorch does), so no other thread may use that storage meanwhile. */
@@ -32,7 +37,9 @@
 
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "../storage_sharing.hpp"
 
@@ -84,6 +91,68 @@ inline void require_cpu(const c10::Storage &storage, const char *function) {
     }
 }
 
+/* Bytes in shared memory must stay where receivers mapped them: resize_
+ * would move them to a new segment, so such storages refuse it (as
+ * PyTorch's storages opened from shared memory do). */
+inline void forbid_resize(const c10::Storage &storage) noexcept {
+    if (storage) storage.unsafeGetStorageImpl()->set_resizable(false);
+}
+
+/* `code` as a dtype a plain CPU or CUDA tensor can have; it may come from
+ * another process, so anything else is refused here rather than left to
+ * c10's internal asserts. */
+inline c10::ScalarType checked_dtype(std::int64_t code, const char *function) {
+    constexpr auto undefined = static_cast<std::int64_t>(c10::ScalarType::Undefined);
+    if (code < 0 || code >= undefined) {
+        throw Error(SS_ERR_INVALID_ARGUMENT, function,
+                    "dtype " + std::to_string(code) + " is not a c10::ScalarType (0 to " + std::to_string(undefined - 1) +
+                        ")");
+    }
+    auto dtype = static_cast<c10::ScalarType>(code);
+    if (c10::isQIntType(dtype)) {
+        throw Error(SS_ERR_INVALID_ARGUMENT, function,
+                    std::string("dtype ") + c10::toString(dtype) + " is quantized: a plain tensor cannot have it");
+    }
+    return dtype;
+}
+
+/* The bytes a view reaches: one past its last element, as at::Tensor::set_
+ * counts them (0 when it has no elements). Sizes, strides and the offset
+ * may come from another process: negative values and any overflow are
+ * refused. */
+inline std::uint64_t view_nbytes(std::size_t itemsize, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                                 std::int64_t storage_offset, const char *function) {
+    auto bad = [function](const std::string &why) { return Error(SS_ERR_INVALID_ARGUMENT, function, why); };
+    if (sizes.size() != strides.size()) {
+        throw bad("sizes has " + std::to_string(sizes.size()) + " entries, strides " + std::to_string(strides.size()));
+    }
+    if (storage_offset < 0) throw bad("storage offset " + std::to_string(storage_offset) + " is negative");
+    bool empty = false;
+    for (std::size_t i = 0; i < sizes.size(); i++) {
+        if (sizes[i] < 0) throw bad("size " + std::to_string(sizes[i]) + " of dimension " + std::to_string(i) + " is negative");
+        if (strides[i] < 0) {
+            throw bad("stride " + std::to_string(strides[i]) + " of dimension " + std::to_string(i) + " is negative");
+        }
+        empty = empty || sizes[i] == 0;
+    }
+    if (empty) return 0;
+    /* The last element's index: offset + sum (size - 1) * stride. */
+    std::uint64_t last = static_cast<std::uint64_t>(storage_offset);
+    for (std::size_t i = 0; i < sizes.size(); i++) {
+        std::uint64_t step = 0;
+        if (__builtin_mul_overflow(static_cast<std::uint64_t>(sizes[i] - 1), static_cast<std::uint64_t>(strides[i]),
+                                   &step) ||
+            __builtin_add_overflow(last, step, &last)) {
+            throw bad("the view's last element is past 2^64 (dimension " + std::to_string(i) + ")");
+        }
+    }
+    std::uint64_t nbytes = 0;
+    if (__builtin_add_overflow(last, 1, &nbytes) || __builtin_mul_overflow(nbytes, itemsize, &nbytes)) {
+        throw bad("the view's extent in bytes is past 2^64");
+    }
+    return nbytes;
+}
+
 }  // namespace detail
 
 /* A c10::Allocator that places every allocation in shared memory: by fd
@@ -113,28 +182,72 @@ private:
     Strategy strategy_;
 };
 
+namespace detail {
+/* The live ScopedCpuAllocators of the process, oldest first. Each keeps
+ * the allocator that was libtorch's when it began; when one ends before
+ * a newer one (scopes on two threads), the newer inherits it, so the
+ * last to end puts back what was there before the first. */
+struct CpuAllocatorScope {
+    const void *scope;
+    c10::Allocator *installed;
+    c10::Allocator *previous;
+};
+struct CpuAllocatorScopes {
+    std::mutex mutex;
+    std::vector<CpuAllocatorScope> live;
+};
+inline CpuAllocatorScopes &cpu_allocator_scopes() {
+    static CpuAllocatorScopes scopes;
+    return scopes;
+}
+}  // namespace detail
+
 /* While alive, makes `allocator` libtorch's CPU allocator, so plain
- * at::empty(...) on the CPU is born in shared memory; restores the
- * previous one when destroyed. Process-wide (every thread): meant for
- * a scope in which this thread alone allocates. */
+ * at::empty(...) on the CPU is born in shared memory. Process-wide
+ * (every thread): meant for a scope in which this thread alone
+ * allocates. Scopes may end in any order, also on different threads:
+ * the newest live scope's allocator stays installed, and the last to
+ * end restores the one installed before the first began (unless code
+ * outside these scopes installed another meanwhile: that one is left). */
 class ScopedCpuAllocator {
 public:
-    explicit ScopedCpuAllocator(Strategy strategy) : previous_(c10::GetCPUAllocator()) {
-        c10::SetCPUAllocator(&SharedAllocator::get(strategy), /*priority=*/UINT8_MAX);
+    explicit ScopedCpuAllocator(Strategy strategy) : allocator_(&SharedAllocator::get(strategy)) {
+        auto &scopes = detail::cpu_allocator_scopes();
+        std::lock_guard<std::mutex> lock(scopes.mutex);
+        scopes.live.push_back({this, allocator_, c10::GetCPUAllocator()});
+        c10::SetCPUAllocator(allocator_, /*priority=*/UINT8_MAX);
     }
     ScopedCpuAllocator(const ScopedCpuAllocator &) = delete;
     ScopedCpuAllocator &operator=(const ScopedCpuAllocator &) = delete;
-    ~ScopedCpuAllocator() { c10::SetCPUAllocator(previous_, /*priority=*/UINT8_MAX); }
+    ~ScopedCpuAllocator() {
+        auto &scopes = detail::cpu_allocator_scopes();
+        std::lock_guard<std::mutex> lock(scopes.mutex);
+        auto &live = scopes.live;
+        std::size_t i = 0;
+        while (i < live.size() && live[i].scope != this) i++;
+        if (i == live.size()) return; /* cannot happen: every scope registers itself */
+        if (i + 1 < live.size()) {
+            /* Not the newest: the next one now stands on what this one found. */
+            live[i + 1].previous = live[i].previous;
+        } else if (c10::GetCPUAllocator() == live[i].installed) {
+            c10::SetCPUAllocator(live[i].previous, /*priority=*/UINT8_MAX);
+        }
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+    }
 
 private:
-    c10::Allocator *previous_;
+    c10::Allocator *allocator_;
 };
 
-/* A contiguous CPU tensor whose storage is born in shared memory. */
+/* A contiguous CPU tensor whose storage is born in shared memory. Its
+ * storage is not resizable (as PyTorch's shared storages): resize_
+ * would move the bytes away from every process that mapped them. */
 inline at::Tensor empty_shared(c10::IntArrayRef sizes, c10::ScalarType dtype,
                                Strategy strategy = Strategy::FileSystem) {
-    return at::detail::empty_generic(sizes, &SharedAllocator::get(strategy), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                     dtype, std::nullopt);
+    at::Tensor t = at::detail::empty_generic(sizes, &SharedAllocator::get(strategy),
+                                             c10::DispatchKeySet(c10::DispatchKey::CPU), dtype, std::nullopt);
+    detail::forbid_resize(t.storage());
+    return t;
 }
 
 /* Whether the storage's bytes are in shared memory of ours. */
@@ -143,12 +256,19 @@ inline bool is_shared(const c10::Storage &storage) noexcept {
     return s && ss_storage_is_shared(s);
 }
 
-/* The reference of ours behind `storage` (borrowed), or nullptr. */
-inline const ss_storage *storage_handle(const c10::Storage &storage) noexcept { return detail::storage_ctx(storage); }
+/* The reference of ours behind `storage` (borrowed), or nullptr. Whoever
+ * asks may share it through the C API, so the storage stops being
+ * resizable. */
+inline const ss_storage *storage_handle(const c10::Storage &storage) noexcept {
+    const ss_storage *s = detail::storage_ctx(storage);
+    if (s) detail::forbid_resize(storage);
+    return s;
+}
 
 /* Moves the bytes into a new shared storage of `strategy` and swaps it
  * into `storage` in place (data pointer and allocator), as PyTorch's
- * sharing calls do; other views of this StorageImpl follow. */
+ * sharing calls do; other views of this StorageImpl follow. The storage
+ * is no longer resizable. */
 inline ss_storage *move_to_shared(const c10::Storage &storage, Strategy strategy) {
     Storage fresh = strategy == Strategy::FileDescriptor ? Storage::new_using_fd(storage.nbytes())
                                                          : Storage::new_using_filename(storage.nbytes());
@@ -157,6 +277,7 @@ inline ss_storage *move_to_shared(const c10::Storage &storage, Strategy strategy
     c10::StorageImpl *impl = storage.unsafeGetStorageImpl();
     impl->set_data_ptr_noswap(detail::storage_data_ptr(std::move(fresh)));
     impl->set_allocator(&SharedAllocator::get(strategy));
+    detail::forbid_resize(storage);
     return raw;
 }
 
@@ -164,13 +285,16 @@ inline ss_storage *move_to_shared(const c10::Storage &storage, Strategy strategy
 
 /* _share_filename_cpu_(): (manager socket path, segment name, bytes). A
  * storage not already in a managed segment is first moved into one (a
- * copy). Before sending, call shared_incref (the reference in flight,
- * as torch.multiprocessing's reduction does); the receiver cancels it
- * with shared_decref once it has opened the storage. */
+ * copy); an empty one gets a segment of its header alone, as in PyTorch.
+ * Before sending, call shared_incref (the reference in flight, as
+ * torch.multiprocessing's reduction does); the receiver cancels it with
+ * shared_decref once it has opened the storage. The storage is no longer
+ * resizable. */
 inline SharedFilename share_filename(const c10::Storage &storage) {
     detail::require_cpu(storage, "share_filename");
     ss_storage *s = detail::storage_ctx(storage);
     if (!detail::is_managed(s)) s = move_to_shared(storage, Strategy::FileSystem);
+    detail::forbid_resize(storage);
     char manager[108], name[64];
     std::size_t nbytes = 0;
     check(ss_storage_share_filename(s, manager, sizeof manager, name, sizeof name, &nbytes), "ss_storage_share_filename");
@@ -210,11 +334,16 @@ inline std::int32_t shared_refcount(const c10::Storage &storage) {
 
 /* _share_fd_cpu_(): (fd, bytes). A storage not already fd-backed is
  * first moved into a nameless segment (a copy). The fd stays owned by
- * the storage: send it (send_fds) or dup it, never close it. */
+ * the storage: send it (send_fds) or dup it, never close it. An empty
+ * storage gives (-1, 0) and stays as it is, as in PyTorch (nothing can
+ * map 0 bytes: send the receiver an empty storage instead). The storage
+ * is no longer resizable. */
 inline SharedFd share_fd(const c10::Storage &storage) {
     detail::require_cpu(storage, "share_fd");
+    if (storage.nbytes() == 0) return SharedFd{-1, 0};
     ss_storage *s = detail::storage_ctx(storage);
     if (!detail::is_fd_backed(s)) s = move_to_shared(storage, Strategy::FileDescriptor);
+    detail::forbid_resize(storage);
     SharedFd out{-1, 0};
     check(ss_storage_share_fd(s, &out.fd, &out.nbytes), "ss_storage_share_fd");
     return out;
@@ -231,13 +360,25 @@ inline c10::Storage open_shared_fd(int fd, std::size_t nbytes) {
 
 /* ---- tensors ---- */
 
-/* A CPU tensor over `storage` with the given view (what
- * torch.multiprocessing's rebuild_tensor does with set_()). */
+/* A CPU (or CUDA) tensor over `storage` with the given view (what
+ * torch.multiprocessing's rebuild_tensor does with set_()). The view
+ * comes from another process, so it is checked as set_ checks it:
+ * a known dtype, no negative size, stride or offset, and every element
+ * inside the storage (overflow-safe). Where set_ would grow a resizable
+ * storage that is too small, this refuses: shared storages cannot grow.
+ * Error SS_ERR_INVALID_ARGUMENT names what is wrong. */
 inline at::Tensor tensor_from_storage(c10::Storage storage, c10::ScalarType dtype, c10::IntArrayRef sizes,
                                       c10::IntArrayRef strides, std::int64_t storage_offset) {
-    if (sizes.size() != strides.size()) {
-        throw Error(SS_ERR_INVALID_ARGUMENT, "tensor_from_storage",
-                    "sizes has " + std::to_string(sizes.size()) + " entries, strides " + std::to_string(strides.size()));
+    const char *function = "tensor_from_storage";
+    if (!storage) throw Error(SS_ERR_NULL_POINTER, function, "the storage is undefined");
+    dtype = detail::checked_dtype(static_cast<std::int64_t>(dtype), function);
+    std::size_t itemsize = c10::elementSize(dtype);
+    std::uint64_t need = detail::view_nbytes(itemsize, sizes, strides, storage_offset, function);
+    if (need > storage.nbytes()) {
+        throw Error(SS_ERR_INVALID_ARGUMENT, function,
+                    "the view (offset " + std::to_string(storage_offset) + ", " + std::to_string(sizes.size()) +
+                        " dimensions, " + std::to_string(itemsize) + "-byte " + c10::toString(dtype) + ") needs " +
+                        std::to_string(need) + " bytes, the storage has " + std::to_string(storage.nbytes()));
     }
     c10::DispatchKeySet keys(storage.device_type() == c10::DeviceType::CUDA ? c10::DispatchKey::CUDA
                                                                             : c10::DispatchKey::CPU);
@@ -351,19 +492,26 @@ private:
 
 /* Consumer: the tensor an ArenaTensorHandle names (by fd, import the
  * segment first with ArenaView::import_segment_fd). Its storage holds
- * the block until the last c10 reference goes. */
+ * the block until the last c10 reference goes. The handle comes from
+ * another process: the library checks the block against the mapped
+ * segment, and the view (ndim, dtype, sizes, strides, offset) is checked
+ * against the block as tensor_from_storage does. A refused view gives
+ * Error SS_ERR_INVALID_ARGUMENT and releases the block's hold, as if the
+ * tensor had been opened and dropped. */
 inline at::Tensor open_arena_tensor(const ArenaTensorHandle &h) {
-    if (h.ndim < 0 || h.ndim > kMaxArenaTensorDims) {
-        throw Error(SS_ERR_INVALID_ARGUMENT, "open_arena_tensor", "ndim " + std::to_string(h.ndim) + " is out of range");
-    }
     ss_arena_view *view = nullptr;
     check(ss_arena_view_open(&h.block, &view), "ss_arena_view_open");
     /* Owned by the DataPtr from here on (its deleter frees the view). */
     c10::DataPtr data(ss_arena_view_data(view), view, &detail::free_arena_view, c10::Device(c10::DeviceType::CPU));
     std::size_t size = ss_arena_view_size(view);
     c10::Storage storage(c10::Storage::use_byte_size_t(), size, std::move(data), nullptr, /*resizable=*/false);
-    return tensor_from_storage(std::move(storage), static_cast<c10::ScalarType>(h.dtype),
-                               c10::IntArrayRef(h.sizes, static_cast<std::size_t>(h.ndim)),
+    if (h.ndim < 0 || h.ndim > kMaxArenaTensorDims) {
+        throw Error(SS_ERR_INVALID_ARGUMENT, "open_arena_tensor",
+                    "ndim " + std::to_string(h.ndim) + " is out of range (0 to " + std::to_string(kMaxArenaTensorDims) +
+                        ")");
+    }
+    c10::ScalarType dtype = detail::checked_dtype(h.dtype, "open_arena_tensor");
+    return tensor_from_storage(std::move(storage), dtype, c10::IntArrayRef(h.sizes, static_cast<std::size_t>(h.ndim)),
                                c10::IntArrayRef(h.strides, static_cast<std::size_t>(h.ndim)), h.storage_offset);
 }
 

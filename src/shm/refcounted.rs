@@ -27,7 +27,9 @@ pub struct RefcountedMapAllocator {
 impl RefcountedMapAllocator {
     /// Creates (EXCLUSIVE: count = 1) or opens (count + 1) the segment
     /// `name` with `size` bytes of user data. `flags` must hold SHAREDMEM
-    /// and none of FROMFD, KEEPFD, UNLINK.
+    /// and none of FROMFD, KEEPFD, UNLINK. `size` may be 0: the segment is
+    /// then its header alone, as ATen makes for an empty storage shared
+    /// by name.
     pub fn open(name: &str, flags: i32, size: usize) -> Result<Self> {
         Self::open_with(name, flags, size, None)
     }
@@ -56,9 +58,6 @@ impl RefcountedMapAllocator {
         }
         if flags & SHAREDMEM == 0 {
             return Err(Error::new(ErrorKind::Unsupported, "RefcountedMapAllocator requires ALLOCATOR_MAPPED_SHAREDMEM flag"));
-        }
-        if size == 0 {
-            return Err(Error::new(ErrorKind::InvalidArgument, format!("size 0 for <{name}>: a segment needs at least one byte")));
         }
         let total = size.checked_add(HEADER_SIZE).filter(|t| *t <= isize::MAX as usize).ok_or_else(|| {
             Error::new(
@@ -250,6 +249,23 @@ mod tests {
         let e = RefcountedMapAllocator::create_with(&name, SHAREDMEM | EXCLUSIVE, &src).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::AlreadyExists);
         drop(m);
+        assert!(!exists(&name));
+    }
+
+    #[test]
+    fn zero_data_bytes_is_a_header_only_segment() {
+        let name = new_process_wide_shm_handle();
+        let a = RefcountedMapAllocator::open(&name, SHAREDMEM | EXCLUSIVE, 0).unwrap();
+        assert_eq!(a.len(), 0);
+        assert_eq!(std::fs::metadata(format!("/dev/shm{name}")).unwrap().len(), HEADER_SIZE as u64);
+        let b = RefcountedMapAllocator::open(&name, SHAREDMEM | NOCREATE, 0).unwrap();
+        assert_eq!(b.refcount().unwrap(), 2);
+        drop(a);
+        drop(b);
+        assert!(!exists(&name));
+        let c = RefcountedMapAllocator::create_with(&name, SHAREDMEM | EXCLUSIVE, &[]).unwrap();
+        assert_eq!((c.len(), c.refcount().unwrap()), (0, 1));
+        drop(c);
         assert!(!exists(&name));
     }
 

@@ -37,12 +37,14 @@ impl Storage {
         if let Allocation::Managed(m) = &s.alloc {
             return Ok(handle_of(m, s.nbytes));
         }
-        if s.nbytes == 0 {
-            return Err(Error::new(ErrorKind::InvalidArgument, "cannot share a storage of 0 bytes: send an empty storage instead"));
-        }
-        // SAFETY: the allocation holds nbytes bytes and the write lock keeps
-        // them still while they are copied.
-        let bytes = unsafe { std::slice::from_raw_parts(s.alloc.data(), s.nbytes) };
+        // An empty storage gets a segment of the header alone, as in ATen.
+        let bytes: &[u8] = if s.nbytes == 0 {
+            &[]
+        } else {
+            // SAFETY: the allocation holds nbytes bytes and the write lock
+            // keeps them still while they are copied.
+            unsafe { std::slice::from_raw_parts(s.alloc.data(), s.nbytes) }
+        };
         let m = ManagedMapAllocator::create_with("", &new_process_wide_shm_handle(), SHAREDMEM | EXCLUSIVE, bytes)?;
         let handle = handle_of(&m, s.nbytes);
         let old = Storage::swap_in(&mut s, Allocation::Managed(m));

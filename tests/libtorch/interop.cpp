@@ -16,10 +16,13 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -471,6 +474,247 @@ void test_errors() {
     expect(e.status() != SS_OK, "bad fd status");
 }
 
+/* ---- C15: views checked against their storage ---- */
+
+void test_view_bounds_checked() {
+    c10::Storage small = at::zeros({4}, at::kFloat).storage(); /* 16 bytes */
+    using Ints = std::vector<int64_t>;
+    auto refused = [&](Ints sizes, Ints strides, int64_t offset, c10::ScalarType dtype, const std::string &what) {
+        try {
+            (void)sst::tensor_from_storage(small, dtype, sizes, strides, offset);
+        } catch (const ss::Error &e) {
+            expect(e.status() == SS_ERR_INVALID_ARGUMENT, what + ": status " + e.what());
+            return;
+        } catch (const c10::Error &e) {
+            fail(what + ": c10::Error, not storage_sharing::Error: " + e.what_without_backtrace());
+        }
+        fail(what + ": no error");
+    };
+    const int64_t big = INT64_MAX;
+    refused({1 << 20}, {1}, 0, at::kFloat, "a 1M-element view of 16 bytes");
+    refused({4}, {1}, 1, at::kFloat, "offset 1 pushes the last element out");
+    refused({2}, {3}, 1, at::kFloat, "a stride past the end");
+    refused({4}, {1}, 0, at::kDouble, "8-byte elements");
+    refused({}, {}, 4, at::kFloat, "a scalar at offset 4");
+    refused({-1}, {1}, 0, at::kFloat, "a negative size");
+    refused({2}, {-1}, 1, at::kFloat, "a negative stride");
+    refused({1}, {1}, -1, at::kFloat, "a negative offset");
+    refused({big}, {big}, 0, at::kFloat, "(size - 1) * stride overflowing");
+    refused({2, 2}, {big / 2 + 1, big / 2 + 1}, 0, at::kFloat, "the sum of steps overflowing");
+    refused({1}, {1}, big, at::kFloat, "the offset in bytes overflowing");
+    refused({2}, {1, 1}, 0, at::kFloat, "sizes and strides of different lengths");
+    refused({1}, {1}, 0, static_cast<c10::ScalarType>(99), "dtype 99");
+    refused({1}, {1}, 0, c10::ScalarType::Undefined, "an undefined dtype");
+    refused({1}, {1}, 0, at::kQInt8, "a quantized dtype");
+    /* What fits is accepted, exactly to the last byte; an empty view needs no bytes, as in set_. */
+    expect(sst::tensor_from_storage(small, at::kFloat, {4}, {1}, 0).numel() == 4, "the exact fit");
+    expect(sst::tensor_from_storage(small, at::kFloat, {2, 2}, {0, 3}, 0).numel() == 4, "a broadcast view");
+    expect(sst::tensor_from_storage(small, at::kFloat, {}, {}, 3).numel() == 1, "a scalar at the last element");
+    expect(sst::tensor_from_storage(small, at::kFloat, {0, 5}, {5, 1}, 100).numel() == 0, "an empty view");
+}
+
+/* The handles a hostile producer could send: each changes one field of an
+ * honest share. The consumer (a copy of this program) opens each and says
+ * what happened; none may open. */
+struct Tamper {
+    const char *name;
+    void (*apply)(sst::ArenaTensorHandle &);
+};
+const std::vector<Tamper> kTampers = {
+    {"sizes", [](sst::ArenaTensorHandle &h) { h.sizes[0] = 1 << 20; }},
+    {"block_size", [](sst::ArenaTensorHandle &h) { h.block.size += 1 << 20; }},
+    {"offset", [](sst::ArenaTensorHandle &h) { h.storage_offset = INT64_MAX / 2; }},
+    {"stride", [](sst::ArenaTensorHandle &h) { h.strides[0] = -10; }},
+    {"ndim", [](sst::ArenaTensorHandle &h) { h.ndim = sst::kMaxArenaTensorDims + 1; }},
+    {"dtype", [](sst::ArenaTensorHandle &h) { h.dtype = 99; }},
+    {"dtype_undefined", [](sst::ArenaTensorHandle &h) { h.dtype = static_cast<int32_t>(c10::ScalarType::Undefined); }},
+    {"dtype_quantized", [](sst::ArenaTensorHandle &h) { h.dtype = static_cast<int32_t>(at::kQInt8); }},
+};
+
+void test_arena_handle_bounds_checked() {
+    sst::ArenaAllocator arena;
+    at::Tensor full = arena.empty({6, 10}, at::kLong);
+    full.copy_(recipe_full(at::kLong));
+    at::Tensor view = recipe_view(full);
+    /* One share per tampered handle (each carries its own hold), then an honest one. */
+    std::vector<sst::ArenaTensorHandle> handles, originals;
+    for (const Tamper &t : kTampers) {
+        originals.push_back(arena.share(view));
+        handles.push_back(originals.back());
+        t.apply(handles.back());
+    }
+    handles.push_back(arena.share(view));
+    auto [ours, theirs] = socket_pair();
+    Child consumer;
+    spawn_self(consumer, {"arena-tampered", std::to_string(theirs.get())}, theirs.get());
+    theirs.reset();
+    int fd = arena.segment_fd(handles[0]);
+    ss::send_fds(ours.get(), handles.data(), handles.size() * sizeof handles[0], &fd, 1);
+    Words reply = parse_words(consumer.hear());
+    std::string not_refused;
+    for (const Tamper &t : kTampers) {
+        const std::string &got = reply[t.name];
+        if (got.rfind("refused:", 0) != 0) not_refused += std::string(" ") + t.name + ":" + got;
+    }
+    expect(not_refused.empty(), "forged handles not refused:" + not_refused);
+    expect(reply["honest"] == "ok", "the honest handle after the forged ones: " + reply["honest"]);
+    /* Every hold the consumer adopted is back (it dropped the honest tensor
+     * before replying); the forged block size never got past the library,
+     * so that share is still in flight and is cancelled here. Then the
+     * block is free, not deferred. */
+    for (size_t i = 0; i < kTampers.size(); i++) {
+        if (std::string(kTampers[i].name) == "block_size") arena.unshare(originals[i]);
+    }
+    full.reset();
+    view.reset();
+    ss_arena_stats stats{};
+    ss::check(ss_arena_stats_get(arena.arena(), &stats), "ss_arena_stats_get");
+    expect(stats.live_blocks == 0 && stats.deferred_blocks == 0,
+           "holds left on the block: " + std::to_string(stats.live_blocks) + " live, " +
+               std::to_string(stats.deferred_blocks) + " deferred");
+    consumer.say("bye");
+    expect(consumer.wait() == 0, "consumer exit status");
+}
+
+/* ---- C16: storages in shared memory cannot be resized away ---- */
+
+/* resize_ to more bytes must throw and leave the bytes where receivers see them. */
+void expect_resize_refused(const at::Tensor &t, const std::string &what) {
+    expect(!t.storage().resizable(), what + ": the storage is resizable");
+    const void *before = t.storage().data();
+    size_t nbytes = t.storage().nbytes();
+    bool threw = false;
+    /* On an alias: a refused resize_ leaves its tensor with the new sizes
+     * (as in PyTorch), and `t` is written to afterwards. */
+    at::Tensor alias = t.alias();
+    try {
+        alias.resize_({4096});
+    } catch (const c10::Error &) {
+        threw = true;
+    }
+    expect(threw, what + ": resize_ did not throw");
+    expect(t.storage().data() == before && t.storage().nbytes() == nbytes && t.numel() == 4,
+           what + ": resize_ moved the bytes");
+}
+
+void test_shared_storages_not_resizable() {
+    for (sst::Strategy strategy : {sst::Strategy::FileSystem, sst::Strategy::FileDescriptor}) {
+        expect_resize_refused(sst::empty_shared({4}, at::kFloat, strategy), "empty_shared");
+    }
+    /* Born under the scope, then shared: a receiver maps it, then a resize
+     * is refused and a write still reaches the receiver. */
+    at::Tensor t;
+    {
+        sst::ScopedCpuAllocator scope(sst::Strategy::FileSystem);
+        t = at::zeros({4}, at::kFloat);
+    }
+    ss::SharedFilename s = sst::share_filename(t.storage());
+    c10::Storage receiver = sst::open_shared_filename(s);
+    expect_resize_refused(t, "at::zeros in a ScopedCpuAllocator, shared by name");
+    t.fill_(7);
+    expect(static_cast<const float *>(receiver.data())[3] == 7, "the receiver does not see the write after resize_");
+    {
+        sst::ScopedCpuAllocator scope(sst::Strategy::FileDescriptor);
+        t = at::zeros({4}, at::kFloat);
+    }
+    sst::share_fd(t.storage());
+    expect_resize_refused(t, "at::zeros in a ScopedCpuAllocator, shared by fd");
+    /* A heap storage moved into shared memory by sharing. */
+    at::Tensor heap = at::zeros({4}, at::kFloat);
+    sst::share_fd(heap.storage());
+    expect_resize_refused(heap, "a heap storage moved by share_fd");
+}
+
+/* ---- C17: empty storages, ScopedCpuAllocator on two threads ---- */
+
+void test_empty_storages_like_pytorch() {
+    Child py;
+    spawn_peer(py, {"empty-storages"});
+    Words torch_says = parse_words(py.hear());
+    /* By fd: PyTorch's (-1, 0), and the storage is left as it is. */
+    c10::Storage empty = at::empty({0}, at::kFloat).storage();
+    ss::SharedFd fd = sst::share_fd(empty);
+    expect(torch_says["fd"] == "-1" && torch_says["fd_nbytes"] == "0", "PyTorch's empty share_fd changed");
+    expect(fd.fd == -1 && fd.nbytes == 0, "share_fd of an empty storage: (" + std::to_string(fd.fd) + ", " +
+                                              std::to_string(fd.nbytes) + ")");
+    /* By name: a segment of the header alone, opened with 0 bytes both ways. */
+    expect(torch_says["nbytes"] == "0" && !torch_says["name"].empty(), "PyTorch's empty share_filename changed");
+    c10::Storage theirs = sst::open_shared_filename(torch_says["manager"], torch_says["name"], 0);
+    expect(theirs.nbytes() == 0, "PyTorch's empty segment opened with bytes");
+    c10::Storage mine = at::empty({0}, at::kFloat).storage();
+    ss::SharedFilename named = sst::share_filename(mine);
+    expect(named.nbytes == 0 && shm_exists(named.name), "share_filename of an empty storage: " + named.name);
+    expect(sst::share_filename(mine).name == named.name, "sharing it twice made a second segment");
+    py.say(filename_words(named));
+    Words reply = parse_words(py.hear());
+    expect(reply["status"] == "ok" && reply["nbytes"] == "0", "python opening ours: " + reply["status"]);
+    py.say("bye");
+    expect(py.wait() == 0, "python failed");
+    mine = c10::Storage();
+    expect(!shm_exists(named.name), "the empty segment outlived its last holder");
+}
+
+/* Steps two threads take in turn. */
+class Turns {
+public:
+    void wait_for(int step) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return step_ >= step; })) fail("a thread hung");
+    }
+    void done(int step) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        step_ = step;
+        cv_.notify_all();
+    }
+
+private:
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    int step_ = 0;
+};
+
+void test_scoped_allocator_two_threads() {
+    c10::Allocator *original = c10::GetCPUAllocator();
+    auto &by_fd = sst::SharedAllocator::get(sst::Strategy::FileDescriptor);
+    auto &by_name = sst::SharedAllocator::get(sst::Strategy::FileSystem);
+    c10::Allocator *while_b_alone = nullptr;
+    /* A begins, B begins, A ends first, then B. */
+    Turns turns;
+    std::thread a([&] {
+        sst::ScopedCpuAllocator scope(sst::Strategy::FileDescriptor);
+        turns.done(1);
+        turns.wait_for(2);
+    });
+    std::thread b([&] {
+        turns.wait_for(1);
+        {
+            sst::ScopedCpuAllocator scope(sst::Strategy::FileSystem);
+            turns.done(2);
+            a.join();
+            while_b_alone = c10::GetCPUAllocator();
+        }
+    });
+    b.join();
+    c10::Allocator *after = c10::GetCPUAllocator();
+    if (after != original) c10::SetCPUAllocator(original, UINT8_MAX); /* for the tests after this one */
+    expect(while_b_alone == &by_name, std::string("after A ended, B's scope lost its allocator (") +
+                                          (while_b_alone == &by_fd ? "A's" : "the original") + ")");
+    expect(after == original, std::string("after both ended, the CPU allocator is ") +
+                                  (after == &by_fd ? "A's shared one" : after == &by_name ? "B's shared one" : "another"));
+    at::Tensor heap = at::empty({16});
+    expect(!sst::is_shared(heap.storage()), "at::empty is still shared after both scopes");
+    /* Nested on one thread, ending in order, still works. */
+    {
+        sst::ScopedCpuAllocator outer(sst::Strategy::FileSystem);
+        {
+            sst::ScopedCpuAllocator inner(sst::Strategy::FileDescriptor);
+            expect(c10::GetCPUAllocator() == &by_fd, "inner scope");
+        }
+        expect(c10::GetCPUAllocator() == &by_name, "outer scope after the inner ended");
+    }
+    expect(c10::GetCPUAllocator() == original, "after nested scopes");
+}
+
 /* ======================= the copies of this program ======================= */
 
 int run_victim() {
@@ -526,6 +770,40 @@ int run_arena_consumer(int sock) {
     return 0;
 }
 
+/* Opens each tampered handle (see kTampers), then the honest last one. */
+int run_arena_tampered(int sock) {
+    const size_t n = kTampers.size() + 1;
+    ss::FdMessage msg = ss::recv_fds(sock, n * sizeof(sst::ArenaTensorHandle), 1);
+    if (msg.payload.size() != n * sizeof(sst::ArenaTensorHandle) || msg.fds.size() != 1) return 2;
+    std::vector<sst::ArenaTensorHandle> hs(n);
+    std::memcpy(hs.data(), msg.payload.data(), msg.payload.size());
+    sst::ArenaTensorHandle honest = hs.back();
+    ss::ArenaView::import_segment_fd(honest.block, msg.fds[0].get());
+    (void)msg.fds[0].release();
+    std::string words;
+    for (size_t i = 0; i < kTampers.size(); i++) {
+        std::string got;
+        try {
+            at::Tensor t = sst::open_arena_tensor(hs[i]);
+            got = "opened"; /* never read: it may reach past the block */
+        } catch (const ss::Error &e) {
+            got = "refused:" + std::to_string(static_cast<int>(e.status()));
+        } catch (const std::exception &e) {
+            got = "other-error";
+        }
+        words += std::string(kTampers[i].name) + "=" + got + " ";
+    }
+    at::Tensor t = sst::open_arena_tensor(honest);
+    bool ok = at::equal(t, recipe_view(recipe_full(at::kLong)));
+    t.reset(); /* its hold goes back before the producer counts them */
+    std::printf("%shonest=%s\n", words.c_str(), ok ? "ok" : "mismatch");
+    std::fflush(stdout);
+    char buf[16];
+    while (std::fgets(buf, sizeof buf, stdin)) {
+    }
+    return 0;
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -534,6 +812,7 @@ int main(int argc, char **argv) {
         if (mode == "victim") return run_victim();
         if (mode == "holder") return run_holder();
         if (mode == "arena-consumer" && argc > 2) return run_arena_consumer(std::atoi(argv[2]));
+        if (mode == "arena-tampered" && argc > 2) return run_arena_tampered(std::atoi(argv[2]));
     } catch (const std::exception &e) {
         std::fprintf(stderr, "%s: %s\n", mode.c_str(), e.what());
         return 1;
@@ -560,6 +839,11 @@ int main(int argc, char **argv) {
         {"arena tensor C++ -> C++ by handle", test_arena_tensor_cpp_to_cpp},
         {"CUDA without a GPU: the library's no-CUDA error", test_cuda_without_gpu},
         {"errors name what was wrong", test_errors},
+        {"tensor_from_storage checks the view against the storage (C15)", test_view_bounds_checked},
+        {"open_arena_tensor refuses forged handles, then opens an honest one (C15, C17)", test_arena_handle_bounds_checked},
+        {"storages in shared memory refuse resize_ (C16)", test_shared_storages_not_resizable},
+        {"empty storages share as PyTorch's do (C17)", test_empty_storages_like_pytorch},
+        {"ScopedCpuAllocator scopes ending out of order on two threads (C17)", test_scoped_allocator_two_threads},
     };
     int passed = 0, failed = 0;
     for (const auto &[name, test] : tests) {

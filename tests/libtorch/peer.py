@@ -161,6 +161,20 @@ def share_and_hold(dtype):
     hear()
 
 
+def empty_storages():
+    """What PyTorch gives for empty storages, then opens the C++ side's
+    empty storage shared by name."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    fd, fd_nbytes = torch.UntypedStorage(0)._share_fd_cpu_()
+    kept = torch.UntypedStorage(0)
+    manager, name, nbytes = kept._share_filename_cpu_()
+    say(fd=fd, fd_nbytes=fd_nbytes, manager=manager.decode(), name=name.decode(), nbytes=nbytes)
+    msg = hear()
+    s = torch.UntypedStorage._new_shared_filename_cpu(msg["manager"].encode(), msg["name"].encode(), int(msg["nbytes"]))
+    say(status="ok", nbytes=s.nbytes())
+    hear()
+
+
 def main():
     mode = sys.argv[1]
     sock = socket.socket(fileno=int(sys.argv[2])) if len(sys.argv) > 2 and sys.argv[2].isdigit() else None
@@ -178,6 +192,8 @@ def main():
         hold_filename()
     elif mode == "share-and-hold":
         share_and_hold(sys.argv[2])
+    elif mode == "empty-storages":
+        empty_storages()
     else:
         sys.exit(f"peer: unknown mode {mode}")
 

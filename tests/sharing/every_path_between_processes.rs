@@ -214,7 +214,12 @@ fn heap_storage_resizes_until_shared() {
     let empty = Storage::new(0).unwrap();
     assert!(empty.data().is_null());
     assert_eq!(empty.share_fd().unwrap_err().kind(), ErrorKind::InvalidArgument);
-    assert_eq!(empty.share_filename().unwrap_err().kind(), ErrorKind::InvalidArgument);
+    // By name, as in ATen: a segment of the header alone, reopened with 0 bytes.
+    use_built_manager();
+    let h = empty.share_filename().unwrap();
+    assert_eq!(h.nbytes, 0);
+    let reopened = Storage::new_shared_filename(&h.manager_handle, &h.filename, 0).unwrap();
+    assert_eq!((reopened.nbytes(), empty.shared_refcount().unwrap()), (0, 2));
     assert_eq!(s.shared_incref().unwrap_err().kind(), ErrorKind::Unsupported);
     assert_eq!(s.get_shared_fd().unwrap_err().kind(), ErrorKind::NotFound);
 }

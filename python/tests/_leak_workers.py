@@ -37,6 +37,9 @@ def large_queue_under_fd_limit(out, n, numel, segment_size, large_threshold, win
     import storage_sharing.torch as st
 
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+    # Enabled on import with the parent's options (its environment); other
+    # options apply only after disable(), before this process's arena exists.
+    st.disable()
     st.enable(segment_size=segment_size, large_threshold=large_threshold)
     ctx = torch.multiprocessing.get_context("spawn")
     queue, acks = ctx.Queue(), ctx.Queue()

@@ -256,17 +256,7 @@ impl Arena {
             }
         };
         st.live.get_mut(&(p as usize)).expect("still live").holds.push((slot, generation));
-        let s = &seg.seg;
-        Ok(ArenaHandle {
-            strategy: s.strategy(),
-            key: s.key(),
-            segment_data_size: s.data_size() as u64,
-            offset: offset as u64,
-            size: size as u64,
-            slot,
-            generation,
-            name: s.name().unwrap_or("").to_string(),
-        })
+        Ok(handle_of(&seg.seg, offset, size, slot, generation))
     }
 
     /// Another share of a block a consumer holds: the consumer proves its
@@ -316,17 +306,7 @@ impl Arena {
             None => st.deferred.iter_mut().find(|b| is_it(b)).expect("found above, under the same lock"),
         };
         block.holds.push((slot, generation));
-        let s = &seg.seg;
-        Ok(ArenaHandle {
-            strategy: s.strategy(),
-            key: s.key(),
-            segment_data_size: s.data_size() as u64,
-            offset: offset as u64,
-            size: size as u64,
-            slot,
-            generation,
-            name: s.name().unwrap_or("").to_string(),
-        })
+        Ok(handle_of(&seg.seg, offset, size, slot, generation))
     }
 
     /// Cancels a share that will never be opened (the handle was not
@@ -436,6 +416,21 @@ impl Arena {
         let b = st.live.get(&(p as usize))?;
         let seg = &st.segments[&b.seg_id];
         (seg.large && b.offset == 0).then(|| seg.seg.fd()).flatten()
+    }
+}
+
+/// The handle of the share (`slot`, `generation`) of the block at
+/// `offset` (`size` bytes) of segment `s`.
+fn handle_of(s: &Segment, offset: usize, size: usize, slot: u32, generation: u32) -> ArenaHandle {
+    ArenaHandle {
+        strategy: s.strategy(),
+        key: s.key(),
+        segment_data_size: s.data_size() as u64,
+        offset: offset as u64,
+        size: size as u64,
+        slot,
+        generation,
+        name: s.name().unwrap_or("").to_string(),
     }
 }
 

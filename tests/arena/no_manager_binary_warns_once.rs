@@ -5,8 +5,11 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "../common/nobody.rs"]
+mod nobody;
 
 use common::{child_command_of, manager_bin, my_role};
+use nobody::retry_while_busy;
 use std::os::unix::fs::PermissionsExt;
 use std::sync::{Arc, Mutex};
 use storage_sharing::arena::{Arena, ArenaOptions, Strategy};
@@ -79,17 +82,4 @@ fn without_a_manager_binary_by_name_segments_warn_once() {
 fn with_a_manager_binary_nothing_is_said() {
     let text = run_child(Some(&manager_bin()));
     assert!(text.contains("warnings=0\n"), "a warning with a manager at hand:\n{text}");
-}
-
-/// Runs `exec` (a spawn of a freshly copied binary) again while it fails
-/// with ETXTBSY: a child that another test thread forks while the copy's
-/// descriptor is open holds it until that child execs.
-fn retry_while_busy<T>(mut exec: impl FnMut() -> std::io::Result<T>) -> T {
-    for _ in 0..200 {
-        match exec() {
-            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => std::thread::sleep(std::time::Duration::from_millis(10)),
-            other => return other.unwrap(),
-        }
-    }
-    exec().unwrap()
 }

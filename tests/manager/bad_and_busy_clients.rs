@@ -338,14 +338,7 @@ fn daemon_does_not_keep_the_spawners_descriptors() {
 /// The manager's pid, from the connected socket's peer credentials.
 fn peer_pid(s: &UnixStream) -> i32 {
     use std::os::fd::AsRawFd;
-    // SAFETY: plain data filled by getsockopt.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: a connected socket we own; cred and len are valid.
-    let rc =
-        unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
-    assert_eq!(rc, 0);
-    cred.pid
+    storage_sharing::fdpass::peer::credentials(s.as_raw_fd()).expect("SO_PEERCRED of a connected socket").0
 }
 
 /// Found by the chaos soak (`ss_soak --only arena`): a client that sent

@@ -8,8 +8,11 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "../common/nobody.rs"]
+mod nobody;
 
 use common::{child_command_of, manager_bin, my_role, shm_exists, wait_until};
+use nobody::{retry_while_busy, NobodyDir};
 use std::ffi::CString;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
@@ -96,14 +99,8 @@ fn unlink(name: &str) {
 
 /// The manager's pid, from the connected socket's peer credentials.
 fn peer_pid(s: &UnixStream) -> i32 {
-    // SAFETY: plain data filled by getsockopt.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: a connected socket we own; cred and len are valid.
-    let rc =
-        unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
-    assert_eq!(rc, 0);
-    cred.pid
+    use std::os::fd::AsRawFd;
+    storage_sharing::fdpass::peer::credentials(s.as_raw_fd()).expect("SO_PEERCRED of a connected socket").0
 }
 
 /// The descriptor numbers process `pid` has open.
@@ -367,51 +364,4 @@ fn a_file_shrunk_and_regrown_under_it_does_not_crash_it() {
     let gone = wait_until(LIMIT, || !shm_exists(&other));
     unlink(&other);
     assert!(gone, "an abandoned segment nobody uses was left after the flips");
-}
-
-/// A folder that uid 65534 can enter, holding copies of binaries it runs.
-struct NobodyDir {
-    path: std::path::PathBuf,
-}
-
-impl NobodyDir {
-    fn new(tag: &str) -> NobodyDir {
-        let others_can_enter = |dir: &std::path::Path| {
-            dir.ancestors().all(|d| std::fs::metadata(d).map(|m| m.permissions().mode() & 0o001 != 0).unwrap_or(false))
-        };
-        let base = [std::env::temp_dir(), "/tmp".into(), "/var/tmp".into()]
-            .into_iter()
-            .find(|d| others_can_enter(d))
-            .expect("no folder that uid 65534 can traverse among TMPDIR, /tmp, /var/tmp");
-        let path = base.join(format!("ss-nobody-{tag}-{}", std::process::id()));
-        std::fs::create_dir(&path).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-        NobodyDir { path }
-    }
-
-    fn copy_of(&self, bin: &std::path::Path) -> std::path::PathBuf {
-        let copy = self.path.join(bin.file_name().unwrap());
-        std::fs::copy(bin, &copy).unwrap();
-        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
-        copy
-    }
-}
-
-impl Drop for NobodyDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
-    }
-}
-
-/// Runs `exec` (a spawn of a freshly copied binary) again while it fails
-/// with ETXTBSY: a child that another test thread forks while the copy's
-/// descriptor is open holds it until that child execs.
-fn retry_while_busy<T>(mut exec: impl FnMut() -> std::io::Result<T>) -> T {
-    for _ in 0..200 {
-        match exec() {
-            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => std::thread::sleep(Duration::from_millis(10)),
-            other => return other.unwrap(),
-        }
-    }
-    exec().unwrap()
 }

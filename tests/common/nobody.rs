@@ -4,6 +4,8 @@
 #![allow(dead_code)]
 
 use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::process::Command;
 
 /// A fresh folder that uid 65534 can enter (mode 0755, under the first of
 /// TMPDIR, /tmp, /var/tmp whose every ancestor it can traverse), removed on
@@ -52,5 +54,19 @@ pub fn retry_while_busy<T>(mut exec: impl FnMut() -> std::io::Result<T>) -> T {
 impl Drop for NobodyDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// Makes `cmd` drop to uid and gid 65534 (nobody), with no supplementary
+/// groups, between fork and exec: the process it runs plays another user.
+pub fn run_as_nobody(cmd: &mut Command) {
+    // SAFETY: only async-signal-safe syscalls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
     }
 }

@@ -12,12 +12,11 @@ mod common;
 mod nobody;
 
 use common::{child_command_of, manager_bin, my_role, shm_exists, wait_until};
-use nobody::{retry_while_busy, NobodyDir};
+use nobody::{retry_while_busy, run_as_nobody, NobodyDir};
 use std::ffi::CString;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -284,15 +283,7 @@ fn a_segment_a_non_dumpable_process_may_use_is_kept() {
     std::os::unix::fs::chown(&tmp, Some(65534), Some(65534)).unwrap();
     let mut cmd = child_command_of(&exe, "non-dumpable-user", &[manager.to_str().unwrap()]);
     cmd.env("TMPDIR", &tmp);
-    // SAFETY: only async-signal-safe syscalls between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    run_as_nobody(&mut cmd);
     let out = retry_while_busy(|| cmd.output());
     assert!(out.status.success(), "child failed: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);

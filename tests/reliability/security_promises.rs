@@ -11,10 +11,9 @@ mod common;
 mod nobody;
 
 use common::*;
-use nobody::{retry_while_busy, NobodyDir};
+use nobody::{retry_while_busy, run_as_nobody, NobodyDir};
 use std::collections::HashSet;
 use std::os::unix::fs::{FileExt, PermissionsExt};
-use std::os::unix::process::CommandExt;
 use std::sync::atomic::Ordering;
 use storage_sharing::cuda::counters::{release_slot, CounterFile};
 use storage_sharing::manager::spawn::spawn_manager_at;
@@ -117,15 +116,7 @@ fn manager_folder_is_0700_and_other_uids_cannot_connect() {
     let nobody_dir = NobodyDir::new("connect");
     let exe = nobody_dir.copy_of(&std::env::current_exe().unwrap());
     let mut cmd = child_command_of(&exe, "connect", &[&path]);
-    // SAFETY: only async-signal-safe syscalls between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    run_as_nobody(&mut cmd);
     let out = retry_while_busy(|| cmd.output());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -159,15 +150,7 @@ fn manager_refuses_a_peer_of_another_uid_even_root() {
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
-    // SAFETY: only async-signal-safe syscalls between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    run_as_nobody(&mut cmd);
     let mut child = retry_while_busy(|| cmd.spawn());
     let mut first_line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut first_line).unwrap();

@@ -9,58 +9,21 @@
 //! else python3 (rows marked skipped without it). SS_BENCH_QUICK=1 runs
 //! fewer rounds.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use storage_sharing::store::{FileStore, Store, TcpStore};
 
 #[path = "common/echo_floor.rs"]
 mod echo_floor;
+#[path = "common/torch_store_server.rs"]
+mod torch_store_server;
 use echo_floor::{echo_server, REPLY_BYTES, REQ_BYTES};
+use torch_store_server::{python, script, torch_ok, TorchServer};
 
 const VALUE: &[u8] = &[b'x'; 32];
 const T: Option<Duration> = Some(Duration::from_secs(60));
-
-fn python() -> String {
-    std::env::var("SS_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
-fn script() -> String {
-    format!("{}/benches/store_torch.py", env!("CARGO_MANIFEST_DIR"))
-}
-
-fn torch_ok() -> bool {
-    Command::new(python()).args(["-c", "import torch.distributed"]).output().is_ok_and(|o| o.status.success())
-}
-
-struct TorchServer {
-    child: Child,
-    port: u16,
-}
-
-impl TorchServer {
-    fn start(libuv: bool) -> TorchServer {
-        let mut child = Command::new(python())
-            .args([script().as_str(), "server", if libuv { "1" } else { "0" }])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-        let port = line.trim().strip_prefix("PORT ").expect("python server port").parse().unwrap();
-        TorchServer { child, port }
-    }
-}
-
-impl Drop for TorchServer {
-    fn drop(&mut self) {
-        drop(self.child.stdin.take());
-        let _ = self.child.wait();
-    }
-}
 
 /// PyTorch's client timing loop against `port`: median µs per set+get.
 fn torch_client(port: u16, n: usize) -> f64 {

@@ -11,22 +11,17 @@
 //! SS_BENCH_ADDS (default 2000) ADDs per run, SS_BENCH_PARKED (default
 //! "32x131072": connections x keys each).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use storage_sharing::store::tcp::protocol::{Request, VALIDATION_MAGIC};
 use storage_sharing::store::tcp::server::TcpServer;
 
+#[path = "common/torch_store_server.rs"]
+mod torch_store_server;
+use torch_store_server::{torch_ok, TorchServer};
+
 const T: Option<Duration> = Some(Duration::from_secs(600));
-
-fn python() -> String {
-    std::env::var("SS_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
-fn torch_ok() -> bool {
-    Command::new(python()).args(["-c", "import torch.distributed"]).output().is_ok_and(|o| o.status.success())
-}
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -36,7 +31,7 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 /// Python child (benches/store_torch.py), stopped when dropped.
 enum Server {
     Ours(TcpServer),
-    Torch(Child, u16),
+    Torch(TorchServer),
 }
 
 impl Server {
@@ -44,33 +39,13 @@ impl Server {
         if ours {
             return Server::Ours(TcpServer::start("127.0.0.1", 0).unwrap());
         }
-        let script = format!("{}/benches/store_torch.py", env!("CARGO_MANIFEST_DIR"));
-        let mut child = Command::new(python())
-            .args([script.as_str(), "server", "1"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-        let port = line.trim().strip_prefix("PORT ").expect("server port").parse().unwrap();
-        Server::Torch(child, port)
+        Server::Torch(TorchServer::start(true))
     }
 
     fn port(&self) -> u16 {
         match self {
             Server::Ours(s) => s.port(),
-            Server::Torch(_, port) => *port,
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Server::Torch(child, _) = self {
-            drop(child.stdin.take());
-            let _ = child.wait();
+            Server::Torch(t) => t.port,
         }
     }
 }

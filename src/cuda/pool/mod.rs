@@ -27,7 +27,7 @@ pub mod placement;
 pub mod producer;
 mod region;
 mod server;
-mod wire;
+pub mod wire;
 
 pub use crate::store::Timeout;
 pub use current::{alloc_in_current, free_anywhere, set_current};

@@ -145,3 +145,28 @@ def consume_with_stock_pytorch(descriptor, out):
         model = TinyLM()
     model.load_state_dict(open_stock(descriptor), assign=True)
     out.put(forward_single_thread(model, tokens_for_test().cuda()).tolist())
+
+
+def produce_and_hang_in_update(kind, out, writing):
+    """A producer that opens an update, half writes it, and is killed there."""
+    from storage_sharing import cuda
+
+    pool = cuda.Pool.from_state_dict({"w": torch.full((1000,), 7.0)}, device="cpu", kind=kind)
+    out.put(pool.export())
+    out.get(timeout=GUARD)  # the consumer has opened the pool
+    with pool.update(timeout=GUARD) as tensors:
+        tensors["w"][:500].fill_(8)
+        writing.set()
+        time.sleep(3600)
+
+
+def use_inherited_weights(weights, out):
+    """In a forked child: the parent's weights refuse calls, their tensors
+    still read."""
+    import storage_sharing as ss
+
+    try:
+        weights.acquire(timeout=GUARD)
+        out.put(("acquired", None))
+    except ss.InvalidArgumentError as e:
+        out.put((str(e), float(weights["w"].sum())))

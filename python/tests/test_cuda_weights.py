@@ -278,6 +278,74 @@ def test_a_killed_producer_is_peer_gone_not_garbage(kind):
         w["t0"]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_producer_killed_mid_update_is_peer_gone_not_a_mix(kind):
+    ctx = mp.get_context("spawn")
+    out, writing = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=pw.produce_and_hang_in_update, args=(kind, out, writing), daemon=True)
+    p.start()
+    w = cuda.open_weights(out.get(timeout=pw.GUARD), timeout=pw.GUARD)
+    out.put("opened")
+    assert writing.wait(pw.GUARD)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(pw.GUARD)
+    with pytest.raises(ss.PeerGoneError, match=str(p.pid)):
+        w.acquire(timeout=pw.GUARD)  # not a wait for a publish that never comes
+
+
+def test_threads_of_a_consumer_share_one_hold():
+    import threading
+
+    pool = cuda.Pool.from_state_dict({"w": torch.zeros(10)}, device="cpu")
+    w = cuda.open_weights(pool.export(), timeout=pw.GUARD)
+    versions = []
+    t = threading.Thread(target=lambda: versions.append(w.acquire(timeout=pw.GUARD)))
+    t.start()
+    t.join(pw.GUARD)
+    versions.append(w.acquire(timeout=pw.GUARD))
+    assert versions == [1, 1] and w.held == 1
+    w.release()
+    with pytest.raises(ss.WaitTimeoutError, match=str(os.getpid())):
+        with pool.update(timeout=0.2):
+            pass  # the other thread's acquire still holds version 1
+    w.release()
+    assert w.held is None
+    with pytest.raises(ss.InvalidArgumentError, match="acquire"):
+        w.release()
+    with pool.update(timeout=pw.GUARD) as tensors:
+        tensors["w"].fill_(2)
+    with w.reading(timeout=pw.GUARD) as version:
+        assert version == 2 and w["w"].eq(2).all()
+
+
+def test_max_consumers_is_a_clear_refusal_and_a_closed_consumer_frees_its_place():
+    pool = cuda.Pool.from_state_dict({"w": torch.ones(10)}, device="cpu", max_consumers=1)
+    handle = pool.export()
+    first = cuda.open_weights(handle, timeout=pw.GUARD)
+    with pytest.raises(ss.Error, match="max_consumers"):
+        cuda.open_weights(handle, timeout=pw.GUARD)
+    first.close()
+    del first
+    gc.collect()  # the last tensor over the mapping went: the connection closes
+    wait_until(lambda: pool.consumers == 0, "the server to see the consumer leave")
+    second = cuda.open_weights(handle, timeout=pw.GUARD)
+    assert second["w"].eq(1).all()
+
+
+def test_weights_inherited_through_fork_refuse_calls_and_still_read():
+    pool = cuda.Pool.from_state_dict({"w": torch.full((10,), 3.0)}, device="cpu")
+    w = cuda.open_weights(pool.export(), timeout=pw.GUARD)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    p = ctx.Process(target=pw.use_inherited_weights, args=(w, out), daemon=True)
+    p.start()
+    message, total = out.get(timeout=pw.GUARD)
+    p.join(pw.GUARD)
+    assert "fork" in message and total == 30.0
+    with w.reading(timeout=pw.GUARD) as version:
+        assert version == 1, "the child's copy left the parent's connection and slot alone"
+
+
 def test_an_update_that_raises_leaves_the_pool_torn_until_the_next_publish():
     pool = cuda.Pool.from_state_dict({"w": torch.zeros(10)}, device="cpu")
     handle = pool.export()

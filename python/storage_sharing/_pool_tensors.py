@@ -50,7 +50,12 @@ def bytes_at(address: int, nbytes: int, device: torch.device, owner) -> torch.Te
         return torch.frombuffer(array, dtype=torch.uint8)
     if device.type == "cuda":
         with torch.cuda.device(device):
-            return torch.as_tensor(_DeviceBytes(address, nbytes, owner), device=device)
+            t = torch.as_tensor(_DeviceBytes(address, nbytes, owner), device=device)
+        if t.data_ptr() != address:
+            # as_tensor copies when it places the memory on another device:
+            # a copy would be silently stale after the next update.
+            raise RuntimeError(f"CUDA memory at {address:#x} is not on {device} as the pool says (torch put it on {t.device})")
+        return t
     raise ValueError(f"pool tensors live on cpu or cuda, not {device}")
 
 

@@ -125,6 +125,19 @@ def test_allocating_is_for_cuda_pools():
             pass
 
 
+def test_allocating_needs_torchs_mem_pool(monkeypatch):
+    monkeypatch.delattr(torch.cuda, "use_mem_pool")
+    with pytest.raises(RuntimeError, match="use_mem_pool"):
+        cuda._require_mem_pool()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+def test_a_cuda_pool_without_cuda_is_a_clear_error():
+    with pytest.raises(ss.Error, match="CUDA is not available") as caught:
+        cuda.Pool("cuda:0")
+    assert caught.value.kind == "CudaUnavailable"
+
+
 def test_stock_descriptor_is_for_legacy_cuda_pools():
     pool = cuda.Pool.from_state_dict({"a": torch.ones(3)}, device="cpu", kind="legacy")
     with pytest.raises(ss.InvalidArgumentError, match="legacy-kind CUDA"):

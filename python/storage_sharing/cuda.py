@@ -227,6 +227,8 @@ class Pool:
         """Adds every tensor of ``state_dict`` to the manifest. Tensors
         already in the pool (born in :meth:`allocating`) are added as they
         are; the others are copied in, one copy per storage."""
+        if self._handle is not None:
+            raise InvalidArgumentError("the pool's manifest is frozen after export: add tensors before pool.export()")
         groups = group_by_storage(state_dict)
         for g in groups:
             for m in g.members:
@@ -248,7 +250,8 @@ class Pool:
         if born_here:
             ptr, views = start, {m.name: m.tensor for m in g.members}
         else:
-            ptr = self._native.alloc(max(g.nbytes, 1))
+            # A storage without bytes takes no block (the manifest gives it none).
+            ptr = self._native.alloc(g.nbytes) if g.nbytes else 0
             dst = bytes_at(ptr, g.nbytes, self.device, self._native)
             if g.nbytes:
                 dst.copy_(g.source_bytes())
@@ -256,9 +259,14 @@ class Pool:
                 m.name: typed_view(dst, m.tensor.dtype, m.tensor.shape, m.tensor.stride(), m.storage_offset)
                 for m in g.members
             }
-        for m in g.members:
+        for i, m in enumerate(g.members):
             t, offset = m.tensor, m.storage_offset
-            self._native.add_tensor(m.name, ptr, g.nbytes, dtype_name(t.dtype), list(t.shape), list(t.stride()), offset)
+            try:
+                self._native.add_tensor(m.name, ptr, g.nbytes, dtype_name(t.dtype), list(t.shape), list(t.stride()), offset)
+            except BaseException:
+                if i == 0 and ptr and not born_here:
+                    self._native.free_block(ptr)  # nothing refers to the copy yet
+                raise
             self._entries[m.name] = _Entry(ptr, t.dtype, t.shape, t.stride(), offset)
             self._tensors[m.name] = views[m.name]
 

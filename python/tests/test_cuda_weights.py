@@ -88,6 +88,7 @@ def test_a_small_slice_brings_only_its_bytes():
         (lambda: {"x": torch.ones(2, device="meta")}, "meta"),
         (lambda: {"x": torch.ones(2, dtype=torch.float8_e4m3fnuz)}, "dtype"),
         (lambda: {"ok": torch.ones(2), "x": torch.ones(2, dtype=torch.float8_e5m2fnuz)}, "dtype"),
+        (lambda: {"": torch.ones(2)}, "name must be 1 to"),
     ],
 )
 def test_what_a_pool_cannot_carry_is_named(bad, message):
@@ -95,6 +96,7 @@ def test_what_a_pool_cannot_carry_is_named(bad, message):
     with pytest.raises(ss.InvalidArgumentError, match=message):
         pool.add_state_dict(bad())
     assert pool.state_dict() == {}
+    pool.add_state_dict({"fine": torch.ones(2)})  # the pool is still usable
 
 
 def test_bad_pool_arguments_are_named():

@@ -32,6 +32,29 @@ def segments_hold(segments, tensors):
     return all(any(b <= t.data_ptr() < b + n for b, n in segments) for t in tensors if t.numel())
 
 
+@pytest.fixture(autouse=True)
+def no_pool_names_left():
+    """Every legacy-kind host pool this process made is unlinked once the
+    pool is gone."""
+    yield
+    gc.collect()
+    ours = [n for n in os.listdir("/dev/shm") if n.startswith(f"ss_pool_{os.getpid()}_")]
+    assert ours == [], "a pool left its shm names behind"
+
+
+@pytest.fixture
+def killed_producers():
+    """Pids of producers a test kills with -9. A legacy-kind host pool's
+    segments are named shm objects that only their producer unlinks (when
+    the pool goes), so a killed producer's names are left behind: the
+    library does not sweep them (yet); this removes them after the test."""
+    pids = []
+    yield pids
+    for name in os.listdir("/dev/shm"):
+        if any(name.startswith(f"ss_pool_{pid}_") for pid in pids):
+            os.unlink(os.path.join("/dev/shm", name))
+
+
 def wait_until(predicate, what):
     """Polls `predicate` (a hang guard, not a timing assertion)."""
     import time
@@ -271,11 +294,12 @@ def test_a_killed_consumer_gives_its_hold_back(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_killed_producer_is_peer_gone_not_garbage(kind):
+def test_a_killed_producer_is_peer_gone_not_garbage(kind, killed_producers):
     ctx = mp.get_context("spawn")
     out, done = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=pw.produce_and_wait, args=("cpu", kind, out, done), daemon=True)
     p.start()
+    killed_producers.append(p.pid)
     handle = out.get(timeout=pw.GUARD)
     w = cuda.open_weights(handle, timeout=pw.GUARD)
     with w.reading(timeout=pw.GUARD) as version:
@@ -294,11 +318,12 @@ def test_a_killed_producer_is_peer_gone_not_garbage(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_producer_killed_mid_update_is_peer_gone_not_a_mix(kind):
+def test_a_producer_killed_mid_update_is_peer_gone_not_a_mix(kind, killed_producers):
     ctx = mp.get_context("spawn")
     out, writing = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=pw.produce_and_hang_in_update, args=(kind, out, writing), daemon=True)
     p.start()
+    killed_producers.append(p.pid)
     w = cuda.open_weights(out.get(timeout=pw.GUARD), timeout=pw.GUARD)
     out.put("opened")
     assert writing.wait(pw.GUARD)

@@ -28,6 +28,8 @@ const OBJECTS: &[&str] = &[
     "cuda_pointer",
     "cuda_driver",
     "cuda_limbo",
+    "cuda_pool",
+    "cuda_weights",
     "cuda_sent",
     "cuda_ipc",
     "cuda",
@@ -104,6 +106,12 @@ const VERBS: &[&str] = &[
     "prepare",
     "parent",
     "child",
+    // GPU weights pool
+    "export",
+    "begin",
+    "publish",
+    "acquire",
+    "find",
 ];
 
 const ACCESSORS: &[&str] = &[
@@ -142,6 +150,8 @@ const ACCESSORS: &[&str] = &[
     "signal",
     "multicast",
     "expired",
+    "count",
+    "tensor",
 ];
 
 /// Old name → new name: the deprecated aliases, kept for one release.

@@ -45,14 +45,14 @@ def no_pool_names_left():
 @pytest.fixture
 def killed_producers():
     """Pids of producers a test kills with -9. A legacy-kind host pool's
-    segments are named shm objects that only their producer unlinks (when
-    the pool goes), so a killed producer's names are left behind: the
-    library does not sweep them (yet); this removes them after the test."""
+    segments are named shm objects; a consumer that sees its producer gone
+    unlinks them (mappings stay valid): none may be left after the test."""
     pids = []
     yield pids
-    for name in os.listdir("/dev/shm"):
-        if any(name.startswith(f"ss_pool_{pid}_") for pid in pids):
-            os.unlink(os.path.join("/dev/shm", name))
+    left = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"ss_pool_{pid}_") for pid in pids)]
+    for name in left:
+        os.unlink(os.path.join("/dev/shm", name))
+    assert left == [], "a killed producer's shm names were left behind"
 
 
 def wait_until(predicate, what):

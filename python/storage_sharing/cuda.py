@@ -356,12 +356,18 @@ class Pool:
         return self._native.segments()
 
     def stock_descriptor(self) -> dict:
-        """The pool as stock PyTorch opens it (legacy kind, CUDA only, after
-        :meth:`export`): a dict of builtins only, picklable where this
-        package is not installed. Per segment, the eight arguments of
+        """The pool as stock PyTorch opens it (legacy kind, CUDA only): a
+        dict of builtins only, picklable where this package is not
+        installed. Per segment, the eight arguments of
         ``torch.UntypedStorage._new_shared_cuda``; per tensor, (segment,
         byte offset of its storage in the segment, dtype name, shape,
-        stride, storage offset)."""
+        stride, storage offset).
+
+        Each call hands out new slots of PyTorch's ref-counter files, which
+        the stock consumer gives back when its storages go: make one
+        descriptor per consumer process. A stock consumer takes no part in
+        the version protocol (it cannot acquire): it suits weights that no
+        longer change, or readers that tolerate an update under them."""
         if self.kind != "legacy" or self.device.type != "cuda":
             raise InvalidArgumentError(
                 f"stock PyTorch opens legacy-kind CUDA pools only; this pool is kind={self.kind!r} on {self.device}"

@@ -30,10 +30,12 @@ static LIVE_NAMES: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 static EXIT_HOOK: Once = Once::new();
 
 extern "C" fn unlink_live_names() {
-    let names = LIVE_NAMES.lock().map(|mut n| n.take()).unwrap_or(None);
-    for name in names.into_iter().flatten() {
-        unlink(&name);
-    }
+    let _ = std::panic::catch_unwind(|| {
+        let names = LIVE_NAMES.lock().map(|mut n| n.take()).unwrap_or(None);
+        for name in names.into_iter().flatten() {
+            unlink(&name);
+        }
+    });
 }
 
 fn unlink(name: &str) {
@@ -45,7 +47,7 @@ fn unlink(name: &str) {
 
 fn remember(name: &str) {
     EXIT_HOOK.call_once(|| {
-        // SAFETY: registers a plain extern "C" fn without arguments.
+        // SAFETY: registers a C-ABI function that takes no arguments.
         unsafe { libc::atexit(unlink_live_names) };
     });
     if let Ok(mut names) = LIVE_NAMES.lock() {

@@ -256,7 +256,7 @@ def way_ours(cfg, device, iters, born, kind):
         t0 = time.perf_counter()
         pool = Pool.from_state_dict(sd, device=str(device), kind=kind)
         handle = pool.export()
-        target = pool.tensors()
+        target = pool.state_dict()
     message = pickle.dumps(handle)
     sync(device)
     export_s = time.perf_counter() - t0

@@ -16,6 +16,7 @@ pub mod global;
 pub mod handle;
 pub mod ipc;
 pub mod limbo;
+pub mod pool;
 pub mod received;
 pub mod sent;
 

@@ -5,6 +5,7 @@
 //! who is at the other end of a socket, [`seals`] whether a received
 //! descriptor is safe to map.
 
+pub mod abstract_socket;
 pub mod peer;
 pub mod seals;
 

@@ -14,9 +14,9 @@
 //! which it forwards at the next step. Each message carries the origin
 //! rank (4 bytes) so a receiver checks it got what the ring promises.
 
-use super::abstract_socket;
 use super::exchange::vec_for;
 use crate::error::{Error, ErrorKind, Result};
+use crate::fdpass::abstract_socket;
 use crate::fdpass::peer::{is_process_of_mine as is_expected, my_uid};
 use crate::fdpass::{recv_fds, send_fds};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};

@@ -12,7 +12,8 @@
 //! [`cuda_backend`] (driver VMM and PTX signal kernels), both through the
 //! traits of [`backend`].
 
-pub mod abstract_socket;
+/// Moved down to `fdpass` (the GPU weights pool uses it too); kept here by name.
+pub use crate::fdpass::abstract_socket;
 pub mod alloc;
 pub mod backend;
 pub mod collective_header;

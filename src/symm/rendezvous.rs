@@ -4,7 +4,6 @@
 //! sizes against rank 0's, pass the block descriptors round the ring, map
 //! the peers, and meet once more through the store before the sockets go.
 
-use super::abstract_socket;
 use super::backend::{Collective, SymmBlock};
 use super::exchange;
 use super::group::GroupInfo;
@@ -12,6 +11,7 @@ use super::handle::SymmetricMemory;
 use super::ipc_channel::{IpcChannel, PeerSocket};
 use super::request::RendezvousRequest;
 use crate::error::{Error, ErrorKind, Result};
+use crate::fdpass::abstract_socket;
 use crate::store::Timeout;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::Instant;

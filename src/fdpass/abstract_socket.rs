@@ -1,5 +1,6 @@
 //! Unix `SOCK_SEQPACKET` sockets in Linux's abstract namespace, for the
-//! descriptor exchange of a rendezvous. An abstract name is no file: it
+//! descriptor exchanges of a symmetric-memory rendezvous and of a GPU
+//! weights pool. An abstract name is no file: it
 //! needs no writable folder, has no path-length limit beyond 107 bytes of
 //! name, and vanishes with the last descriptor of its socket, so a process
 //! killed with -9 leaves nothing behind.
@@ -94,9 +95,14 @@ pub fn accept(listener: RawFd) -> io::Result<OwnedFd> {
 pub use crate::fdpass::peer::credentials as peer;
 
 /// A name no other socket has: `symm_mem-<pid>-<16 random hex digits>`.
+pub fn unique_name() -> String {
+    unique_name_with("symm_mem")
+}
+
+/// A name no other socket has: `<prefix>-<pid>-<16 random hex digits>`.
 /// The random part keeps two channels of one process apart, and keeps a
 /// name from being taken in advance by someone who guessed the pid.
-pub fn unique_name() -> String {
+pub fn unique_name_with(prefix: &str) -> String {
     let mut r = [0u8; 8];
     // SAFETY: getrandom writes at most 8 bytes into our buffer.
     let n = unsafe { libc::getrandom(r.as_mut_ptr().cast(), r.len(), 0) };
@@ -107,5 +113,5 @@ pub fn unique_name() -> String {
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         t.as_nanos() as u64 ^ (u64::from(std::process::id()) << 32)
     };
-    format!("symm_mem-{}-{random:016x}", std::process::id())
+    format!("{prefix}-{}-{random:016x}", std::process::id())
 }

@@ -1,0 +1,247 @@
+//! The control block: a small sealed memfd shared by the producer and its
+//! consumers, holding the version state and one hold slot per consumer.
+//!
+//! Layout: `[magic u64 | state u64 | slots u64 | event valid u64 | pad]`
+//! then the publish event's handle (64 bytes), then one 64-byte line per
+//! consumer slot whose first word is the version that consumer holds (0:
+//! none). `state` is `version << 2 | TORN | WRITING`.
+//!
+//! The handshake is Dekker's, every access SeqCst: a consumer stores the
+//! version into its slot and then reads the state; the producer sets
+//! WRITING and then reads the slots. Whichever goes second sees the
+//! other, so a consumer never holds a version while the producer writes:
+//! either the consumer sees WRITING (and lets go), or the producer sees
+//! the hold (and waits for it).
+
+use super::backend::EVENT_BYTES;
+use super::region::{page_size, Region};
+use crate::error::{Error, ErrorKind, Result};
+use crate::fdpass::seals::{check_received, seal_against_shrinking, sealable_memfd};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{fence, AtomicU64, Ordering::SeqCst};
+
+const MAGIC: u64 = u64::from_le_bytes(*b"SSPCTL01");
+/// An update is being written.
+pub const WRITING: u64 = 1;
+/// An update was abandoned without publish: the memory is a mix.
+pub const TORN: u64 = 2;
+const HEADER: usize = 64;
+const EVENT_AT: usize = 64;
+const SLOTS_AT: usize = 128;
+const LINE: usize = 64;
+
+/// What a consumer's attempt to hold the current version found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Hold {
+    Held(u64),
+    /// An update is being written (or nothing is published yet): try again.
+    Writing,
+    Torn,
+}
+
+pub struct ControlBlock {
+    region: Region,
+    slots: usize,
+}
+
+/// Bytes of a control block with `slots` slots.
+pub fn block_bytes(slots: usize) -> usize {
+    (SLOTS_AT + slots * LINE).next_multiple_of(page_size())
+}
+
+impl ControlBlock {
+    /// A new block (version 0, nothing published) and its descriptor.
+    pub fn create(slots: usize) -> Result<(ControlBlock, OwnedFd)> {
+        let len = block_bytes(slots);
+        let what = "a pool control block";
+        let fd = sealable_memfd(c"ss-pool-control", what)?;
+        // SAFETY: ftruncate on our own memfd.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(Error::last_os_error(format!("unable to size {what}")));
+        }
+        seal_against_shrinking(fd.as_raw_fd(), what)?;
+        let region = Region::map(fd.as_raw_fd(), len, what)?;
+        let block = ControlBlock { region, slots };
+        block.word(16).store(slots as u64, SeqCst);
+        block.word(0).store(MAGIC, SeqCst);
+        Ok((block, fd))
+    }
+
+    /// Maps a block received from a producer, after checking its seal,
+    /// size, magic and slot count.
+    pub fn open(fd: &OwnedFd, slots: usize) -> Result<ControlBlock> {
+        let what = "the pool's control block";
+        if slots == 0 || slots > super::options::MAX_CONSUMERS {
+            return Err(Error::new(ErrorKind::Protocol, format!("{what}: {slots} slots announced")));
+        }
+        let len = block_bytes(slots);
+        check_received(fd.as_raw_fd(), len, what)?;
+        let region = Region::map(fd.as_raw_fd(), len, what)?;
+        let block = ControlBlock { region, slots };
+        let (magic, have) = (block.word(0).load(SeqCst), block.word(16).load(SeqCst));
+        if magic != MAGIC || have != slots as u64 {
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!("{what} has magic 0x{magic:x} and {have} slots, not a block of {slots} slots"),
+            ));
+        }
+        Ok(block)
+    }
+
+    fn word(&self, at: usize) -> &AtomicU64 {
+        debug_assert!(at % 8 == 0 && at + 8 <= self.region.len());
+        // SAFETY: in bounds and 8-aligned (page-aligned base); the memory
+        // is shared and only ever accessed atomically.
+        unsafe { &*(self.region.base().add(at) as *const AtomicU64) }
+    }
+
+    fn slot(&self, slot: usize) -> &AtomicU64 {
+        assert!(slot < self.slots, "slot {slot} of {}", self.slots);
+        self.word(SLOTS_AT + slot * LINE)
+    }
+
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    pub fn state(&self) -> u64 {
+        self.word(8).load(SeqCst)
+    }
+
+    pub fn version(&self) -> u64 {
+        self.state() >> 2
+    }
+
+    // ---- producer side ----
+
+    /// Sets WRITING; false when it was set already.
+    pub fn begin_writing(&self) -> bool {
+        let before = self.word(8).fetch_or(WRITING, SeqCst);
+        fence(SeqCst);
+        before & WRITING == 0
+    }
+
+    /// Lets readers in again without a new version (a begin that timed out
+    /// before anything was written).
+    pub fn cancel_writing(&self) {
+        self.word(8).fetch_and(!WRITING, SeqCst);
+    }
+
+    /// The slots that hold a version now.
+    pub fn holders(&self) -> Vec<usize> {
+        (0..self.slots).filter(|s| self.slot(*s).load(SeqCst) != 0).collect()
+    }
+
+    /// Stores the event (if any) and the next version, clearing WRITING
+    /// and TORN. Returns the new version.
+    pub fn publish(&self, event: Option<&[u8; EVENT_BYTES]>) -> u64 {
+        if let Some(ev) = event {
+            for (i, chunk) in ev.chunks_exact(8).enumerate() {
+                self.word(EVENT_AT + i * 8).store(u64::from_ne_bytes(chunk.try_into().expect("8 bytes")), SeqCst);
+            }
+        }
+        self.word(24).store(u64::from(event.is_some()), SeqCst);
+        let next = self.version() + 1;
+        self.word(8).store(next << 2, SeqCst);
+        next
+    }
+
+    /// Marks the memory torn (an update dropped without publish).
+    pub fn abandon(&self) {
+        let v = self.version();
+        self.word(8).store(v << 2 | TORN, SeqCst);
+    }
+
+    /// Frees the slot of a consumer that is gone.
+    pub fn clear_slot(&self, slot: usize) {
+        self.slot(slot).store(0, SeqCst);
+    }
+
+    // ---- consumer side ----
+
+    /// One attempt to hold the current version in `slot`.
+    pub fn try_hold(&self, slot: usize) -> Hold {
+        let s = self.state();
+        if s & TORN != 0 {
+            return Hold::Torn;
+        }
+        if s & WRITING != 0 || s >> 2 == 0 {
+            return Hold::Writing;
+        }
+        self.slot(slot).store(s >> 2, SeqCst);
+        fence(SeqCst);
+        let again = self.state();
+        if again != s {
+            self.slot(slot).store(0, SeqCst);
+            return if again & TORN != 0 { Hold::Torn } else { Hold::Writing };
+        }
+        Hold::Held(s >> 2)
+    }
+
+    /// Lets go of the version held in `slot`.
+    pub fn drop_hold(&self, slot: usize) {
+        self.slot(slot).store(0, SeqCst);
+    }
+
+    /// The event of the last publish, if it recorded one.
+    pub fn event(&self) -> Option<[u8; EVENT_BYTES]> {
+        if self.word(24).load(SeqCst) == 0 {
+            return None;
+        }
+        let mut ev = [0u8; EVENT_BYTES];
+        for (i, chunk) in ev.chunks_exact_mut(8).enumerate() {
+            chunk.copy_from_slice(&self.word(EVENT_AT + i * 8).load(SeqCst).to_ne_bytes());
+        }
+        Some(ev)
+    }
+}
+
+const _: () = assert!(HEADER <= EVENT_AT && EVENT_AT + EVENT_BYTES <= SLOTS_AT);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holds_and_updates_exclude_each_other() {
+        let (producer, fd) = ControlBlock::create(4).unwrap();
+        let consumer = ControlBlock::open(&fd, 4).unwrap();
+        assert_eq!(consumer.try_hold(1), Hold::Writing, "nothing published yet");
+        assert_eq!(producer.publish(None), 1);
+        assert_eq!(consumer.try_hold(1), Hold::Held(1));
+        assert!(producer.begin_writing());
+        assert!(!producer.begin_writing(), "one writer at a time");
+        assert_eq!(producer.holders(), vec![1], "the producer sees the hold");
+        assert_eq!(consumer.try_hold(2), Hold::Writing, "no new hold while writing");
+        assert_eq!(producer.holders(), vec![1], "a refused hold leaves its slot clear");
+        consumer.drop_hold(1);
+        assert!(producer.holders().is_empty());
+        let ev = [7u8; EVENT_BYTES];
+        assert_eq!(producer.publish(Some(&ev)), 2);
+        assert_eq!(consumer.try_hold(0), Hold::Held(2));
+        assert_eq!(consumer.event(), Some(ev));
+        consumer.drop_hold(0);
+        assert!(producer.begin_writing());
+        producer.abandon();
+        assert_eq!(consumer.try_hold(0), Hold::Torn);
+        assert!(producer.begin_writing());
+        assert_eq!(producer.publish(None), 3);
+        assert_eq!(consumer.try_hold(0), Hold::Held(3));
+        assert_eq!(consumer.event(), None);
+        producer.clear_slot(0);
+        assert!(producer.holders().is_empty());
+    }
+
+    #[test]
+    fn a_forged_block_is_refused() {
+        let (_p, fd) = ControlBlock::create(4).unwrap();
+        assert_eq!(ControlBlock::open(&fd, 5000).err().unwrap().kind(), ErrorKind::Protocol);
+        let e = ControlBlock::open(&fd, 200).err().unwrap();
+        assert_eq!(e.kind(), ErrorKind::SizeMismatch, "{e}");
+        let (_p, fd8) = ControlBlock::create(8).unwrap();
+        assert_eq!(ControlBlock::open(&fd8, 4).err().unwrap().kind(), ErrorKind::Protocol, "slot count differs");
+        let f = std::fs::File::open("/proc/self/stat").unwrap();
+        let e = ControlBlock::open(&OwnedFd::from(f), 4).err().unwrap();
+        assert_eq!(e.kind(), ErrorKind::Permission, "{e}");
+    }
+}

@@ -1,0 +1,413 @@
+//! The producer's pool: segments, the blocks placed in them, the tensors
+//! described over them, and the update side of the version protocol.
+
+use super::backend::{PoolBackend, PoolSegment};
+use super::control::ControlBlock;
+use super::handle::PoolHandle;
+use super::manifest::{view_extent, Manifest, SegmentEntry, StorageEntry, TensorEntry, MAX_NAME, MAX_SEGMENTS};
+use super::options::{PoolDevice, PoolKind, PoolOptions};
+use super::placement::{block_bytes, Placement};
+use super::server::Server;
+use crate::content_store::dtype::Dtype;
+use crate::error::{Error, ErrorKind, Result};
+use crate::store::Timeout;
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// A tensor to describe in the manifest: a view of the storage that
+/// starts at `storage_ptr` (inside the pool) and holds `storage_nbytes`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub storage_ptr: u64,
+    pub storage_nbytes: usize,
+    pub dtype: Dtype,
+    pub sizes: Vec<i64>,
+    pub strides: Vec<i64>,
+    /// In elements.
+    pub storage_offset: i64,
+}
+
+/// What the lock of a pool guards: the segments, where blocks are, and
+/// the manifest being built (frozen at export).
+pub(crate) struct Layout {
+    pub placement: Placement,
+    pub segments: Vec<Box<dyn PoolSegment>>,
+    storages: Vec<StorageEntry>,
+    storage_by_ptr: HashMap<u64, u32>,
+    tensors: Vec<TensorEntry>,
+    names: HashMap<String, usize>,
+    /// The encoded manifest, once exported.
+    pub frozen: Option<Arc<Vec<u8>>>,
+}
+
+/// The state of the update side.
+#[derive(Default)]
+struct Updating {
+    open: bool,
+    last_event: Option<u64>,
+}
+
+pub(crate) struct PoolInner {
+    pub opts: PoolOptions,
+    pub backend: Arc<dyn PoolBackend>,
+    pub control: ControlBlock,
+    pub control_fd: OwnedFd,
+    pub layout: Mutex<Layout>,
+    updating: Mutex<Updating>,
+    server: Mutex<Option<Server>>,
+    /// Slot -> pid of the consumer holding it (None: free); kept by the server.
+    pub consumers: Mutex<Vec<Option<i32>>>,
+    pub closing: AtomicBool,
+}
+
+/// A pool of device memory whose tensors are shared whole (see the module docs).
+pub struct Pool {
+    pub(crate) inner: Arc<PoolInner>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl PoolInner {
+    /// The segment holding [ptr, ptr + len): (index, offset).
+    fn find(layout: &Layout, ptr: u64, len: usize) -> Option<(usize, usize)> {
+        layout.segments.iter().enumerate().find_map(|(i, s)| {
+            let end = ptr.checked_add(len as u64)?;
+            (ptr >= s.addr() && end <= s.addr() + s.size() as u64).then(|| (i, (ptr - s.addr()) as usize))
+        })
+    }
+
+    pub fn contains(&self, ptr: u64) -> bool {
+        Self::find(&lock(&self.layout), ptr, 1).is_some()
+    }
+
+    pub fn alloc(&self, nbytes: usize) -> Result<u64> {
+        let bytes =
+            block_bytes(nbytes).ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("a block of {nbytes} bytes is too large")))?;
+        let mut layout = lock(&self.layout);
+        if let Some((seg, off)) = layout.placement.place(bytes) {
+            return Ok(layout.segments[seg].addr() + off as u64);
+        }
+        if layout.frozen.is_some() {
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                format!(
+                    "no room for {nbytes} bytes in the pool's segments, and an exported pool cannot grow (its consumers know its segments)"
+                ),
+            ));
+        }
+        if layout.segments.len() >= MAX_SEGMENTS {
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                format!("the pool has {MAX_SEGMENTS} segments, the most it may have; use a larger segment_size"),
+            ));
+        }
+        let g = self.backend.granularity();
+        let too_large = || Error::new(ErrorKind::InvalidArgument, format!("a block of {nbytes} bytes is too large"));
+        let size = self.opts.segment_size.max(bytes).checked_next_multiple_of(g).ok_or_else(too_large)?;
+        let segment = self.backend.create_segment(size)?;
+        let index = layout.placement.add_segment(segment.size());
+        layout.segments.push(segment);
+        let (seg, off) = layout.placement.place(bytes).expect("a new segment holds the block it was made for");
+        debug_assert_eq!(seg, index);
+        Ok(layout.segments[seg].addr() + off as u64)
+    }
+
+    pub fn free_block(&self, ptr: u64) -> Result<()> {
+        let mut layout = lock(&self.layout);
+        let (seg, off) =
+            Self::find(&layout, ptr, 1).ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("0x{ptr:x} is not in this pool")))?;
+        if !layout.placement.release(seg, off) {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("0x{ptr:x} is not the start of a block of this pool (freed twice?)"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Pool {
+    pub fn new(opts: PoolOptions) -> Result<Pool> {
+        opts.validate()?;
+        let backend = super::backend_for(opts.device, opts.kind)?;
+        let (control, control_fd) = ControlBlock::create(opts.max_consumers)?;
+        let layout = Layout {
+            placement: Placement::default(),
+            segments: Vec::new(),
+            storages: Vec::new(),
+            storage_by_ptr: HashMap::new(),
+            tensors: Vec::new(),
+            names: HashMap::new(),
+            frozen: None,
+        };
+        let inner = Arc::new(PoolInner {
+            opts,
+            backend,
+            control,
+            control_fd,
+            layout: Mutex::new(layout),
+            updating: Mutex::new(Updating::default()),
+            server: Mutex::new(None),
+            consumers: Mutex::new(vec![None; opts.max_consumers]),
+            closing: AtomicBool::new(false),
+        });
+        super::current::register(&inner);
+        Ok(Pool { inner })
+    }
+
+    pub fn options(&self) -> PoolOptions {
+        self.inner.opts
+    }
+
+    /// A block of at least `nbytes` bytes, 512-aligned; the pool grows by
+    /// a segment when none has room (only before export).
+    pub fn alloc(&self, nbytes: usize) -> Result<u64> {
+        self.inner.alloc(nbytes)
+    }
+
+    /// Frees a block from [`Pool::alloc`].
+    pub fn free_block(&self, ptr: u64) -> Result<()> {
+        self.inner.free_block(ptr)
+    }
+
+    /// Adds a named tensor to the manifest. Its storage must lie inside
+    /// the pool and the view inside its storage; storages are shared by
+    /// the views that start at the same address.
+    pub fn add_tensor(&self, name: &str, t: &TensorSpec) -> Result<()> {
+        let invalid = |msg: String| Error::new(ErrorKind::InvalidArgument, format!("tensor {name:?}: {msg}"));
+        if name.is_empty() || name.len() > MAX_NAME || name.contains('\0') {
+            return Err(invalid(format!("a name must be 1 to {MAX_NAME} bytes without NUL")));
+        }
+        let need = view_extent(&t.sizes, &t.strides, t.storage_offset, t.dtype.itemsize()).map_err(invalid)?;
+        if need > t.storage_nbytes as u64 {
+            return Err(invalid(format!("the view reaches {need} bytes into a storage of {} bytes", t.storage_nbytes)));
+        }
+        let mut layout = lock(&self.inner.layout);
+        if layout.frozen.is_some() {
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("cannot add tensor {name:?}: the manifest is frozen after export")));
+        }
+        if layout.names.contains_key(name) {
+            return Err(invalid("a tensor of this name is in the pool already".into()));
+        }
+        let storage = if t.storage_nbytes == 0 {
+            layout.storages.push(StorageEntry { segment: 0, offset: 0, nbytes: 0 });
+            layout.storages.len() as u32 - 1
+        } else if let Some(&index) = layout.storage_by_ptr.get(&t.storage_ptr) {
+            let have = layout.storages[index as usize].nbytes;
+            if have != t.storage_nbytes as u64 {
+                return Err(invalid(format!(
+                    "its storage at 0x{:x} was added before with {have} bytes, now with {}",
+                    t.storage_ptr, t.storage_nbytes
+                )));
+            }
+            index
+        } else {
+            let (segment, offset) = PoolInner::find(&layout, t.storage_ptr, t.storage_nbytes).ok_or_else(|| {
+                invalid(format!(
+                    "its storage (0x{:x}, {} bytes) does not lie inside one segment of this pool",
+                    t.storage_ptr, t.storage_nbytes
+                ))
+            })?;
+            layout.storages.push(StorageEntry { segment: segment as u32, offset: offset as u64, nbytes: t.storage_nbytes as u64 });
+            let index = layout.storages.len() as u32 - 1;
+            layout.storage_by_ptr.insert(t.storage_ptr, index);
+            index
+        };
+        let entry = TensorEntry {
+            name: name.to_string(),
+            storage,
+            dtype: t.dtype,
+            sizes: t.sizes.clone(),
+            strides: t.strides.clone(),
+            storage_offset: t.storage_offset,
+        };
+        let at = layout.tensors.len();
+        layout.tensors.push(entry);
+        layout.names.insert(name.to_string(), at);
+        Ok(())
+    }
+
+    /// The manifest as it stands (frozen or not).
+    pub(crate) fn manifest(layout: &Layout) -> Manifest {
+        Manifest {
+            segments: layout.segments.iter().map(|s| SegmentEntry { size: s.size() as u64, handle: s.handle() }).collect(),
+            storages: layout.storages.clone(),
+            tensors: layout.tensors.clone(),
+        }
+    }
+
+    /// Freezes the manifest, starts the server (once) and publishes
+    /// version 1 if nothing was published yet. Every call returns the same handle.
+    pub fn export(&self) -> Result<PoolHandle> {
+        let mut server = lock(&self.inner.server);
+        if let Some(s) = server.as_ref() {
+            return Ok(self.handle_for(s.socket_name()));
+        }
+        {
+            let mut layout = lock(&self.inner.layout);
+            let manifest = Self::manifest(&layout);
+            manifest.validate(ErrorKind::InvalidArgument)?;
+            layout.frozen = Some(Arc::new(manifest.encode()));
+        }
+        if self.inner.control.version() == 0 {
+            self.start_update(Some(Duration::ZERO))?;
+            self.publish_update(0)?;
+        }
+        let s = Server::start(self.inner.clone())?;
+        let handle = self.handle_for(s.socket_name());
+        *server = Some(s);
+        Ok(handle)
+    }
+
+    fn handle_for(&self, socket_name: &str) -> PoolHandle {
+        PoolHandle {
+            socket_name: socket_name.to_string(),
+            producer_pid: std::process::id() as i32,
+            device: self.inner.opts.device,
+            kind: self.inner.opts.kind,
+        }
+    }
+
+    /// Opens an update: readers are kept out, and this waits (up to
+    /// `timeout`) until no consumer holds a version. Publish with
+    /// [`UpdateGuard::publish`]; dropping the guard unpublished leaves the
+    /// pool torn until the next publish.
+    pub fn begin_update(&self, timeout: Timeout) -> Result<UpdateGuard<'_>> {
+        self.start_update(timeout)?;
+        Ok(UpdateGuard { pool: self, done: false })
+    }
+
+    /// [`Pool::begin_update`] without a guard (for the C and Python APIs,
+    /// whose update spans calls): end it with [`Pool::publish_update`] or
+    /// [`Pool::abandon_update`].
+    pub fn start_update(&self, timeout: Timeout) -> Result<()> {
+        let mut u = lock(&self.inner.updating);
+        if u.open {
+            return Err(Error::new(ErrorKind::Busy, "an update of this pool is open already; publish it first"));
+        }
+        let control = &self.inner.control;
+        if !control.begin_writing() {
+            return Err(Error::new(ErrorKind::Busy, "an update of this pool is open already; publish it first"));
+        }
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(20);
+        loop {
+            let holders = control.holders();
+            if holders.is_empty() {
+                break;
+            }
+            if timeout.is_some_and(|t| start.elapsed() >= t) {
+                control.cancel_writing();
+                let consumers = lock(&self.inner.consumers);
+                let pids: Vec<String> =
+                    holders.iter().map(|s| consumers.get(*s).copied().flatten().map_or("?".into(), |p| p.to_string())).collect();
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "begin_update: {} consumer(s) (pid {}) still hold version {} after {:?}; they must release it first",
+                        holders.len(),
+                        pids.join(", "),
+                        control.version(),
+                        timeout.unwrap_or_default()
+                    ),
+                ));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
+        u.open = true;
+        Ok(())
+    }
+
+    /// Publishes the open update: records an event on `stream` (CUDA),
+    /// bumps the version and lets readers in. Returns the new version.
+    pub fn publish_update(&self, stream: u64) -> Result<u64> {
+        let mut u = lock(&self.inner.updating);
+        if !u.open {
+            return Err(Error::new(ErrorKind::InvalidArgument, "publish: no update of this pool is open (call begin_update first)"));
+        }
+        let event = self.inner.backend.record_event(stream)?;
+        let version = self.inner.control.publish(event.as_ref().map(|e| &e.handle));
+        if let Some(old) = std::mem::replace(&mut u.last_event, event.map(|e| e.id)) {
+            self.inner.backend.destroy_event(old);
+        }
+        u.open = false;
+        Ok(version)
+    }
+
+    /// Ends the open update without publishing: the pool is torn (acquire
+    /// fails) until the next publish.
+    pub fn abandon_update(&self) {
+        let mut u = lock(&self.inner.updating);
+        if u.open {
+            self.inner.control.abandon();
+            u.open = false;
+        }
+    }
+
+    /// The version last published (0 before the first).
+    pub fn version(&self) -> u64 {
+        self.inner.control.version()
+    }
+
+    /// Consumer processes connected now.
+    pub fn consumers(&self) -> usize {
+        lock(&self.inner.consumers).iter().filter(|c| c.is_some()).count()
+    }
+
+    /// (address, bytes) of each segment, in order.
+    pub fn segments(&self) -> Vec<(u64, usize)> {
+        lock(&self.inner.layout).segments.iter().map(|s| (s.addr(), s.size())).collect()
+    }
+
+    pub fn device(&self) -> PoolDevice {
+        self.inner.opts.device
+    }
+
+    pub fn kind(&self) -> PoolKind {
+        self.inner.opts.kind
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.inner.closing.store(true, Ordering::SeqCst);
+        let server = lock(&self.inner.server).take();
+        drop(server);
+        super::current::forget(&self.inner);
+        let event = lock(&self.inner.updating).last_event.take();
+        if let Some(ev) = event {
+            self.inner.backend.destroy_event(ev);
+        }
+    }
+}
+
+/// An open update (see [`Pool::begin_update`]).
+pub struct UpdateGuard<'a> {
+    pool: &'a Pool,
+    done: bool,
+}
+
+impl UpdateGuard<'_> {
+    /// Publishes the update on `stream`; returns the new version.
+    pub fn publish(mut self, stream: u64) -> Result<u64> {
+        let v = self.pool.publish_update(stream);
+        if v.is_ok() {
+            self.done = true;
+        }
+        v
+    }
+}
+
+impl Drop for UpdateGuard<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.pool.abandon_update();
+        }
+    }
+}

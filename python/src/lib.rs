@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 
 mod arena;
 mod content_store;
+mod cuda_pool;
 mod errors;
 mod fd_server;
 mod manager;
@@ -42,6 +43,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(symm::symm_group_tcp, m)?)?;
     m.add_function(wrap_pyfunction!(symm::symm_group_store, m)?)?;
     m.add_function(wrap_pyfunction!(symm::symm_has_group, m)?)?;
+    m.add_class::<cuda_pool::PyCudaPool>()?;
+    m.add_class::<cuda_pool::PyCudaWeights>()?;
+    m.add_function(wrap_pyfunction!(cuda_pool::clear_current_pool, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_pool::pool_handle_info, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_pool::take_alloc_error, m)?)?;
     maps::add_flags(m)?;
     m.add("HANDLE_SIZE", storage_sharing::arena::handle::WIRE_SIZE)?;
     fd_server::install_fork_handler();

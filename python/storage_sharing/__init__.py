@@ -26,6 +26,7 @@ from ._buffers import BufferMixin as _BufferMixin
 from ._buffers import wrap as _wrap
 from ._errors import (
     AlreadyExistsError,
+    BusyError,
     ClosedError,
     Error,
     InvalidArgumentError,
@@ -288,6 +289,7 @@ __all__ = [
     "AlreadyExistsError",
     "Arena",
     "Block",
+    "BusyError",
     "ClosedError",
     "Error",
     "Handle",

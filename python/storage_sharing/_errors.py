@@ -52,6 +52,11 @@ class PeerGoneError(Error, ConnectionError):
     """The peer process or connection is gone."""
 
 
+class BusyError(Error, OSError):
+    """The object is in a state that refuses the call now (say, a weights
+    pool torn by an abandoned update): errno EBUSY."""
+
+
 # kind -> (class, errno for OSError subclasses or None)
 _BY_KIND = {
     "NotFound": (NotFoundError, _errno.ENOENT),
@@ -67,6 +72,7 @@ _BY_KIND = {
     "BufferTooSmall": (InvalidArgumentError, None),
     "Closed": (ClosedError, None),
     "PeerGone": (PeerGoneError, _errno.EPIPE),
+    "Busy": (BusyError, _errno.EBUSY),
 }
 
 

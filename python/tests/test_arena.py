@@ -77,7 +77,9 @@ def test_errors_are_typed_and_carry_the_message():
     assert isinstance(full, OSError) and full.errno == errno.ENOSPC and "</x>" in str(full)
     assert isinstance(ss._errors.from_native("Timeout", "t"), TimeoutError)
     assert isinstance(ss._errors.from_native("Permission", "p"), PermissionError)
-    assert type(ss._errors.from_native("Busy", "b")) is ss.Error
+    assert type(ss._errors.from_native("Protocol", "b")) is ss.Error
+    busy = ss._errors.from_native("Busy", "pool is torn")
+    assert isinstance(busy, ss.BusyError) and busy.errno == errno.EBUSY
 
 
 def test_refcounted_map_by_name():

@@ -1,0 +1,516 @@
+"""A model's weights shared whole between processes, updated in place.
+
+The producer puts a state dict in a :class:`Pool` (device memory in one or
+a few large segments), exports it once, and hands the small picklable
+:class:`WeightsHandle` to other processes; each opens it once with
+:func:`open_weights` into a :class:`Weights`, a mapping of name -> tensor
+views of the producer's memory (no copy) that
+``model.load_state_dict(weights, assign=True)`` accepts::
+
+    pool = cuda.Pool.from_state_dict(model.state_dict())   # copied in once
+    handle = pool.export()                                 # pickle it anywhere
+    ...
+    w = cuda.open_weights(handle)                          # another process
+    model.load_state_dict(w, assign=True)
+
+Or the tensors are born in the pool, with no copy at all (CUDA)::
+
+    pool = cuda.Pool("cuda:0")
+    with pool.allocating():
+        model = Model().cuda()
+    pool.add_state_dict(model.state_dict())
+
+Updates are in place and versioned: ``with pool.update() as tensors:``
+waits until no consumer holds a version, lets the producer write (``copy_``
+or its own kernels), and publishes a new version on exit. A consumer reads
+inside ``with w.reading() as version:``, which holds the version it saw: the
+producer's next update waits for it, so a consumer never sees a mix of two
+versions.
+
+``device="cpu"`` runs all of it on the host backend (CPU memory: sealed
+memfds or named shm instead of device memory), giving CPU tensors: that is
+how the tests run without a GPU, and it shares CPU weights as well.
+
+Errors are :mod:`storage_sharing` errors: a producer that died is
+:class:`~storage_sharing.PeerGoneError`, a wait that ran out is
+:class:`~storage_sharing.WaitTimeoutError`, a bad argument or handle is
+:class:`~storage_sharing.InvalidArgumentError`.
+"""
+
+import contextlib
+import threading
+from collections.abc import Mapping
+from typing import Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+
+from . import _native
+from ._errors import ClosedError, InvalidArgumentError, NoSpaceError
+from ._pool_layout import group_by_storage
+from ._pool_tensors import bytes_at, dtype_name, dtype_named, typed_view
+
+__all__ = [
+    "STOCK_FORMAT",
+    "Pool",
+    "Weights",
+    "WeightsHandle",
+    "open_weights",
+]
+
+STOCK_FORMAT = "storage_sharing.cuda_weights.stock/1"
+
+DeviceLike = Union[str, int, torch.device]
+
+
+def _device(device: DeviceLike) -> torch.device:
+    """``cpu`` or ``cuda:N`` (an index always), or an error naming the
+    device a pool cannot live on."""
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(f"pool device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if d.type == "cpu":
+        return torch.device("cpu")
+    if d.type != "cuda":
+        raise InvalidArgumentError(f"a pool lives on cpu (the host backend) or a CUDA device, not {d}")
+    if d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return d
+
+
+def _native_device(d: torch.device) -> Tuple[str, int]:
+    return ("cpu", 0) if d.type == "cpu" else ("cuda", d.index)
+
+
+def _current_stream(d: torch.device) -> int:
+    """The stream the caller works on (0 on the host backend)."""
+    return 0 if d.type == "cpu" else torch.cuda.current_stream(d).cuda_stream
+
+
+def _require_mem_pool() -> None:
+    missing = [n for n in ("MemPool", "use_mem_pool") if not hasattr(torch.cuda, n)]
+    if missing or not hasattr(torch.cuda.memory, "CUDAPluggableAllocator"):
+        raise RuntimeError(
+            f"Pool.allocating() needs torch.cuda.MemPool, torch.cuda.use_mem_pool and "
+            f"CUDAPluggableAllocator; this torch ({torch.__version__}) lacks "
+            f"{', '.join(missing) or 'CUDAPluggableAllocator'}: copy the weights in with "
+            f"Pool.from_state_dict / add_state_dict instead"
+        )
+
+
+# The pool whose allocating() context is open: PyTorch's pluggable
+# allocator calls plain C functions, so the pool they place blocks in is
+# one per process.
+_allocating_lock = threading.Lock()
+_allocating: Optional["Pool"] = None
+
+
+class _Entry:
+    """Where a tensor of the manifest lies (for the stock descriptor)."""
+
+    __slots__ = ("storage_ptr", "dtype", "sizes", "strides", "storage_offset")
+
+    def __init__(self, storage_ptr: int, dtype: torch.dtype, sizes, strides, storage_offset: int) -> None:
+        self.storage_ptr = storage_ptr
+        self.dtype = dtype
+        self.sizes = tuple(sizes)
+        self.strides = tuple(strides)
+        self.storage_offset = storage_offset
+
+
+class WeightsHandle:
+    """What a consumer needs to open a pool: a few dozen bytes naming the
+    producer's socket, pid, device and kind. Picklable; bytes(handle) and
+    :meth:`from_bytes` carry it through any channel."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data = bytes(data)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "WeightsHandle":
+        """A handle from its bytes; an error names what is wrong with them."""
+        h = cls(data)
+        h._info()
+        return h
+
+    def __bytes__(self) -> bytes:
+        return self._data
+
+    def _info(self):
+        return _native.pool_handle_info(self._data)
+
+    @property
+    def producer_pid(self) -> int:
+        return self._info()[1]
+
+    @property
+    def device(self) -> torch.device:
+        _, _, kind, index, _ = self._info()
+        return torch.device("cpu") if kind == "cpu" else torch.device("cuda", index)
+
+    @property
+    def kind(self) -> str:
+        return self._info()[4]
+
+    def __reduce__(self):
+        return (WeightsHandle, (self._data,))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, WeightsHandle) and other._data == self._data
+
+    def __hash__(self) -> int:
+        return hash(self._data)
+
+    def __repr__(self) -> str:
+        try:
+            _, pid, _, _, kind = self._info()
+            return f"<storage_sharing.cuda.WeightsHandle producer={pid} device={self.device} kind={kind}>"
+        except Exception:
+            return f"<storage_sharing.cuda.WeightsHandle (malformed, {len(self._data)} bytes)>"
+
+
+class Pool:
+    """A producer's shareable pool of weights on ``device`` (``"cuda:N"``,
+    or ``"cpu"`` for the host backend).
+
+    ``kind="vmm"`` (default) shares segments as file descriptors (only
+    processes with this library open them); ``kind="legacy"`` uses legacy
+    CUDA IPC handles that stock PyTorch can open too (see
+    :meth:`stock_descriptor`). ``segment_size`` is the size of a new segment
+    (a larger request gets a segment of its own); ``max_consumers`` bounds
+    the consumer processes connected at once.
+
+    The pool keeps its tensors (:meth:`state_dict`) alive: memory a
+    consumer reads is never handed out again while the pool lives.
+    """
+
+    def __init__(
+        self,
+        device: DeviceLike = "cuda:0",
+        kind: str = "vmm",
+        segment_size: Optional[int] = None,
+        max_consumers: Optional[int] = None,
+    ) -> None:
+        self.device = _device(device)
+        self.kind = kind
+        dtype, index = _native_device(self.device)
+        self._native = _native.CudaPool(dtype, index, kind, segment_size, max_consumers)
+        self._tensors: Dict[str, torch.Tensor] = {}
+        self._entries: Dict[str, _Entry] = {}
+        self._mem_pool = None
+        self._handle: Optional[WeightsHandle] = None
+
+    @classmethod
+    def from_state_dict(
+        cls, state_dict: Mapping, device: Optional[DeviceLike] = None, kind: str = "vmm", **options
+    ) -> "Pool":
+        """A pool holding a copy of ``state_dict`` (each storage copied in
+        once; views of one storage stay views of one storage). ``device``
+        defaults to the device of the state dict's tensors."""
+        if device is None:
+            devices = {t.device for t in state_dict.values() if isinstance(t, torch.Tensor)}
+            if len(devices) != 1:
+                found = ", ".join(sorted(str(d) for d in devices)) or "no tensors"
+                raise InvalidArgumentError(f"Pool.from_state_dict: pass device= (the state dict has {found})")
+            device = devices.pop()
+        pool = cls(device, kind, **options)
+        pool.add_state_dict(state_dict)
+        return pool
+
+    # ---- filling ----
+
+    def add_state_dict(self, state_dict: Mapping) -> None:
+        """Adds every tensor of ``state_dict`` to the manifest. Tensors
+        already in the pool (born in :meth:`allocating`) are added as they
+        are; the others are copied in, one copy per storage."""
+        groups = group_by_storage(state_dict)
+        for g in groups:
+            for m in g.members:
+                if m.name in self._entries:
+                    raise InvalidArgumentError(f"the pool has a tensor named {m.name!r} already")
+        segments = self._native.segments()
+        ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            for g in groups:
+                self._add_group(g, segments)
+
+    def _add_group(self, g, segments: List[Tuple[int, int]]) -> None:
+        start = g.storage.data_ptr() + g.lo
+        born_here = (
+            g.nbytes > 0
+            and g.storage.device == self.device
+            and any(base <= start and start + g.nbytes <= base + size for base, size in segments)
+        )
+        if born_here:
+            ptr, views = start, {m.name: m.tensor for m in g.members}
+        else:
+            ptr = self._native.alloc(max(g.nbytes, 1))
+            dst = bytes_at(ptr, g.nbytes, self.device, self._native)
+            if g.nbytes:
+                dst.copy_(g.source_bytes())
+            views = {
+                m.name: typed_view(dst, m.tensor.dtype, m.tensor.shape, m.tensor.stride(), m.storage_offset)
+                for m in g.members
+            }
+        for m in g.members:
+            t, offset = m.tensor, m.storage_offset
+            self._native.add_tensor(m.name, ptr, g.nbytes, dtype_name(t.dtype), list(t.shape), list(t.stride()), offset)
+            self._entries[m.name] = _Entry(ptr, t.dtype, t.shape, t.stride(), offset)
+            self._tensors[m.name] = views[m.name]
+
+    @contextlib.contextmanager
+    def allocating(self) -> Iterator["Pool"]:
+        """Inside this context, this thread's CUDA allocations on the pool's
+        device are born in the pool (``torch.cuda.MemPool`` over a
+        ``CUDAPluggableAllocator`` of this library): ``model.cuda()`` puts
+        the parameters there with no copy. Add them with
+        :meth:`add_state_dict` afterwards. One pool at a time per process."""
+        global _allocating
+        if self.device.type != "cuda":
+            raise InvalidArgumentError(
+                f"Pool.allocating() places PyTorch's CUDA allocations; this pool is on {self.device} "
+                f"(the host backend): put tensors in with add_state_dict or from_state_dict"
+            )
+        _require_mem_pool()
+        with _allocating_lock:
+            if _allocating is not None:
+                raise InvalidArgumentError("another pool's allocating() context is open in this process")
+            _allocating = self
+        try:
+            if self._mem_pool is None:
+                allocator = torch.cuda.memory.CUDAPluggableAllocator(
+                    _native.__file__, "ss_pool_torch_malloc", "ss_pool_torch_free"
+                )
+                self._mem_pool = torch.cuda.MemPool(allocator.allocator())
+            _native.take_alloc_error()
+            self._native.make_current()
+            try:
+                with torch.cuda.use_mem_pool(self._mem_pool, device=self.device):
+                    yield self
+            except torch.cuda.OutOfMemoryError as e:
+                why = _native.take_alloc_error()
+                if why is None:
+                    raise
+                raise NoSpaceError(f"the pool could not place an allocation: {why}") from e
+        finally:
+            _native.clear_current_pool()
+            with _allocating_lock:
+                _allocating = None
+
+    # ---- sharing ----
+
+    def export(self) -> WeightsHandle:
+        """The handle consumers open. The first call freezes the manifest,
+        starts answering consumers and publishes version 1; later calls
+        return the same handle."""
+        if self._handle is None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the copies in are done before version 1
+            self._handle = WeightsHandle(self._native.export())
+        return self._handle
+
+    @contextlib.contextmanager
+    def update(self, timeout: Optional[float] = None) -> Iterator[Dict[str, torch.Tensor]]:
+        """Opens an update: waits (up to ``timeout`` seconds; None = no
+        limit) until no consumer holds a version, yields the pool's tensors
+        to write in place, and on exit publishes the next version (recorded
+        on the current stream). If the block raises, nothing is published
+        and the pool stays torn: consumers' acquire fails until a later
+        update publishes."""
+        self._native.begin_update(timeout)
+        try:
+            yield dict(self._tensors)
+        except BaseException:
+            self._native.abandon_update()
+            raise
+        self._native.publish_update(_current_stream(self.device))
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """The pool's tensors, by name (the producer's views of them)."""
+        return dict(self._tensors)
+
+    @property
+    def version(self) -> int:
+        """The last published version (0 before export)."""
+        return self._native.version
+
+    @property
+    def consumers(self) -> int:
+        """Consumer processes connected now."""
+        return self._native.consumers
+
+    def segments(self) -> List[Tuple[int, int]]:
+        """(address, bytes) of each segment."""
+        return self._native.segments()
+
+    def stock_descriptor(self) -> dict:
+        """The pool as stock PyTorch opens it (legacy kind, CUDA only, after
+        :meth:`export`): a dict of builtins only, picklable where this
+        package is not installed. Per segment, the eight arguments of
+        ``torch.UntypedStorage._new_shared_cuda``; per tensor, (segment,
+        byte offset of its storage in the segment, dtype name, shape,
+        stride, storage offset)."""
+        if self.kind != "legacy" or self.device.type != "cuda":
+            raise InvalidArgumentError(
+                f"stock PyTorch opens legacy-kind CUDA pools only; this pool is kind={self.kind!r} on {self.device}"
+            )
+        segments = self._native.segments()
+        stock = self._native.stock_segments()
+        tensors = {}
+        for name, e in self._entries.items():
+            index = next(i for i, (base, size) in enumerate(segments) if base <= e.storage_ptr < base + size)
+            tensors[name] = (
+                index,
+                e.storage_ptr - segments[index][0],
+                dtype_name(e.dtype),
+                e.sizes,
+                e.strides,
+                e.storage_offset,
+            )
+        return {"format": STOCK_FORMAT, "device": self.device.index, "segments": [tuple(s) for s in stock], "tensors": tensors}
+
+    def __reduce__(self):
+        raise TypeError("a Pool stays in its process: send pool.export() (a WeightsHandle) to consumers")
+
+    def __repr__(self) -> str:
+        return f"<storage_sharing.cuda.Pool device={self.device} kind={self.kind} tensors={len(self._tensors)}>"
+
+
+class Weights(Mapping):
+    """A consumer's view of a producer's pool: name -> tensor over the
+    producer's memory (no copy; views of one storage there are views of one
+    storage here). The tensors keep the mapping alive, even past
+    :meth:`close`.
+
+    Reads are safe against updates only between :meth:`acquire` and
+    :meth:`release` (or inside ``with weights.reading():``): the producer's
+    next update waits for the release."""
+
+    def __init__(self, native, device: torch.device) -> None:
+        self._native = native
+        self.device = device
+        self._lock = threading.Lock()
+        self._holds = 0
+        self._version = 0
+        bases: Dict[int, torch.Tensor] = {}
+        self._tensors: Dict[str, torch.Tensor] = {}
+        for name, storage, _seg, ptr, nbytes, dt, sizes, strides, offset in native.tensors():
+            base = bases.get(storage)
+            if base is None:
+                base = bases[storage] = bytes_at(ptr, nbytes, device, native)
+            self._tensors[name] = typed_view(base, dtype_named(dt), sizes, strides, offset)
+
+    def _live(self):
+        if self._native is None:
+            raise ClosedError("these weights are closed")
+        return self._native
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self._live()
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def acquire(self, timeout: Optional[float] = None) -> int:
+        """Holds the current version (waiting, up to ``timeout`` seconds,
+        while the producer writes; None = no limit); the current stream
+        waits for its publish. Returns the version. Threads share the
+        hold: each acquire needs its release."""
+        v = self._live().acquire(_current_stream(self.device), timeout)
+        with self._lock:
+            self._holds += 1
+            self._version = v
+        return v
+
+    def release(self) -> None:
+        """Lets the held version go, once the current stream's reads of it
+        are done."""
+        native = self._live()
+        with self._lock:
+            if self._holds == 0:
+                raise InvalidArgumentError("these weights hold no version: acquire() first")
+        native.release(_current_stream(self.device))
+        with self._lock:
+            self._holds -= 1
+
+    @contextlib.contextmanager
+    def reading(self, timeout: Optional[float] = None) -> Iterator[int]:
+        """``with weights.reading() as version:``: acquire, then release."""
+        version = self.acquire(timeout)
+        try:
+            yield version
+        finally:
+            self.release()
+
+    @property
+    def held(self) -> Optional[int]:
+        """The version held now, or None."""
+        return self._version if self._holds else None
+
+    def check_producer(self) -> None:
+        """Raises PeerGoneError once the producer is gone."""
+        self._live().check_producer()
+
+    def segments(self) -> List[Tuple[int, int]]:
+        """Where each segment is mapped in this process: (address, bytes)."""
+        return self._live().segments()
+
+    @property
+    def closed(self) -> bool:
+        return self._native is None
+
+    def close(self) -> None:
+        """Releases a held version and lets go of the pool: the mapping and
+        the connection to the producer go when the last tensor over them
+        does."""
+        native = self._native
+        if native is None:
+            return
+        while self._holds:
+            native.release(_current_stream(self.device))
+            self._holds -= 1
+        self._native = None
+        self._tensors = {}
+
+    def __enter__(self) -> "Weights":
+        return self
+
+    def __del__(self) -> None:
+        # A hold forgotten with this object would stall the producer's
+        # updates for as long as a tensor keeps the connection open.
+        if getattr(self, "_holds", 0):
+            self.close()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce__(self):
+        raise TypeError("Weights stay in their process: send the WeightsHandle and open it there")
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self._tensors)} tensors"
+        return f"<storage_sharing.cuda.Weights {state} device={self.device}>"
+
+
+def open_weights(handle: Union[WeightsHandle, bytes], timeout: Optional[float] = 30.0) -> Weights:
+    """Opens the pool ``handle`` names (made by :meth:`Pool.export` in
+    another process): one connection to the producer and one mapping of
+    each segment, whatever the number of tensors. Waits up to ``timeout``
+    seconds for the producer (None = no limit)."""
+    if isinstance(handle, WeightsHandle):
+        data = bytes(handle)
+    elif isinstance(handle, (bytes, bytearray, memoryview)):
+        data = bytes(handle)
+    else:
+        raise InvalidArgumentError(f"open_weights takes a WeightsHandle (or its bytes), got {type(handle).__name__}")
+    _, _, dev_type, index, _ = _native.pool_handle_info(data)
+    device = torch.device("cpu") if dev_type == "cpu" else torch.device("cuda", index)
+    return Weights(_native.CudaWeights(data, timeout), device)

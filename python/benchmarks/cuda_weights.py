@@ -322,12 +322,12 @@ def run_model(model, device, iters, kinds):
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" + "---:|" * (len(head) - 1))
     for label, exp, opn, upd, gbs, pct, pub, extra, handles, fds in rows:
-        cells = (label, fmt(exp, ".1f"), fmt(opn, ".1f"), fmt(upd, ".2f"), fmt(gbs, ".1f"), fmt(pct, ".0f"),
+        cells = (label, fmt(exp, ".1f"), fmt(opn, ".1f"), fmt(upd, ".2f"), fmt(gbs, ".2f"), fmt(pct, ".0f"),
                  fmt(None if pub is None else pub * 1e3, ".3f"), fmt(extra, ".0f"), str(handles), str(fds))
         print("| " + " | ".join(cells) + " |")
     a_open = rows[0][2]
     for row in rows[2:]:
-        print(f"{row[0]}: open {a_open / row[2]:.1f}x faster than (a), {rows[1][2] / row[2]:.1f}x than (b)")
+        print(f"{row[0]}: open time (a) / this = {a_open / row[2]:.1f}, (b) / this = {rows[1][2] / row[2]:.1f}")
     sys.stdout.flush()
 
 

@@ -400,6 +400,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--stock-opener", default=os.path.join(HERE, "open_with_stock_pytorch.py"))
+    ap.add_argument("-k", dest="only", default="", help="run only the tests whose name contains this")
     ap.add_argument("--role", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     if args.role:
@@ -429,6 +430,7 @@ def main():
             ]
         if cuda:
             tests.append(("the stock-PyTorch opener (legacy)", lambda: test_stock_opener(d)))
+        tests = [(name, fn) for name, fn in tests if args.only in name]
         passed = failed = 0
         for name, fn in tests:
             t0 = time.monotonic()

@@ -31,6 +31,17 @@
  */
 #define SS_STORE_CALLBACKS_INIT { sizeof(ss_store_callbacks), NULL, NULL, NULL, NULL, NULL }
 
+/**
+ * Initializer of an `ss_cuda_pool_options`: `struct_size` and the defaults
+ * (CUDA device 0, VMM kind, 256 MiB segments, 64 consumers).
+ */
+#define SS_CUDA_POOL_OPTIONS_INIT { sizeof(ss_cuda_pool_options), SS_POOL_DEVICE_CUDA, 0, SS_POOL_KIND_VMM, (size_t)256 << 20, 64 }
+
+/**
+ * Initializer of an `ss_tensor_desc`: `struct_size` set, everything else 0.
+ */
+#define SS_TENSOR_DESC_INIT { sizeof(ss_tensor_desc), NULL, 0, 0, 0, NULL, NULL, 0 }
+
 
 /**
  * Arena segments are anonymous memfds; their descriptors travel by
@@ -136,6 +147,27 @@
  * A buffer of this many bytes holds any `ss_cuda_ipc_handle_to_text` output.
  */
 #define SS_CUDA_HANDLE_TEXT_MAX 512
+
+/**
+ * `ss_cuda_pool_options.device_type` of a CUDA pool (the product).
+ */
+#define SS_POOL_DEVICE_CUDA 0
+
+/**
+ * `ss_cuda_pool_options.device_type` of a host pool (host RAM: the test
+ * backend, usable for CPU weights).
+ */
+#define SS_POOL_DEVICE_HOST 1
+
+/**
+ * Segments exported as file descriptors (CUDA VMM; host: sealed memfds).
+ */
+#define SS_POOL_KIND_VMM 0
+
+/**
+ * Segments with legacy IPC handles, openable by stock PyTorch (host: named shm).
+ */
+#define SS_POOL_KIND_LEGACY 1
 
 /**
  * Level of a warning: something the host should act on (say, CUDA memory
@@ -346,6 +378,12 @@ typedef struct ss_content_tensor ss_content_tensor;
 typedef struct ss_content_writer ss_content_writer;
 
 /**
+ * A producer's pool. Thread safety: every function may be called from
+ * several threads at once.
+ */
+typedef struct ss_cuda_pool ss_cuda_pool;
+
+/**
  * A storage received from another process. Release it with
  * `ss_cuda_received_free`. Thread safety: one thread at a time.
  */
@@ -356,6 +394,12 @@ typedef struct ss_cuda_received ss_cuda_received;
  * Thread safety: one thread at a time.
  */
 typedef struct ss_cuda_sent ss_cuda_sent;
+
+/**
+ * A pool opened in this (consumer) process. Thread safety: as for
+ * `ss_cuda_pool`; threads share one hold, each acquire needs its release.
+ */
+typedef struct ss_cuda_weights ss_cuda_weights;
 
 /**
  * A mapped file or shared-memory segment, plain or refcounted.
@@ -561,6 +605,88 @@ typedef struct {
    */
   bool event_sync_required;
 } ss_cuda_ipc_handle;
+
+/**
+ * How `ss_cuda_pool_new` makes a pool. Start from `SS_CUDA_POOL_OPTIONS_INIT`.
+ */
+typedef struct {
+  /**
+   * `sizeof(ss_cuda_pool_options)` as the caller was built (0 is refused).
+   */
+  size_t struct_size;
+  /**
+   * `SS_POOL_DEVICE_CUDA` (default) or `SS_POOL_DEVICE_HOST`.
+   */
+  int32_t device_type;
+  /**
+   * CUDA device ordinal (ignored for the host).
+   */
+  int32_t device;
+  /**
+   * `SS_POOL_KIND_VMM` (default) or `SS_POOL_KIND_LEGACY`.
+   */
+  int32_t kind;
+  /**
+   * Bytes of a new segment (default 256 MiB, rounded to the device's granularity).
+   */
+  size_t segment_size;
+  /**
+   * Most consumer processes connected at once (default 64, at most 4096).
+   */
+  size_t max_consumers;
+} ss_cuda_pool_options;
+
+/**
+ * One tensor for `ss_cuda_pool_add_tensor`: a view of the storage at
+ * `storage_ptr` (inside the pool) of `storage_nbytes` bytes.
+ */
+typedef struct {
+  /**
+   * `sizeof(ss_tensor_desc)` as the caller was built (0 is refused).
+   */
+  size_t struct_size;
+  const void *storage_ptr;
+  size_t storage_nbytes;
+  /**
+   * c10::ScalarType number (6 = float32, 15 = bfloat16, ...).
+   */
+  int32_t dtype;
+  size_t ndim;
+  /**
+   * `ndim` sizes (may be NULL when ndim is 0).
+   */
+  const int64_t *sizes;
+  /**
+   * `ndim` strides, in elements.
+   */
+  const int64_t *strides;
+  /**
+   * In elements.
+   */
+  int64_t storage_offset;
+} ss_tensor_desc;
+
+/**
+ * One tensor of an opened pool, lent by the weights object (valid until
+ * `ss_cuda_weights_free`).
+ */
+typedef struct {
+  const char *name;
+  /**
+   * The start of its storage in this process (NULL for an empty storage).
+   */
+  void *data_ptr;
+  size_t storage_nbytes;
+  int32_t dtype;
+  size_t ndim;
+  const int64_t *sizes;
+  const int64_t *strides;
+  int64_t storage_offset;
+  /**
+   * Tensors with the same index are views of one storage.
+   */
+  size_t storage_index;
+} ss_cuda_weights_tensor_info;
 
 /**
  * Sets `key` to the `len` bytes at `value`. Returns an `ss_status` code
@@ -1464,6 +1590,166 @@ ss_status ss_cuda_ipc_handle_to_text(const ss_cuda_ipc_handle *ipc_handle, char 
  * writable `ss_cuda_ipc_handle`.
  */
 ss_status ss_cuda_ipc_handle_from_text(const char *text, ss_cuda_ipc_handle *out);
+
+/**
+ * A new pool with `options` (NULL: CUDA device 0, VMM, 256 MiB segments,
+ * 64 consumers); no memory is taken until the first allocation. Without
+ * a CUDA driver or device, a CUDA pool is `SS_ERR_CUDA_UNAVAILABLE` with
+ * the reason. Release with `ss_cuda_pool_free`.
+ *
+ * # Safety
+ * `options` is NULL or readable; `out` is NULL or writable.
+ */
+ss_status ss_cuda_pool_new(const ss_cuda_pool_options *options, ss_cuda_pool **out);
+
+/**
+ * A block of at least `nbytes` bytes in the pool, 512-aligned, in
+ * `*out_ptr` (device memory for a CUDA pool). The pool grows by a segment
+ * when none has room, until it is exported (then `SS_ERR_NO_SPACE`).
+ *
+ * # Safety
+ * `pool` is NULL or a live pool; `out_ptr` is NULL or writable.
+ */
+ss_status ss_cuda_pool_alloc(ss_cuda_pool *pool, size_t nbytes, void **out_ptr);
+
+/**
+ * Frees a block from `ss_cuda_pool_alloc` (anything else is `SS_ERR_INVALID_ARGUMENT`).
+ *
+ * # Safety
+ * `pool` is NULL or a live pool.
+ */
+ss_status ss_cuda_pool_free_block(ss_cuda_pool *pool, void *ptr);
+
+/**
+ * Adds tensor `name` (unique, UTF-8) to the manifest: its storage must lie
+ * in the pool and the view inside its storage. After export:
+ * `SS_ERR_INVALID_ARGUMENT` ("the manifest is frozen after export").
+ *
+ * # Safety
+ * `pool` is NULL or a live pool; `name` NULL or NUL-terminated; `desc`
+ * NULL or readable, its `sizes`/`strides` readable for `ndim` values.
+ */
+ss_status ss_cuda_pool_add_tensor(ss_cuda_pool *pool, const char *name, const ss_tensor_desc *desc);
+
+/**
+ * Exports the pool (the first call freezes the manifest, starts the
+ * server and publishes version 1) and writes its handle, a few dozen
+ * bytes to give consumers by any channel, into `buf`; `*out_len` is its
+ * length. A `cap` too small is `SS_ERR_BUFFER_TOO_SMALL` with `*out_len`
+ * set to the length needed.
+ *
+ * # Safety
+ * `pool` is NULL or a live pool; `buf` NULL or writable for `cap` bytes;
+ * `out_len` NULL or writable.
+ */
+ss_status ss_cuda_pool_export(ss_cuda_pool *pool, uint8_t *buf, size_t cap, size_t *out_len);
+
+/**
+ * Opens an update: consumers are kept from acquiring, and this waits
+ * until none holds a version (`timeout_ms`: 0 forever; on timeout
+ * `SS_ERR_TIMEOUT` naming the holders' pids, and readers go on). Write the
+ * new weights, then `ss_cuda_pool_publish`. A second open is `SS_ERR_BUSY`.
+ *
+ * # Safety
+ * `pool` is NULL or a live pool.
+ */
+ss_status ss_cuda_pool_begin_update(ss_cuda_pool *pool, int64_t timeout_ms);
+
+/**
+ * Publishes the open update: records an event on `stream` (a `CUstream`;
+ * 0 the default stream; ignored by the host) for consumers to wait on,
+ * bumps the version (in `*out_version`) and lets readers in.
+ *
+ * # Safety
+ * `pool` is NULL or a live pool; `out_version` NULL or writable.
+ */
+ss_status ss_cuda_pool_publish(ss_cuda_pool *pool, size_t stream, uint64_t *out_version);
+
+/**
+ * Releases the pool: its server stops (consumers get `SS_ERR_PEER_GONE`
+ * at their next acquire) and its memory goes once no consumer maps it
+ * (VMM and host memory are refcounted by the driver and kernel). An
+ * update left open is abandoned. NULL is a no-op.
+ *
+ * # Safety
+ * `pool` is NULL or a live pool, not used after this call.
+ */
+void ss_cuda_pool_free(ss_cuda_pool *pool);
+
+/**
+ * Opens the pool named by handle bytes from `ss_cuda_pool_export` (in
+ * another process): one connection, one exchange, whatever the number of
+ * tensors. Errors: `SS_ERR_PEER_GONE` (no producer), `SS_ERR_PERMISSION`
+ * (someone else answers there), `SS_ERR_TOO_MANY_FILES`, `SS_ERR_PROTOCOL`
+ * (malformed manifest), `SS_ERR_INVALID_ARGUMENT` (malformed handle),
+ * `SS_ERR_TIMEOUT`. Nothing is mapped on error.
+ *
+ * # Safety
+ * `handle_bytes` is NULL or readable for `len` bytes; `out` NULL or writable.
+ */
+ss_status ss_cuda_weights_open(const uint8_t *handle_bytes,
+                               size_t len,
+                               int64_t timeout_ms,
+                               ss_cuda_weights **out);
+
+/**
+ * The number of tensors.
+ *
+ * # Safety
+ * `w` is NULL or live; `out` NULL or writable.
+ */
+ss_status ss_cuda_weights_count(const ss_cuda_weights *w, size_t *out);
+
+/**
+ * Tensor `index` (0 to count - 1): its name, storage address here, sizes
+ * and strides, lent until `ss_cuda_weights_free`.
+ *
+ * # Safety
+ * `w` is NULL or live; `out` NULL or writable.
+ */
+ss_status ss_cuda_weights_tensor(const ss_cuda_weights *w,
+                                 size_t index,
+                                 ss_cuda_weights_tensor_info *out);
+
+/**
+ * The index of tensor `name` (`SS_ERR_NOT_FOUND` when there is none).
+ *
+ * # Safety
+ * `w` is NULL or live; `name` NULL or NUL-terminated; `out_index` NULL or writable.
+ */
+ss_status ss_cuda_weights_find(const ss_cuda_weights *w, const char *name, size_t *out_index);
+
+/**
+ * Holds the current version for reading (in `*out_version`): waits while
+ * an update is written (`timeout_ms`: 0 forever), and makes `stream` wait
+ * for the publish event. `SS_ERR_PEER_GONE` once the producer is gone;
+ * `SS_ERR_BUSY` while the pool is torn (an update abandoned).
+ *
+ * # Safety
+ * `w` is NULL or live; `out_version` NULL or writable.
+ */
+ss_status ss_cuda_weights_acquire(ss_cuda_weights *w,
+                                  size_t stream,
+                                  int64_t timeout_ms,
+                                  uint64_t *out_version);
+
+/**
+ * Ends a read: synchronizes `stream` (kernels reading the weights finish)
+ * and lets go of the hold once this process's last reader releases.
+ *
+ * # Safety
+ * `w` is NULL or live.
+ */
+ss_status ss_cuda_weights_release(ss_cuda_weights *w, size_t stream);
+
+/**
+ * Unmaps the weights and closes the connection (the producer frees this
+ * consumer's slot). Tensor pointers must not be used after. NULL is a no-op.
+ *
+ * # Safety
+ * `w` is NULL or live, not used after this call.
+ */
+void ss_cuda_weights_free(ss_cuda_weights *w);
 
 /**
  * The device of the pool a handle names: `*out_device_type` gets

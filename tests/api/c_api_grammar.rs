@@ -29,6 +29,8 @@ const OBJECTS: &[&str] = &[
     "cuda_pointer",
     "cuda_driver",
     "cuda_limbo",
+    "cuda_pool",
+    "cuda_weights",
     "cuda_sent",
     "cuda_ipc",
     "cuda",
@@ -105,6 +107,12 @@ const VERBS: &[&str] = &[
     "prepare",
     "parent",
     "child",
+    // GPU weights pool
+    "export",
+    "begin",
+    "publish",
+    "acquire",
+    "find",
 ];
 
 const ACCESSORS: &[&str] = &[
@@ -143,6 +151,8 @@ const ACCESSORS: &[&str] = &[
     "signal",
     "multicast",
     "expired",
+    "count",
+    "tensor",
     "device",
 ];
 

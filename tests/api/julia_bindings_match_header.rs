@@ -248,6 +248,10 @@ fn julia_types_for(c: &str, opaque: &[String]) -> Result<Vec<String>, String> {
         "ss_arena_options" => vec!["ArenaOptions".into()],
         "ss_arena_handle" => vec!["ArenaHandle".into()],
         "ss_arena_stats" => vec!["ArenaStats".into()],
+        "ss_cuda_pool_options" => vec!["CudaPoolOptions".into()],
+        "ss_tensor_desc" => vec!["TensorDesc".into()],
+        "ss_cuda_weights_tensor_info" => vec!["CudaWeightsTensorInfo".into()],
+        "uintptr_t" => vec!["Csize_t".into(), "UInt".into()],
         // A C function pointer (from @cfunction) or C_NULL.
         "ss_cuda_deleter" | "ss_log_fn" if stars == 0 => vec!["Ptr{Cvoid}".into()],
         b => {
@@ -364,8 +368,10 @@ fn every_ccall_matches_the_header() {
             "ss_content_storage",
             "ss_content_tensor",
             "ss_content_writer",
+            "ss_cuda_pool",
             "ss_cuda_received",
             "ss_cuda_sent",
+            "ss_cuda_weights",
             "ss_map",
             "ss_storage",
             "ss_store",
@@ -400,6 +406,9 @@ fn julia_structs_match_the_header() {
         ("ss_arena_options", "ArenaOptions"),
         ("ss_arena_handle", "ArenaHandle"),
         ("ss_arena_stats", "ArenaStats"),
+        ("ss_cuda_pool_options", "CudaPoolOptions"),
+        ("ss_tensor_desc", "TensorDesc"),
+        ("ss_cuda_weights_tensor_info", "CudaWeightsTensorInfo"),
     ] {
         check_struct(c_name, j_name);
     }

@@ -7,7 +7,10 @@
 //! - Legacy kind: a segment is a named POSIX shm object
 //!   (`/ss_pool_<pid>_<random>_<n>`), its handle the name, as a CUDA
 //!   legacy IPC handle names an allocation. The producer unlinks it when
-//!   the pool goes; mappings made by then stay valid.
+//!   the pool goes, or at exit if the pool was never dropped (Python's
+//!   teardown may skip it); mappings made by then stay valid. After a
+//!   kill -9 of the producer its consumers unlink the names when they
+//!   see it gone.
 //!
 //! Events are not needed: host writes are visible once made.
 
@@ -16,9 +19,63 @@ use super::options::PoolKind;
 use super::region::{page_size, random_u64, Region};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fdpass::seals::{check_received, file_size, seal_against_shrinking, sealable_memfd};
+use std::collections::HashSet;
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, Once};
+
+/// Legacy names made by this process and not unlinked yet, for the exit hook.
+static LIVE_NAMES: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+static EXIT_HOOK: Once = Once::new();
+
+extern "C" fn unlink_live_names() {
+    let _ = std::panic::catch_unwind(|| {
+        let names = LIVE_NAMES.lock().map(|mut n| n.take()).unwrap_or(None);
+        for name in names.into_iter().flatten() {
+            unlink(&name);
+        }
+    });
+}
+
+fn unlink(name: &str) {
+    if let Ok(c) = CString::new(name) {
+        // SAFETY: unlinking a name; mappings stay valid.
+        unsafe { libc::shm_unlink(c.as_ptr()) };
+    }
+}
+
+fn remember(name: &str) {
+    EXIT_HOOK.call_once(|| {
+        // SAFETY: registers a C-ABI function that takes no arguments.
+        unsafe { libc::atexit(unlink_live_names) };
+    });
+    if let Ok(mut names) = LIVE_NAMES.lock() {
+        names.get_or_insert_with(HashSet::new).insert(name.to_string());
+    }
+}
+
+fn forget(name: &str) {
+    if let Ok(mut names) = LIVE_NAMES.lock() {
+        if let Some(n) = names.as_mut() {
+            n.remove(name);
+        }
+    }
+}
+
+/// Unlinks the Legacy host segment names of a producer that is gone
+/// (`pid`), so a kill -9 of the producer leaves nothing in /dev/shm once
+/// a consumer noticed. Names of another pid are left alone.
+pub fn unlink_names_of(handles: &[Vec<u8>], pid: i32) {
+    let prefix = format!("{LEGACY_PREFIX}{pid}_");
+    for h in handles {
+        if let Ok(name) = legacy_name_of(h) {
+            if name.starts_with(&prefix) {
+                unlink(&name);
+            }
+        }
+    }
+}
 
 /// Prefix of every Legacy-kind host segment name.
 pub const LEGACY_PREFIX: &str = "/ss_pool_";
@@ -88,10 +145,8 @@ impl PoolSegment for NamedSegment {
 
 impl Drop for NamedSegment {
     fn drop(&mut self) {
-        if let Ok(c) = CString::new(self.name.as_str()) {
-            // SAFETY: unlinking our own name; mappings stay valid.
-            unsafe { libc::shm_unlink(c.as_ptr()) };
-        }
+        unlink(&self.name);
+        forget(&self.name);
     }
 }
 
@@ -154,7 +209,10 @@ impl PoolBackend for HostBackend {
                 // From here the name is unlinked when `seg` drops, on any error too.
                 let made = sized(&fd, size, &name).and_then(|_| Region::map(fd.as_raw_fd(), size, &name));
                 match made {
-                    Ok(region) => Ok(Box::new(NamedSegment { name, region })),
+                    Ok(region) => {
+                        remember(&name);
+                        Ok(Box::new(NamedSegment { name, region }))
+                    }
                     Err(e) => {
                         // SAFETY: removing the name we just made.
                         unsafe { libc::shm_unlink(c.as_ptr()) };

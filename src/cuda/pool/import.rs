@@ -242,7 +242,11 @@ impl Weights {
         // SAFETY: one valid pollfd; no wait.
         let n = unsafe { libc::poll(&mut p, 1, 0) };
         if n > 0 && p.revents & (libc::POLLHUP | libc::POLLRDHUP | libc::POLLERR | libc::POLLIN) != 0 {
-            self.gone.store(true, Ordering::SeqCst);
+            if !self.gone.swap(true, Ordering::SeqCst) && self.handle.device == super::PoolDevice::Host {
+                // A producer killed with -9 could not unlink its named segments.
+                let handles: Vec<Vec<u8>> = self.manifest.segments.iter().map(|s| s.handle.clone()).collect();
+                super::host_backend::unlink_names_of(&handles, self.handle.producer_pid);
+            }
             return Err(gone_error(&self.handle));
         }
         Ok(())

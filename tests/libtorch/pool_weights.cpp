@@ -17,6 +17,7 @@
  * Commands on its stdin: "update N TIMEOUT_MS" (begin_update, write step N,
  * publish; answers "status=S version=V"), "quit". */
 #include <ATen/ATen.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -312,15 +313,36 @@ void test_tensors_outlive_weights(const std::string &kind) {
     expect(at::equal(bias, at::arange(1000, at::kLong).remainder(7).to(at::kBFloat16)), "bias after the Weights went");
 }
 
-void test_producer_killed(const std::string &kind) {
-    Producer p(kind);
-    sst::Weights w = sst::Weights::open(p.handle, 10000);
-    p.kill9();
-    expect_error(SS_ERR_PEER_GONE, [&] { (void)w.read(nullptr, 2000); }, "read after the producer died");
-    if (kind == "vmm") {
-        /* memfd segments are the kernel's: still mapped here, still readable. */
-        check_values(w, 0);
+/* Names in /dev/shm that start with `prefix`. */
+std::vector<std::string> shm_names(const std::string &prefix) {
+    std::vector<std::string> out;
+    if (DIR *d = opendir("/dev/shm")) {
+        while (dirent *e = readdir(d)) {
+            if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) out.emplace_back(e->d_name);
+        }
+        closedir(d);
     }
+    return out;
+}
+
+void test_producer_killed(const std::string &kind) {
+    std::string prefix;
+    {
+        Producer p(kind);
+        prefix = "ss_pool_" + std::to_string(p.pid) + "_";
+        sst::Weights w = sst::Weights::open(p.handle, 10000);
+        p.kill9();
+        expect_error(SS_ERR_PEER_GONE, [&] { (void)w.read(nullptr, 2000); }, "read after the producer died");
+        if (kind == "vmm") {
+            /* memfd segments are the kernel's: still mapped here, still readable. */
+            check_values(w, 0);
+        }
+    }
+    /* With the producer and the last consumer gone, no segment is left by
+     * name (Legacy segments are named; a hang guard of 10 s, not a timing). */
+    for (int i = 0; i < 100 && !shm_names(prefix).empty(); i++) usleep(100000);
+    auto left = shm_names(prefix);
+    expect(left.empty(), "left in /dev/shm after the producer was killed: " + (left.empty() ? "" : left[0]));
 }
 
 void test_bad_handles() {

@@ -19,6 +19,7 @@ pub mod limbo;
 pub mod pool;
 pub mod received;
 pub mod sent;
+pub mod vmm;
 
 #[cfg(test)]
 mod host_backend;

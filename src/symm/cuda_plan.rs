@@ -230,47 +230,8 @@ impl DeviceTimeout {
     }
 }
 
-/// How far the driver objects of one mapping were made.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct VmmProgress {
-    /// `cuMemCreate` / `cuMemImportFromShareableHandle` gave a handle.
-    pub handle: bool,
-    /// `cuMemAddressReserve` gave an address range.
-    pub reserved: bool,
-    /// `cuMemMap` mapped the handle there.
-    pub mapped: bool,
-}
-
-/// One step of undoing a mapping.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Undo {
-    Unmap,
-    AddressFree,
-    Release,
-}
-
-/// The steps that undo `p`, in order: unmap before freeing the range,
-/// release the handle last. When the process is finalizing nothing is
-/// undone (the driver tears it all down at exit, and teardown code may
-/// still read the memory). The steps never involve a peer, so a peer
-/// killed meanwhile cannot make them fail: the physical memory of an
-/// imported block stays alive while this process holds its handle.
-pub fn undo_steps(p: VmmProgress, finalizing: bool) -> Vec<Undo> {
-    if finalizing {
-        return Vec::new();
-    }
-    let mut steps = Vec::new();
-    if p.mapped {
-        steps.push(Undo::Unmap);
-    }
-    if p.reserved {
-        steps.push(Undo::AddressFree);
-    }
-    if p.handle {
-        steps.push(Undo::Release);
-    }
-    steps
-}
+/// The undo plan of a VMM mapping lives with the mapping, in `crate::cuda::vmm`.
+pub use crate::cuda::vmm::{undo_steps, Undo, VmmProgress};
 
 #[cfg(test)]
 mod tests {
@@ -397,17 +358,5 @@ mod tests {
             .message()
             .starts_with("CUDASymmetricMemory::put_signal: rank 2 failed to send signal to rank 0 on channel 1 after 4294 ms"));
         assert_eq!(parse_record([2, 2, 2, 1, 0, 0, 0, 0]).unwrap().op, "wait_signal");
-    }
-
-    #[test]
-    fn undo_order_and_partial_progress() {
-        let full = VmmProgress { handle: true, reserved: true, mapped: true };
-        assert_eq!(undo_steps(full, false), vec![Undo::Unmap, Undo::AddressFree, Undo::Release]);
-        assert_eq!(undo_steps(full, true), vec![]);
-        let no_map = VmmProgress { handle: true, reserved: true, mapped: false };
-        assert_eq!(undo_steps(no_map, false), vec![Undo::AddressFree, Undo::Release]);
-        let handle_only = VmmProgress { handle: true, ..Default::default() };
-        assert_eq!(undo_steps(handle_only, false), vec![Undo::Release]);
-        assert_eq!(undo_steps(VmmProgress::default(), false), vec![]);
     }
 }

@@ -178,4 +178,5 @@ pub fn is_finalizing() -> bool {
 /// kernel unmaps everything at exit anyway).
 pub fn begin_finalizing() {
     FINALIZING.store(true, Ordering::Release);
+    crate::cuda::vmm::begin_finalizing();
 }

@@ -3,7 +3,7 @@
 //! (the host backend, used by the tests and usable for CPU weights) and on
 //! a CUDA device.
 
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 /// Bytes of an event handle kept in the control block.
@@ -18,6 +18,11 @@ pub trait PoolSegment: Send + Sync {
     fn fd(&self) -> Option<BorrowedFd<'_>>;
     /// The handle a consumer opens it with (Legacy kind; empty for Vmm).
     fn handle(&self) -> Vec<u8>;
+    /// PyTorch's 8-tuple of the whole segment, with a ref-counter slot of
+    /// its own, for a consumer with only stock PyTorch (Legacy kind on CUDA).
+    fn stock_share(&self) -> Result<crate::cuda::IpcHandle> {
+        Err(Error::new(ErrorKind::Unsupported, "stock PyTorch tuples exist for Legacy pools on a CUDA device only"))
+    }
 }
 
 /// A producer's segment mapped into a consumer.

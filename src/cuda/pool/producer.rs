@@ -61,6 +61,9 @@ pub(crate) struct PoolInner {
     /// Slot -> pid of the consumer holding it (None: free); kept by the server.
     pub consumers: Mutex<Vec<Option<i32>>>,
     pub closing: AtomicBool,
+    /// Set when a Legacy pool is dropped with consumers connected: the
+    /// server serves them until they go, and then the memory is freed.
+    pub linger: AtomicBool,
 }
 
 /// A pool of device memory whose tensors are shared whole (see the module docs).
@@ -155,6 +158,7 @@ impl Pool {
             server: Mutex::new(None),
             consumers: Mutex::new(vec![None; opts.max_consumers]),
             closing: AtomicBool::new(false),
+            linger: AtomicBool::new(false),
         });
         super::current::register(&inner);
         Ok(Pool { inner })
@@ -365,6 +369,17 @@ impl Pool {
         lock(&self.inner.layout).segments.iter().map(|s| (s.addr(), s.size())).collect()
     }
 
+    /// PyTorch's 8-tuple of each segment (`torch.UntypedStorage._new_shared_cuda`),
+    /// for consumers with only stock PyTorch: Legacy pools on CUDA only
+    /// (else `Unsupported`). Each call hands out new ref-counter slots; a
+    /// segment's memory outlives the pool until every slot is released.
+    pub fn stock_segments(&self) -> Result<Vec<crate::cuda::IpcHandle>> {
+        if self.inner.opts.kind != PoolKind::Legacy || self.inner.opts.device == PoolDevice::Host {
+            return Err(Error::new(ErrorKind::Unsupported, "stock PyTorch tuples exist for Legacy pools on a CUDA device only"));
+        }
+        lock(&self.inner.layout).segments.iter().map(|s| s.stock_share()).collect()
+    }
+
     pub fn device(&self) -> PoolDevice {
         self.inner.opts.device
     }
@@ -377,8 +392,16 @@ impl Pool {
 impl Drop for Pool {
     fn drop(&mut self) {
         self.inner.closing.store(true, Ordering::SeqCst);
+        // Legacy memory would be freed under its consumers' mappings: it
+        // lives on, served, until they have gone. VMM and host memory are
+        // refcounted by the driver and the kernel.
+        let linger = self.inner.opts.kind == PoolKind::Legacy && self.consumers() > 0;
+        self.inner.linger.store(linger, Ordering::SeqCst);
         let server = lock(&self.inner.server).take();
-        drop(server);
+        match server {
+            Some(s) if linger => s.linger(),
+            other => drop(other),
+        }
         super::current::forget(&self.inner);
         let event = lock(&self.inner.updating).last_event.take();
         if let Some(ev) = event {

@@ -11,6 +11,7 @@ use super::wire::{Hello, CHUNK, STATUS_FULL, STATUS_OK};
 use crate::error::{Error, Result};
 use crate::fdpass::{abstract_socket, peer, send_fds};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -22,6 +23,8 @@ pub(crate) struct Server {
     name: String,
     wake: OwnedFd,
     thread: Option<JoinHandle<()>>,
+    /// Says when the consumers were told the pool is gone (linger).
+    told: Receiver<()>,
 }
 
 struct Conn {
@@ -41,11 +44,12 @@ impl Server {
         // SAFETY: a fresh descriptor of ours.
         let wake = unsafe { OwnedFd::from_raw_fd(raw) };
         let wake_fd = wake.try_clone().map_err(|e| io_err(e, "dup of the pool server's eventfd".into()))?;
+        let (tell, told) = channel();
         let thread = std::thread::Builder::new()
             .name("ss-pool-server".into())
-            .spawn(move || serve(inner, listener, wake_fd))
+            .spawn(move || serve(inner, listener, wake_fd, tell))
             .map_err(|e| io_err(e, "starting the pool server thread".into()))?;
-        Ok(Server { name, wake, thread: Some(thread) })
+        Ok(Server { name, wake, thread: Some(thread), told })
     }
 
     pub fn socket_name(&self) -> &str {
@@ -53,11 +57,27 @@ impl Server {
     }
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
+impl Server {
+    fn wake(&self) {
         let one = 1u64;
         // SAFETY: writes 8 bytes to our eventfd.
         unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// Stops taking consumers but serves the connected ones until they
+    /// all hang up, then ends (dropping the pool's memory). For a Legacy
+    /// pool dropped while consumers map its memory.
+    pub fn linger(mut self) {
+        self.wake();
+        // Once this returns, every consumer's next call reports the producer gone.
+        let _ = self.told.recv_timeout(std::time::Duration::from_secs(5));
+        drop(self.thread.take());
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.wake();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -68,12 +88,18 @@ fn io_err(e: std::io::Error, what: String) -> Error {
     Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), what)
 }
 
-fn serve(inner: Arc<PoolInner>, listener: OwnedFd, wake: OwnedFd) {
+fn serve(inner: Arc<PoolInner>, listener: OwnedFd, wake: OwnedFd, told: Sender<()>) {
     let mut conns: Vec<Conn> = Vec::new();
+    let mut listener = Some(listener);
     loop {
+        if listener.is_none() && conns.is_empty() {
+            break;
+        }
+        // A closed listener polls as -1 (ignored).
+        let listening = listener.as_ref().map_or(-1, |l| l.as_raw_fd());
         let mut fds = vec![
             libc::pollfd { fd: wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: listening, events: libc::POLLIN, revents: 0 },
         ];
         fds.extend(conns.iter().map(|c| libc::pollfd { fd: c.fd.as_raw_fd(), events: libc::POLLIN | libc::POLLRDHUP, revents: 0 }));
         // SAFETY: fds is a valid array of pollfd for the call.
@@ -86,7 +112,21 @@ fn serve(inner: Arc<PoolInner>, listener: OwnedFd, wake: OwnedFd) {
             break;
         }
         if fds[0].revents != 0 {
-            break;
+            let mut count = 0u64;
+            // SAFETY: reads 8 bytes from our eventfd (clearing it).
+            unsafe { libc::read(wake.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
+            if !inner.linger.load(std::sync::atomic::Ordering::SeqCst) {
+                break;
+            }
+            // The name goes now: no new consumer can connect; those
+            // connected are told the producer is gone (their next call
+            // says so) and keep their mappings until they hang up.
+            listener = None;
+            for c in &conns {
+                let _ = send_fds(c.fd.as_raw_fd(), b"bye", &[]);
+            }
+            let _ = told.send(());
+            continue;
         }
         // Consumers that hung up (or sent anything: they never should).
         let mut gone = Vec::new();
@@ -99,8 +139,8 @@ fn serve(inner: Arc<PoolInner>, listener: OwnedFd, wake: OwnedFd) {
             let c = conns.swap_remove(i);
             drop_consumer(&inner, c);
         }
-        if fds[1].revents != 0 {
-            accept_all(&inner, listener.as_raw_fd(), &mut conns);
+        if let (Some(l), true) = (listener.as_ref(), fds[1].revents != 0) {
+            accept_all(&inner, l.as_raw_fd(), &mut conns);
         }
     }
     for c in conns {

@@ -4,9 +4,9 @@
 use super::kernels::Module;
 use super::peers::{CudaPeers, DeviceArray};
 use super::records::HostRecords;
-use super::vmm::Vmm;
 use super::{alloc_prop, teardown};
 use crate::cuda::driver::{check, symm_driver, Driver, SymmFeatures};
+use crate::cuda::vmm::Vmm;
 use crate::error::{Error, ErrorKind, Result};
 use crate::symm::backend::{Collective, Layout, PeerAccess, SymmBlock};
 use crate::symm::cuda_plan::{self as plan, Multicast};
@@ -151,7 +151,7 @@ impl SymmBlock for CudaBlock {
                     continue;
                 }
                 let fd = fd.ok_or_else(|| Error::new(ErrorKind::Protocol, format!("no block descriptor from rank {r}")))?;
-                let mut v = Vmm::import(device, layout.block_size, &fd, r)?;
+                let mut v = Vmm::import(device, layout.block_size, &fd, &format!("the block of rank {r}"))?;
                 drop(fd); // the imported handle keeps the memory alive
                 v.map(self.granularity, &format!("the block of rank {r}"))?;
                 bases.push(v.va);

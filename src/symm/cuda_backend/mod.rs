@@ -22,7 +22,6 @@ mod kernels;
 mod multicast;
 mod peers;
 mod records;
-mod vmm;
 
 use crate::cuda::driver::symm_driver;
 use crate::error::Result;
@@ -30,7 +29,6 @@ use crate::symm::backend::{SymmAllocator, SymmBlock};
 use crate::symm::registry::is_finalizing;
 use crate::symm::DeviceType;
 use block::CudaBlock;
-use cudarc::driver::sys::{self, CUmemAllocationHandleType_enum, CUmemAllocationType_enum, CUmemLocationType_enum};
 
 pub use kernels::{KERNELS, SIGNAL_PTX};
 
@@ -54,16 +52,7 @@ impl SymmAllocator for CudaSymmAllocator {
     }
 }
 
-fn alloc_prop(device: i32) -> sys::CUmemAllocationProp {
-    // SAFETY: a plain C struct; all-zero is valid (enum fields 0 = INVALID)
-    // and every field that matters is set below.
-    let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-    p.type_ = CUmemAllocationType_enum::CU_MEM_ALLOCATION_TYPE_PINNED;
-    p.requestedHandleTypes = CUmemAllocationHandleType_enum::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    p.location.type_ = CUmemLocationType_enum::CU_MEM_LOCATION_TYPE_DEVICE;
-    p.location.id = device;
-    p
-}
+use crate::cuda::vmm::alloc_prop;
 
 /// Runs `f` with `device`'s context current, for teardown: errors are
 /// dropped (nothing can be done about them in a destructor), and nothing
@@ -74,13 +63,5 @@ fn teardown(device: i32, f: impl FnOnce()) {
     if is_finalizing() {
         return;
     }
-    if let Ok(d) = crate::cuda::driver::driver() {
-        if d.in_forked_child() {
-            return;
-        }
-        let _ = d.with_device(device, || {
-            f();
-            Ok(())
-        });
-    }
+    crate::cuda::vmm::teardown(device, f)
 }

@@ -227,6 +227,8 @@ class Pool:
         """Adds every tensor of ``state_dict`` to the manifest. Tensors
         already in the pool (born in :meth:`allocating`) are added as they
         are; the others are copied in, one copy per storage."""
+        if self._handle is not None:
+            raise InvalidArgumentError("the pool's manifest is frozen after export: add tensors before pool.export()")
         groups = group_by_storage(state_dict)
         for g in groups:
             for m in g.members:
@@ -248,7 +250,8 @@ class Pool:
         if born_here:
             ptr, views = start, {m.name: m.tensor for m in g.members}
         else:
-            ptr = self._native.alloc(max(g.nbytes, 1))
+            # A storage without bytes takes no block (the manifest gives it none).
+            ptr = self._native.alloc(g.nbytes) if g.nbytes else 0
             dst = bytes_at(ptr, g.nbytes, self.device, self._native)
             if g.nbytes:
                 dst.copy_(g.source_bytes())
@@ -256,9 +259,14 @@ class Pool:
                 m.name: typed_view(dst, m.tensor.dtype, m.tensor.shape, m.tensor.stride(), m.storage_offset)
                 for m in g.members
             }
-        for m in g.members:
+        for i, m in enumerate(g.members):
             t, offset = m.tensor, m.storage_offset
-            self._native.add_tensor(m.name, ptr, g.nbytes, dtype_name(t.dtype), list(t.shape), list(t.stride()), offset)
+            try:
+                self._native.add_tensor(m.name, ptr, g.nbytes, dtype_name(t.dtype), list(t.shape), list(t.stride()), offset)
+            except BaseException:
+                if i == 0 and ptr and not born_here:
+                    self._native.free_block(ptr)  # nothing refers to the copy yet
+                raise
             self._entries[m.name] = _Entry(ptr, t.dtype, t.shape, t.stride(), offset)
             self._tensors[m.name] = views[m.name]
 
@@ -348,12 +356,18 @@ class Pool:
         return self._native.segments()
 
     def stock_descriptor(self) -> dict:
-        """The pool as stock PyTorch opens it (legacy kind, CUDA only, after
-        :meth:`export`): a dict of builtins only, picklable where this
-        package is not installed. Per segment, the eight arguments of
+        """The pool as stock PyTorch opens it (legacy kind, CUDA only): a
+        dict of builtins only, picklable where this package is not
+        installed. Per segment, the eight arguments of
         ``torch.UntypedStorage._new_shared_cuda``; per tensor, (segment,
         byte offset of its storage in the segment, dtype name, shape,
-        stride, storage offset)."""
+        stride, storage offset).
+
+        Each call hands out new slots of PyTorch's ref-counter files, which
+        the stock consumer gives back when its storages go: make one
+        descriptor per consumer process. A stock consumer takes no part in
+        the version protocol (it cannot acquire): it suits weights that no
+        longer change, or readers that tolerate an update under them."""
         if self.kind != "legacy" or self.device.type != "cuda":
             raise InvalidArgumentError(
                 f"stock PyTorch opens legacy-kind CUDA pools only; this pool is kind={self.kind!r} on {self.device}"

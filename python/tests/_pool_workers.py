@@ -128,6 +128,7 @@ def open_stock(descriptor):
     """A legacy pool opened with nothing but PyTorch: one shared storage per
     segment, then each tensor set onto its segment's storage."""
     device = descriptor["device"]
+    torch.cuda.init()  # _new_shared_cuda expects CUDA initialized, as PyTorch's own rebuild does
     storages = [torch.UntypedStorage._new_shared_cuda(*segment) for segment in descriptor["segments"]]
     tensors = {}
     for name, (segment, byte_offset, dtype, shape, stride, offset) in descriptor["tensors"].items():

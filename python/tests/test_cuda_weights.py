@@ -32,6 +32,29 @@ def segments_hold(segments, tensors):
     return all(any(b <= t.data_ptr() < b + n for b, n in segments) for t in tensors if t.numel())
 
 
+@pytest.fixture(autouse=True)
+def no_pool_names_left():
+    """Every legacy-kind host pool this process made is unlinked once the
+    pool is gone."""
+    yield
+    gc.collect()
+    ours = [n for n in os.listdir("/dev/shm") if n.startswith(f"ss_pool_{os.getpid()}_")]
+    assert ours == [], "a pool left its shm names behind"
+
+
+@pytest.fixture
+def killed_producers():
+    """Pids of producers a test kills with -9. A legacy-kind host pool's
+    segments are named shm objects; a consumer that sees its producer gone
+    unlinks them (mappings stay valid): none may be left after the test."""
+    pids = []
+    yield pids
+    left = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"ss_pool_{pid}_") for pid in pids)]
+    for name in left:
+        os.unlink(os.path.join("/dev/shm", name))
+    assert left == [], "a killed producer's shm names were left behind"
+
+
 def wait_until(predicate, what):
     """Polls `predicate` (a hang guard, not a timing assertion)."""
     import time
@@ -88,6 +111,7 @@ def test_a_small_slice_brings_only_its_bytes():
         (lambda: {"x": torch.ones(2, device="meta")}, "meta"),
         (lambda: {"x": torch.ones(2, dtype=torch.float8_e4m3fnuz)}, "dtype"),
         (lambda: {"ok": torch.ones(2), "x": torch.ones(2, dtype=torch.float8_e5m2fnuz)}, "dtype"),
+        (lambda: {"": torch.ones(2)}, "name must be 1 to"),
     ],
 )
 def test_what_a_pool_cannot_carry_is_named(bad, message):
@@ -95,6 +119,7 @@ def test_what_a_pool_cannot_carry_is_named(bad, message):
     with pytest.raises(ss.InvalidArgumentError, match=message):
         pool.add_state_dict(bad())
     assert pool.state_dict() == {}
+    pool.add_state_dict({"fine": torch.ones(2)})  # the pool is still usable
 
 
 def test_bad_pool_arguments_are_named():
@@ -123,6 +148,19 @@ def test_allocating_is_for_cuda_pools():
     with pytest.raises(ss.InvalidArgumentError, match="host backend"):
         with cuda.Pool("cpu").allocating():
             pass
+
+
+def test_allocating_needs_torchs_mem_pool(monkeypatch):
+    monkeypatch.delattr(torch.cuda, "use_mem_pool")
+    with pytest.raises(RuntimeError, match="use_mem_pool"):
+        cuda._require_mem_pool()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+def test_a_cuda_pool_without_cuda_is_a_clear_error():
+    with pytest.raises(ss.Error, match="CUDA is not available") as caught:
+        cuda.Pool("cuda:0")
+    assert caught.value.kind == "CudaUnavailable"
 
 
 def test_stock_descriptor_is_for_legacy_cuda_pools():
@@ -256,11 +294,12 @@ def test_a_killed_consumer_gives_its_hold_back(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_killed_producer_is_peer_gone_not_garbage(kind):
+def test_a_killed_producer_is_peer_gone_not_garbage(kind, killed_producers):
     ctx = mp.get_context("spawn")
     out, done = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=pw.produce_and_wait, args=("cpu", kind, out, done), daemon=True)
     p.start()
+    killed_producers.append(p.pid)
     handle = out.get(timeout=pw.GUARD)
     w = cuda.open_weights(handle, timeout=pw.GUARD)
     with w.reading(timeout=pw.GUARD) as version:
@@ -279,11 +318,12 @@ def test_a_killed_producer_is_peer_gone_not_garbage(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_producer_killed_mid_update_is_peer_gone_not_a_mix(kind):
+def test_a_producer_killed_mid_update_is_peer_gone_not_a_mix(kind, killed_producers):
     ctx = mp.get_context("spawn")
     out, writing = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=pw.produce_and_hang_in_update, args=(kind, out, writing), daemon=True)
     p.start()
+    killed_producers.append(p.pid)
     w = cuda.open_weights(out.get(timeout=pw.GUARD), timeout=pw.GUARD)
     out.put("opened")
     assert writing.wait(pw.GUARD)

@@ -11,7 +11,8 @@ returns), and every tensor is a view into one of those storages.
 
 The views stay valid while the storages live; dropping the last view gives the
 producer its reference back through PyTorch's ref-counter file, as for any
-tensor received through torch.multiprocessing.
+tensor received through torch.multiprocessing. Each consumer process needs a
+descriptor of its own (each stock_descriptor() call hands out new slots).
 """
 
 import pickle
@@ -27,6 +28,7 @@ def open_stock_weights(descriptor):
     if descriptor.get("format") != STOCK_FORMAT:
         raise ValueError(f"not a stock weights descriptor: format {descriptor.get('format')!r}")
     device = torch.device("cuda", int(descriptor["device"]))
+    torch.cuda.init()  # _new_shared_cuda needs CUDA up, as PyTorch's own rebuild makes sure
     # One IPC open per segment, however many tensors it holds.
     segments = [torch.UntypedStorage._new_shared_cuda(*segment) for segment in descriptor["segments"]]
     weights = {}

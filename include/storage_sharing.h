@@ -1752,6 +1752,21 @@ ss_status ss_cuda_weights_release(ss_cuda_weights *w, size_t stream);
 void ss_cuda_weights_free(ss_cuda_weights *w);
 
 /**
+ * The device of the pool a handle names: `*out_device_type` gets
+ * `SS_POOL_DEVICE_CUDA` (then `*out_device` is the CUDA device index) or
+ * `SS_POOL_DEVICE_HOST` (then `*out_device` is 0). A malformed handle is
+ * `SS_ERR_INVALID_ARGUMENT` naming what is wrong with it.
+ *
+ * # Safety
+ * `handle_bytes` is NULL or readable for `len` bytes; `out_device_type`
+ * and `out_device` are NULL or point to a writable `int32_t`.
+ */
+ss_status ss_cuda_pool_handle_device(const uint8_t *handle_bytes,
+                                     size_t len,
+                                     int32_t *out_device_type,
+                                     int32_t *out_device);
+
+/**
  * Deprecated alias of `ss_arena_dealloc` (the old name, kept for one release).
  *
  * # Safety

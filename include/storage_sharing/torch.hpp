@@ -15,6 +15,9 @@
  *   - ArenaAllocator: tensors over blocks of a shareable arena, shared in
  *     O(1) as a plain ArenaTensorHandle.
  *   - share_cuda / open_cuda: the 8-value _share_cuda_() tuple.
+ *   - Weights: a whole weights pool (ss_cuda_weights) opened once, as
+ *     name -> at::Tensor views (CUDA for a CUDA pool, CPU for the host
+ *     backend), with a reader guard around each use of a version.
  *
  * What another process sends (names, sizes, views, arena handles) is
  * checked before use: a view must fit its storage, as set_ demands.
@@ -39,6 +42,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "../storage_sharing.hpp"
@@ -574,6 +579,174 @@ inline c10::Storage open_cuda(const ss_cuda_ipc_handle &handle, void *stream = n
     storage.unsafeGetStorageImpl()->set_received_cuda(true);
     return storage;
 }
+
+/* ---- a weights pool opened whole (ss_cuda_weights) ---- */
+
+namespace detail {
+/* One reference to the opened pool per c10 storage: the import (mappings,
+ * connection, hold slot) lasts until the Weights object and every tensor
+ * it gave out are gone. */
+using WeightsRef = std::shared_ptr<ss_cuda_weights>;
+inline void free_weights_ref(void *ctx) noexcept { delete static_cast<WeightsRef *>(ctx); }
+}  // namespace detail
+
+/* A producer's pool of named tensors (ss_cuda_pool_export), opened once in
+ * this process (ss_cuda_weights_open): one connection and one mapping per
+ * segment, whatever the number of tensors. tensors() are views into the
+ * producer's memory, CUDA tensors on the pool's device for a CUDA pool and
+ * CPU tensors for the host backend; tensors that were views of one storage
+ * in the producer share one c10::Storage here. The storages are not
+ * resizable, and each keeps the import alive, so tensors may outlive this
+ * object.
+ *
+ * The producer updates the bytes in place. Read them only under a reader
+ * guard (read() or acquire()/release()): while one is held the producer's
+ * next update waits, so what the guard's kernels read is one version.
+ * The manifest comes from another process: every view is checked against
+ * its storage as tensor_from_storage checks it, and names must be unique.
+ * A producer that has died is reported by the next acquire as Error
+ * SS_ERR_PEER_GONE. */
+class Weights {
+public:
+    /* A reader's hold on one version: released (after `stream`'s queued
+     * work, so kernels that read the weights are done) when it goes. */
+    class ReadGuard {
+    public:
+        ReadGuard(ReadGuard &&other) noexcept
+            : weights_(std::exchange(other.weights_, nullptr)), stream_(other.stream_), version_(other.version_) {}
+        ReadGuard(const ReadGuard &) = delete;
+        ReadGuard &operator=(const ReadGuard &) = delete;
+        ReadGuard &operator=(ReadGuard &&) = delete;
+        ~ReadGuard() {
+            /* A destructor cannot throw: a failed release (the producer is
+             * gone) leaves nothing to give back anyway. */
+            if (weights_) (void)ss_cuda_weights_release(weights_, reinterpret_cast<std::uintptr_t>(stream_));
+        }
+        /* The version being read (1 after the first export, + 1 per publish). */
+        std::uint64_t version() const noexcept { return version_; }
+        /* Releases now, reporting a failure (the guard is then spent). */
+        void release() {
+            ss_cuda_weights *w = std::exchange(weights_, nullptr);
+            if (w) check(ss_cuda_weights_release(w, reinterpret_cast<std::uintptr_t>(stream_)), "ss_cuda_weights_release");
+        }
+
+    private:
+        friend class Weights;
+        ReadGuard(ss_cuda_weights *weights, void *stream, std::uint64_t version) noexcept
+            : weights_(weights), stream_(stream), version_(version) {}
+        ss_cuda_weights *weights_;
+        void *stream_;
+        std::uint64_t version_;
+    };
+
+    /* Opens the pool a handle names (the bytes ss_cuda_pool_export wrote,
+     * or Python's WeightsHandle bytes). timeout_ms bounds the connection
+     * (0: the library's default). */
+    static Weights open(const void *handle, std::size_t len, std::int64_t timeout_ms = 0) {
+        if (!handle && len > 0) throw Error(SS_ERR_NULL_POINTER, "Weights::open", "the handle is null");
+        std::int32_t device_type = 0, device = 0;
+        check(ss_cuda_pool_handle_device(static_cast<const std::uint8_t *>(handle), len, &device_type, &device),
+              "ss_cuda_pool_handle_device");
+        ss_cuda_weights *raw = nullptr;
+        check(ss_cuda_weights_open(static_cast<const std::uint8_t *>(handle), len, timeout_ms, &raw),
+              "ss_cuda_weights_open");
+        Weights w(detail::WeightsRef(raw, &ss_cuda_weights_free));
+        w.device_ = device_type == SS_POOL_DEVICE_CUDA
+                        ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device))
+                        : c10::Device(c10::DeviceType::CPU);
+        w.build_tensors();
+        return w;
+    }
+    static Weights open(const std::vector<std::uint8_t> &handle, std::int64_t timeout_ms = 0) {
+        return open(handle.data(), handle.size(), timeout_ms);
+    }
+
+    /* name -> view, for load_state_dict-style use. */
+    const std::unordered_map<std::string, at::Tensor> &tensors() const noexcept { return tensors_; }
+    /* The tensor named `name` (Error SS_ERR_NOT_FOUND names it otherwise). */
+    const at::Tensor &at(const std::string &name) const {
+        auto it = tensors_.find(name);
+        if (it == tensors_.end()) throw Error(SS_ERR_NOT_FOUND, "Weights::at", "no tensor named '" + name + "'");
+        return it->second;
+    }
+    /* Where the tensors live: CUDA(index) or CPU (host backend). */
+    c10::Device device() const noexcept { return device_; }
+
+    /* Waits (up to timeout_ms; 0 waits forever) for a published version,
+     * makes `stream` (a cudaStream_t; nullptr: the default stream) wait
+     * for the producer's publish, and holds that version until the guard
+     * goes. One guard at a time per Weights object. */
+    ReadGuard read(void *stream = nullptr, std::int64_t timeout_ms = 0) {
+        std::uint64_t version = acquire(stream, timeout_ms);
+        return ReadGuard(weights_.get(), stream, version);
+    }
+    /* The calls read() pairs, for code that cannot hold a guard. */
+    std::uint64_t acquire(void *stream = nullptr, std::int64_t timeout_ms = 0) {
+        std::uint64_t version = 0;
+        check(ss_cuda_weights_acquire(weights_.get(), reinterpret_cast<std::uintptr_t>(stream), timeout_ms, &version),
+              "ss_cuda_weights_acquire");
+        return version;
+    }
+    void release(void *stream = nullptr) {
+        check(ss_cuda_weights_release(weights_.get(), reinterpret_cast<std::uintptr_t>(stream)),
+              "ss_cuda_weights_release");
+    }
+
+    /* The C object (borrowed), for calls this class does not wrap. */
+    ss_cuda_weights *get() const noexcept { return weights_.get(); }
+
+private:
+    explicit Weights(detail::WeightsRef weights) : weights_(std::move(weights)), device_(c10::DeviceType::CPU) {}
+
+    c10::Storage storage_for(const ss_cuda_weights_tensor_info &info, std::size_t index) {
+        auto known = storages_.find(info.storage_index);
+        if (known != storages_.end()) {
+            if (known->second.data() != info.data_ptr || known->second.nbytes() != info.storage_nbytes) {
+                throw Error(SS_ERR_CORRUPT, "Weights::open",
+                            "tensor " + std::to_string(index) + " names storage " + std::to_string(info.storage_index) +
+                                " with another address or size than an earlier tensor");
+            }
+            return known->second;
+        }
+        if (!info.data_ptr && info.storage_nbytes > 0) {
+            throw Error(SS_ERR_CORRUPT, "Weights::open", "tensor " + std::to_string(index) + " has no storage address");
+        }
+        /* The deleter's context is a reference to the import. */
+        auto *ref = new detail::WeightsRef(weights_);
+        c10::DataPtr data(info.data_ptr, ref, &detail::free_weights_ref, device_);
+        c10::Storage storage(c10::Storage::use_byte_size_t(), info.storage_nbytes, std::move(data), nullptr,
+                             /*resizable=*/false);
+        storages_.emplace(info.storage_index, storage);
+        return storage;
+    }
+
+    void build_tensors() {
+        std::size_t count = 0;
+        check(ss_cuda_weights_count(weights_.get(), &count), "ss_cuda_weights_count");
+        tensors_.reserve(count);
+        for (std::size_t i = 0; i < count; i++) {
+            ss_cuda_weights_tensor_info info{};
+            check(ss_cuda_weights_tensor(weights_.get(), i, &info), "ss_cuda_weights_tensor");
+            if (!info.name) throw Error(SS_ERR_CORRUPT, "Weights::open", "tensor " + std::to_string(i) + " has no name");
+            if (info.ndim > 0 && (!info.sizes || !info.strides)) {
+                throw Error(SS_ERR_CORRUPT, "Weights::open", std::string("tensor '") + info.name + "' has no sizes");
+            }
+            c10::ScalarType dtype = detail::checked_dtype(info.dtype, "Weights::open");
+            at::Tensor t = tensor_from_storage(storage_for(info, i), dtype, c10::IntArrayRef(info.sizes, info.ndim),
+                                               c10::IntArrayRef(info.strides, info.ndim), info.storage_offset);
+            if (!tensors_.emplace(info.name, std::move(t)).second) {
+                throw Error(SS_ERR_CORRUPT, "Weights::open", std::string("two tensors are named '") + info.name + "'");
+            }
+        }
+        /* The tensors hold the storages from here on. */
+        storages_.clear();
+    }
+
+    detail::WeightsRef weights_;
+    c10::Device device_;
+    std::unordered_map<std::size_t, c10::Storage> storages_; /* while building: by storage index */
+    std::unordered_map<std::string, at::Tensor> tensors_;
+};
 
 }  // namespace libtorch
 }  // namespace storage_sharing

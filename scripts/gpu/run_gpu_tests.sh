@@ -1,16 +1,22 @@
 #!/bin/bash
 # Runs the GPU checks on a machine with a CUDA device, from the folder that
 # scripts/gpu/stage.sh filled (binaries built elsewhere); log in $OUT/gpu.log
-# (or ./gpu.log when OUT is unset). Most important first, each bounded so
-# that the whole run fits one 10-minute device call (its parts took about
-# 2 minutes together on an H200).
+# (or ./gpu.log when OUT is unset). Most important first, each bounded.
+#   run_gpu_tests.sh [all|base|weights]
+# base: everything up to the weights pools (about 2 minutes on an H200);
+# weights: the weights-pool tests and benchmark (storage_sharing.cuda; up to
+# 9 minutes, bounded); all (default): both, which may not fit one
+# 10-minute device call: then run base and weights in two calls.
 cd "$(dirname "$0")"
+part="${1:-all}"
+case "$part" in all|base|weights) ;; *) echo "usage: $0 [all|base|weights]" >&2; exit 2 ;; esac
 export SS_TEST_PYTHON=python3 RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
 # ptxas, where the toolkit is installed, checks the embedded PTX too.
 export PATH=$PATH:/usr/local/cuda/bin
 {
 echo "== $(date -u) $(nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader)"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+if [ "$part" != weights ]; then
 echo "== symm_cuda (CUDA symmetric memory: 2 and 4 ranks on one device)"
 timeout 150 ./symm_cuda --nocapture --test-threads=1; echo "rc=$?"
 echo "== cuda_gpu (Rust GPU tests, PyTorch interop included)"
@@ -49,6 +55,14 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
     fi
 else
     echo "== no nvidia-cuda-mps-control: the MPS runs are skipped"
+fi
+fi
+if [ "$part" != base ]; then
+    # The Python package staged in py/ (nothing installed on this machine).
+    echo "== cuda_weights_gpu (weights pools: 2 and 4 processes, both kinds, stock opener, updates, kill -9)"
+    PYTHONPATH=$PWD/py timeout 300 python3 cuda_weights_gpu.py --stock-opener "$PWD/open_with_stock_pytorch.py"; echo "rc=$?"
+    echo "== bench cuda_weights (1.5B, and 8B if memory allows: four ways)"
+    PYTHONPATH=$PWD/py timeout 300 python3 cuda_weights.py --iters 3; echo "rc=$?"
 fi
 echo "== /dev/shm after (cuda.shm.* are the driver's own)"
 ls /dev/shm; echo "ours left: $(ls /dev/shm | grep -cE "^(torch_|ss_host_|ss_ctest)")"

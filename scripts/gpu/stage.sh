@@ -52,4 +52,14 @@ fi
 strip --strip-debug "$dest"/cuda_gpu "$dest"/symm_cuda "$dest"/symm_cuda_bench "$dest"/lib_tests "$dest"/cuda_ipc \
     "$dest"/libstorage_sharing.so.0 "$dest"/ss_shm_manager
 cp scripts/gpu/run_gpu_tests.sh benches/symm_cuda_torch.py "$dest/"
+
+# The Python package (abi3, any CPython >= 3.9) for the weights-pool tests
+# and benchmark, unpacked into py/ (run_gpu_tests.sh puts it on PYTHONPATH:
+# nothing is installed there). Built as python/run_tests.sh builds it.
+py="${SS_TEST_PYTHON:-python3}"
+rm -rf "$dest/py" "$target/gpu-stage-wheel"
+CARGO_TARGET_DIR="$target/python" "$py" -m pip wheel --quiet --no-deps -w "$target/gpu-stage-wheel" python/ >/dev/null
+"$py" -m zipfile -e "$(ls "$target"/gpu-stage-wheel/storage_sharing-*.whl | head -1)" "$dest/py"
+strip --strip-debug "$dest"/py/storage_sharing/_native*.so
+cp scripts/gpu/cuda_weights_gpu.py python/benchmarks/cuda_weights.py examples/python/open_with_stock_pytorch.py "$dest/"
 du -sh "$dest"

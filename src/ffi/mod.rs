@@ -10,6 +10,7 @@ pub mod args;
 pub mod content_store;
 pub mod cuda;
 pub mod cuda_pool;
+pub mod cuda_pool_handle;
 pub mod deprecated;
 pub mod errors;
 pub mod fd_passing;

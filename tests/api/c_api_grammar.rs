@@ -22,6 +22,7 @@ const OBJECTS: &[&str] = &[
     "content_writer",
     "content_list",
     "content",
+    "cuda_pool_handle",
     "cuda_ipc_counter",
     "cuda_ipc_handle",
     "cuda_received",
@@ -152,6 +153,7 @@ const ACCESSORS: &[&str] = &[
     "expired",
     "count",
     "tensor",
+    "device",
 ];
 
 /// Old name → new name: the deprecated aliases, kept for one release.

@@ -4,7 +4,8 @@
 # does), builds tests/libtorch and examples/libtorch against it with
 # find_package(StorageSharing) and against the libtorch of the PyTorch at
 # $SS_TEST_PYTHON, then runs the example and the interop tests, which
-# exchange tensors with stock Python PyTorch processes both ways.
+# exchange tensors with stock Python PyTorch processes both ways, and the
+# weights pool tests (a C-API producer process, host backend).
 #   tests/libtorch/run.sh [cargo release folder, default target/release] [--bench]
 # --bench also builds and runs the benchmark (not part of the tests).
 # Without PyTorch it skips, except under CI, where it fails.
@@ -86,6 +87,9 @@ fi
 
 echo "-- interop tests"
 "$work/build/libtorch_interop" "$python" "$root/tests/libtorch/peer.py"
+
+echo "-- weights pool tests (Weights::open over a host-backend producer)"
+"$work/build/libtorch_pool_weights"
 
 if [ "$bench" = 1 ]; then
     cmake --build "$work/build" --target libtorch_bench >/dev/null

@@ -182,3 +182,15 @@ function cuda_ipc_handle_from_text(text::AbstractString)
     check("ss_cuda_ipc_handle_from_text", st)
     return out[]
 end
+
+"""The device of the weights pool a handle (its bytes) names: `(device_type, device)`,
+`device_type` 0 = CUDA (then `device` is its index), 1 = the host backend."""
+function cuda_pool_handle_device(handle::AbstractVector{UInt8})
+    bytes = Vector{UInt8}(handle)
+    device_type = Ref{Int32}(0)
+    device = Ref{Int32}(0)
+    st = GC.@preserve bytes ccall((:ss_cuda_pool_handle_device, libstorage_sharing()), Cint,
+                                  (Ptr{UInt8}, Csize_t, Ptr{Int32}, Ptr{Int32}), bytes, length(bytes), device_type, device)
+    check("ss_cuda_pool_handle_device", st)
+    return (device_type = device_type[], device = device[])
+end

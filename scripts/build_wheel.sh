@@ -30,8 +30,12 @@ if [ "$(uname -m)" != x86_64 ]; then
     echo "$me: builds the x86-64 Linux wheel only (this machine is $(uname -m))" >&2
     exit 2
 fi
-if ! "$venv/bin/python" -m pip freeze 2>/dev/null | grep -qx "${tools[1]}" ||
-    ! "$venv/bin/python" -m pip freeze 2>/dev/null | grep -qx "${tools[0]}"; then
+installed="$("$venv/bin/python" -m pip freeze 2>/dev/null || true)"
+missing=0
+for tool in "${tools[@]}"; do
+    grep -qx "$tool" <<<"$installed" || missing=1
+done
+if [ "$missing" -eq 1 ]; then
     echo "== $me: installing ${tools[*]} into $venv"
     rm -rf "$venv"
     python3 -m venv "$venv"

@@ -22,7 +22,8 @@
 #                     `pip wheel ./python`)
 #   --pytorch-tests DIR
 #                     where PyTorch's test files are: DIR/VERSION/test_multiprocessing.py
-#                     for that version, else DIR/test_multiprocessing.py for
+#                     for that version (DIR/VERSION/SOURCE: one line saying where
+#                     it is from), else DIR/test_multiprocessing.py for
 #                     every version (the table names which); without them, the
 #                     file of tag vVERSION is downloaded from GitHub into the
 #                     version's cache folder (never into this repository)
@@ -111,9 +112,13 @@ make_venv() {
 pytorch_test_file() {
     local version="$1" venv="$2"
     if [ -n "$tests_dir" ] && [ -f "$tests_dir/$version/test_multiprocessing.py" ]; then
-        printf '%s\tv%s\n' "$tests_dir/$version/test_multiprocessing.py" "$version"
+        # DIR/VERSION/SOURCE, where there is one, says where the file is from.
+        printf '%s\t%s\n' "$tests_dir/$version/test_multiprocessing.py" \
+            "$(head -n 1 "$tests_dir/$version/SOURCE" 2>/dev/null || echo "v$version")"
     elif [ -n "$tests_dir" ] && [ -f "$tests_dir/test_multiprocessing.py" ]; then
-        printf '%s\t%s\n' "$tests_dir/test_multiprocessing.py" "${SS_PYTORCH_TESTS_SOURCE:-one file for all}"
+        # DIR/SOURCE, where there is one, says where the file is from.
+        printf '%s\t%s\n' "$tests_dir/test_multiprocessing.py" \
+            "$(head -n 1 "$tests_dir/SOURCE" 2>/dev/null || echo "$tests_dir (one file for all)")"
     else
         local dest="$venv/pytorch-test/test_multiprocessing.py"
         mkdir -p "$(dirname "$dest")"

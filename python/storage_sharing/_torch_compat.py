@@ -23,7 +23,7 @@ from ._errors import Error
 
 # The PyTorch minor releases scripts/torch_versions.sh has passed (see
 # docs/python.md for the table).
-TESTED_RANGE = ((2, 1), (2, 15))
+TESTED_RANGE = ((2, 2), (2, 15))
 ALLOW_UNTESTED_ENV = "STORAGE_SHARING_TORCH_ALLOW_UNTESTED"
 
 
@@ -75,7 +75,7 @@ def _method_problems():
     problems = []
     storage = torch.UntypedStorage
     # Storage methods: the two replaced (and called), the ones called.
-    for name in ("is_shared", "share_memory_", "_swap_data_ptr_", "data_ptr", "nbytes", "copy_"):
+    for name in ("is_shared", "share_memory_", "data_ptr", "nbytes", "copy_"):
         if not callable(getattr(storage, name, None)):
             problems.append(f"torch.UntypedStorage.{name} is missing")
     if not callable(getattr(torch, "frombuffer", None)):
@@ -128,6 +128,14 @@ def _storage_object_problem():
     if getattr(t.untyped_storage(), probe, False):
         return None
     return "torch does not keep a storage's Python object while a tensor uses it (attributes set on it are lost)"
+
+
+def can_move_storages() -> bool:
+    """Whether a storage's memory can be swapped for an arena block in place
+    (``UntypedStorage._swap_data_ptr_``, which older PyTorch releases lack).
+    Without it, a storage that is not in the arena yet is shared by
+    PyTorch's own reduction, as without enable()."""
+    return callable(getattr(torch.UntypedStorage, "_swap_data_ptr_", None))
 
 
 def problems():

@@ -16,7 +16,9 @@ After :func:`enable`:
   A's bytes too and all three see each other's writes;
 * a CPU storage PyTorch would copy into a fresh segment (its own
   ``share_memory_``) is copied into an arena block instead and points to
-  it from then on, as ``share_memory_`` moves it, then goes as above;
+  it from then on, as ``share_memory_`` moves it, then goes as above
+  (where PyTorch can swap a storage's memory, ``_swap_data_ptr_``; on
+  releases without it such a storage takes PyTorch's own reduction);
 * every other storage (in PyTorch's shared memory already, CUDA, empty,
   ...) takes PyTorch's own reduction.
 
@@ -214,10 +216,11 @@ def _reduce_storage(storage):
             reduced = _reduce_received(storage)
             if reduced is not None:
                 return reduced
-        elif is_enabled() and not getattr(storage, _MARK, False) and not _torch["is_shared"](storage):
+        elif is_enabled() and _torch["can_move"] and not getattr(storage, _MARK, False) and not _torch["is_shared"](storage):
             # PyTorch would copy it into a fresh segment of its own (one
             # descriptor and one mapping per storage): an arena block costs
-            # neither once the segment is mapped.
+            # neither once the segment is mapped. (A PyTorch that cannot
+            # swap a storage's memory keeps its own way.)
             _move_to_arena(storage)
             reduced = _reduce_own(storage)
             if reduced is not None:
@@ -247,6 +250,7 @@ def _install_arena_memory_hooks() -> None:
     _torch["reduce_storage"] = ForkingPickler._extra_reducers[torch.UntypedStorage]
     _torch["is_shared"] = inspect.getattr_static(torch.UntypedStorage, "is_shared")
     _torch["share_memory_"] = inspect.getattr_static(torch.UntypedStorage, "share_memory_")
+    _torch["can_move"] = _torch_compat.can_move_storages()
     ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
     torch.UntypedStorage.is_shared = _is_shared
     torch.UntypedStorage.share_memory_ = _share_memory_

@@ -120,8 +120,30 @@ def test_missing_storage_reduction_is_refused():
 
 def test_missing_storage_method_is_refused():
     # A class attribute that is not callable hides PyTorch's method.
-    result = run_case("torch.UntypedStorage._swap_data_ptr_ = None")
-    assert_refused(result, "torch.UntypedStorage._swap_data_ptr_ is missing")
+    result = run_case("torch.UntypedStorage.share_memory_ = None")
+    assert_refused(result, "torch.UntypedStorage.share_memory_ is missing")
+
+
+def test_without_swap_data_ptr_fresh_storages_take_pytorchs_way():
+    # Releases before UntypedStorage._swap_data_ptr_ cannot move a storage
+    # into the arena in place: enable() works, and such a storage is shared
+    # by PyTorch's own reduction (into its shared memory, not the arena).
+    script = """
+import torch
+torch.UntypedStorage._swap_data_ptr_ = None
+import storage_sharing.torch as st
+from multiprocessing.reduction import ForkingPickler
+st.enable()
+t = torch.arange(4.0)
+got = ForkingPickler.loads(ForkingPickler.dumps(t))
+arena = st.empty(4).fill_(7)
+sent = ForkingPickler.loads(ForkingPickler.dumps(arena))
+print(t.is_shared(), st.in_arena(t), torch.equal(got, t), st.in_arena(arena), torch.equal(sent, arena))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STORAGE_SHARING_TORCH")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False", "True", "True", "True"]
 
 
 def test_changed_new_shared_is_refused():

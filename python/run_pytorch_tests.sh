@@ -14,6 +14,8 @@
 #   content-store  torch.utils._content_store's public names replaced by
 #                  storage_sharing.content_store's (for test_content_store.py).
 # The package must already be installed there (python/run_tests.sh does it).
+# With SS_PYTORCH_TESTS_KEEP=DIR, both runs' JUnit reports are copied to DIR
+# (scripts/torch_versions.sh counts them).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 me="python/run_pytorch_tests.sh"
@@ -43,7 +45,8 @@ py="${SS_TEST_PYTHON:?set SS_TEST_PYTHON to a Python with torch and storage_shar
 "$py" -c "import pytest, expecttest" 2>/dev/null || "$py" -m pip install --quiet pytest expecttest
 
 out="$(mktemp -d "${TMPDIR:-/tmp}/pytorch-tests.XXXXXX")"
-trap 'rm -rf "$out"' EXIT
+keep="${SS_PYTORCH_TESTS_KEEP:-}"
+trap '[ -z "$keep" ] || cp "$out"/*.xml "$keep"/ 2>/dev/null || true; rm -rf "$out"' EXIT
 run() { # name, extra environment...
     local name="$1"
     shift

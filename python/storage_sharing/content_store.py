@@ -48,11 +48,16 @@ __all__ = ["ContentStoreReader", "ContentStoreWriter", "hash_storage"]
 
 # The element types the library's entry format names; others take
 # PyTorch's own path for the entry (the storage is still written natively).
+# By name: older PyTorch releases lack some (uint16, uint32, uint64 came in
+# 2.3), and no tensor of theirs can have a type they lack.
 _NATIVE_DTYPES = {
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-    torch.float32, torch.float64, torch.complex32, torch.complex64, torch.complex128,
-    torch.bool, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn, torch.uint16,
-    torch.uint32, torch.uint64,
+    getattr(torch, name)
+    for name in (
+        "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
+        "complex32", "complex64", "complex128", "bool", "bfloat16", "float8_e5m2",
+        "float8_e4m3fn", "uint16", "uint32", "uint64",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
 }  # fmt: skip
 
 

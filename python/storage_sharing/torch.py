@@ -16,7 +16,9 @@ After :func:`enable`:
   A's bytes too and all three see each other's writes;
 * a CPU storage PyTorch would copy into a fresh segment (its own
   ``share_memory_``) is copied into an arena block instead and points to
-  it from then on, as ``share_memory_`` moves it, then goes as above;
+  it from then on, as ``share_memory_`` moves it, then goes as above
+  (where PyTorch can swap a storage's memory, ``_swap_data_ptr_``; on
+  releases without it such a storage takes PyTorch's own reduction);
 * every other storage (in PyTorch's shared memory already, CUDA, empty,
   ...) takes PyTorch's own reduction.
 
@@ -33,6 +35,11 @@ DataLoader workers get ``enable()`` through a wrapped ``worker_init_fn``
 (fork, spawn and forkserver alike), and processes started after
 ``enable()`` see ``STORAGE_SHARING_TORCH`` in their environment: importing
 this module there enables it too.
+
+Every private part of PyTorch replaced or called is checked first (see
+``_torch_compat``): where one is missing or changed, or on a PyTorch release
+outside the tested range, importing patches nothing and :func:`enable`
+raises :class:`UnsupportedTorchError` naming each problem.
 """
 
 import inspect
@@ -45,7 +52,8 @@ import torch.multiprocessing  # noqa: F401  (registers PyTorch's reductions firs
 import torch.utils.data.dataloader as _dataloader
 from multiprocessing.reduction import ForkingPickler
 
-from . import Arena, Error, Handle, PeerGoneError, _native, open_shared, trim_remote_cache
+from . import Arena, Error, Handle, PeerGoneError, _native, _torch_compat, open_shared, trim_remote_cache
+from ._torch_compat import TESTED_RANGE, UnsupportedTorchError  # noqa: F401  (part of this module's API)
 
 ENV = "STORAGE_SHARING_TORCH"
 DEFAULT_SEGMENT_SIZE = 256 << 20
@@ -65,12 +73,9 @@ _MARK = "_storage_sharing_arena"
 # Set on a storage received as a handle: (handle bytes, producer's fd
 # server address), what sending it on asks the producer a new share with.
 _RECEIVED = "_storage_sharing_received"
-# PyTorch's own methods and reduction, under ours for arena memory.
-_torch = {
-    "reduce_storage": ForkingPickler._extra_reducers[torch.UntypedStorage],
-    "is_shared": inspect.getattr_static(torch.UntypedStorage, "is_shared"),
-    "share_memory_": inspect.getattr_static(torch.UntypedStorage, "share_memory_"),
-}
+# PyTorch's own methods and reduction, under ours for arena memory (empty
+# until they are replaced).
+_torch: dict = {}
 
 
 def _reset_after_fork() -> None:
@@ -211,10 +216,11 @@ def _reduce_storage(storage):
             reduced = _reduce_received(storage)
             if reduced is not None:
                 return reduced
-        elif is_enabled() and not getattr(storage, _MARK, False) and not _torch["is_shared"](storage):
+        elif is_enabled() and _torch["can_move"] and not getattr(storage, _MARK, False) and not _torch["is_shared"](storage):
             # PyTorch would copy it into a fresh segment of its own (one
             # descriptor and one mapping per storage): an arena block costs
-            # neither once the segment is mapped.
+            # neither once the segment is mapped. (A PyTorch that cannot
+            # swap a storage's memory keeps its own way.)
             _move_to_arena(storage)
             reduced = _reduce_own(storage)
             if reduced is not None:
@@ -238,7 +244,13 @@ def _share_memory_(self, *args, **kwargs):
 def _install_arena_memory_hooks() -> None:
     """Arena memory is shared memory in every process that imports this
     module (a receiver need not call enable()); ordinary storages keep
-    PyTorch's behaviour."""
+    PyTorch's behaviour. Only after _torch_compat's checks pass."""
+    if _torch:
+        return
+    _torch["reduce_storage"] = ForkingPickler._extra_reducers[torch.UntypedStorage]
+    _torch["is_shared"] = inspect.getattr_static(torch.UntypedStorage, "is_shared")
+    _torch["share_memory_"] = inspect.getattr_static(torch.UntypedStorage, "share_memory_")
+    _torch["can_move"] = _torch_compat.can_move_storages()
     ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
     torch.UntypedStorage.is_shared = _is_shared
     torch.UntypedStorage.share_memory_ = _share_memory_
@@ -308,6 +320,10 @@ def enable(segment_size: int = DEFAULT_SEGMENT_SIZE, large_threshold: int = DEFA
     The options are fixed while enabled and once this process has made its
     arena: other options then raise ValueError (rather than being ignored
     here and handed to child processes).
+
+    Raises :class:`UnsupportedTorchError`, patching nothing, where a private
+    part of PyTorch this relies on is missing or changed, or on a release
+    outside ``TESTED_RANGE`` (unless ``STORAGE_SHARING_TORCH_ALLOW_UNTESTED=1``).
     """
     segment_size, large_threshold = int(segment_size), int(large_threshold)
     if large_threshold > segment_size // 4:
@@ -322,6 +338,9 @@ def enable(segment_size: int = DEFAULT_SEGMENT_SIZE, large_threshold: int = DEFA
                 + (", which this process's arena was made with" if _arena is not None and _arena_pid == os.getpid() else "")
                 + "; options cannot change once enabled or once the arena exists"
             )
+        if not _saved:
+            _torch_compat.check()
+            _install_arena_memory_hooks()
         _options.update(wanted)
         os.environ[ENV] = f"{segment_size}:{large_threshold}"
         if _saved:
@@ -363,5 +382,6 @@ def _enable_from_env() -> None:
     enable(seg, large)
 
 
-_install_arena_memory_hooks()
+if not _torch_compat.problems():
+    _install_arena_memory_hooks()
 _enable_from_env()

@@ -102,6 +102,13 @@ fn child_entry() {
         "consumer" => consumer(&mut parent),
         "producer" => producer(&mut parent),
         "fd_starved" => fd_starved(&mut parent),
+        "half_import" => {
+            // Connects and stops before reading the pool: killed there.
+            let h = PoolHandle::from_bytes(&unhex(&parent.arg)).unwrap();
+            let _conn = storage_sharing::fdpass::abstract_socket::connect(&h.socket_name).unwrap();
+            parent.send("connected");
+            parent.wait_for_close();
+        }
         other => panic!("unknown role {other}"),
     });
 }
@@ -299,8 +306,15 @@ fn a_consumer_gone_mid_import_frees_its_slot() {
     drop(raw);
     assert!(wait_until(Duration::from_secs(30), || pool.consumers() == 0));
     pool.begin_update(T).unwrap().publish(0).unwrap();
+    // The same with a real process killed with -9 before it read its hello.
+    let mut c = Peer::spawn(ENTRY, "half_import", &hex(&h.to_bytes()));
+    assert_eq!(c.recv(), "connected");
+    assert!(wait_until(Duration::from_secs(30), || pool.consumers() == 1));
+    c.kill9();
+    assert!(wait_until(Duration::from_secs(30), || pool.consumers() == 0));
+    pool.begin_update(T).unwrap().publish(0).unwrap();
     let w = Weights::open(&h, T).unwrap();
-    assert_eq!(w.acquire(0, T).unwrap(), 2);
+    assert_eq!(w.acquire(0, T).unwrap(), 3);
     w.release(0).unwrap();
 }
 
@@ -360,7 +374,14 @@ fn a_consumer_out_of_descriptors_gets_too_many_files_and_maps_nothing() {
     drop(c);
     // The producer is unaffected: it still serves and updates.
     pool.begin_update(T).unwrap().publish(0).unwrap();
+    // The same with a real process killed with -9 before it read its hello.
+    let mut c = Peer::spawn(ENTRY, "half_import", &hex(&h.to_bytes()));
+    assert_eq!(c.recv(), "connected");
+    assert!(wait_until(Duration::from_secs(30), || pool.consumers() == 1));
+    c.kill9();
+    assert!(wait_until(Duration::from_secs(30), || pool.consumers() == 0));
+    pool.begin_update(T).unwrap().publish(0).unwrap();
     let w = Weights::open(&h, T).unwrap();
-    assert_eq!(w.acquire(0, T).unwrap(), 2);
+    assert_eq!(w.acquire(0, T).unwrap(), 3);
     w.release(0).unwrap();
 }

@@ -76,7 +76,11 @@ struct LegacyMemory {
 
 impl Drop for LegacyMemory {
     fn drop(&mut self) {
-        let _ = CudaBackend.free(self.device, self.ptr);
+        // Not at exit nor in a forked child (no driver call is defined there).
+        let (device, ptr) = (self.device, self.ptr);
+        crate::cuda::vmm::teardown(device, || {
+            let _ = CudaBackend.free(device, ptr);
+        });
     }
 }
 

@@ -8,7 +8,7 @@
 //! - [`manifest`]: the tensors, their encoding and validation;
 //! - [`placement`]: where blocks go in the segments;
 //! - [`control`]: the version state and the consumers' hold slots;
-//! - [`producer`]: the producer; [`server`]: its connection thread;
+//! - [`producer`]: the producer; `server`: its connection thread;
 //! - [`import`]: the consumer ([`Weights`]);
 //! - [`host_backend`] (host RAM; tests and CPU weights) and
 //!   [`cuda_backend`] (CUDA VMM or legacy IPC): the device calls;

@@ -391,6 +391,8 @@ impl Pool {
 
 impl Drop for Pool {
     fn drop(&mut self) {
+        // An update left open (C and Python callers) may have written half.
+        self.abandon_update();
         self.inner.closing.store(true, Ordering::SeqCst);
         // Legacy memory would be freed under its consumers' mappings: it
         // lives on, served, until they have gone. VMM and host memory are

@@ -180,3 +180,26 @@ fn the_current_pool_serves_the_pluggable_allocator() {
     free_anywhere(p).unwrap();
     assert_eq!(free_anywhere(p).unwrap_err().kind(), ErrorKind::InvalidArgument);
 }
+
+#[test]
+fn pools_and_weights_may_be_shared_between_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Pool>();
+    send_sync::<Weights>();
+    send_sync::<PoolHandle>();
+}
+
+#[test]
+fn a_pool_dropped_mid_update_tells_its_consumers_and_keeps_their_mapping() {
+    let pool = host(PoolKind::Legacy);
+    let p = pool.alloc(512).unwrap();
+    pool.add_tensor("x", &spec(p, 512, vec![128])).unwrap();
+    let h = pool.export().unwrap();
+    let w = Weights::open(&h, T).unwrap();
+    pool.start_update(T).unwrap();
+    drop(pool);
+    // The producer is gone (PeerGone comes first), and the memory stays mapped.
+    assert_eq!(w.acquire(0, T).unwrap_err().kind(), ErrorKind::PeerGone);
+    // SAFETY: the consumer's mapping of the 512-byte storage.
+    assert_eq!(unsafe { (w.tensors()[0].storage_ptr as *const u8).read() }, 0);
+}

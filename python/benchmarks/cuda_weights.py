@@ -40,6 +40,7 @@ Every consumer checks a checksum of three tensors against the producer's.
 """
 
 import argparse
+import gc
 import os
 import pickle
 import statistics
@@ -303,6 +304,11 @@ def run_model(model, device, iters, kinds):
         ways.append((f"(d) ours, copied ({kind})", "ours", lambda kind=kind: way_ours(cfg, device, iters, False, kind)))
     rows = []
     for label, consumer_way, fn in ways:
+        # Each way starts from an empty cache: free memory measured before it
+        # must not include blocks the previous one left cached.
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         r = fn()
         c = run_consumer(consumer_way, r["message"], device)
         bad = [n for n, v in r["want"].items() if abs(c["sums"][n] - v) > 1e-6 * max(1.0, abs(v))]
@@ -313,8 +319,6 @@ def run_model(model, device, iters, kinds):
         rows.append((label, r["export_s"] * 1e3, c["open_ms"], r["update_s"] * 1e3, gbs, 100 * gbs / floor_gbs,
                      r.get("publish_s", None), extra, r["handles"], c["fds"]))
         del r
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     print(f"\n{model}: {ntensors} tensors, {nbytes / 1e6:.1f} MB bf16 on {device}"
           f" ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'host backend'});"
           f" memcpy floor {floor_s * 1e3:.2f} ms = {floor_gbs:.1f} GB/s; median of {iters}")

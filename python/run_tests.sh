@@ -7,7 +7,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 py="${SS_TEST_PYTHON:?set SS_TEST_PYTHON to a Python with torch installed}"
-"$py" -c "import maturin, pytest" 2>/dev/null || "$py" -m pip install --quiet "maturin>=1.5,<2" pytest numpy
+"$py" -c "import maturin, pytest" 2>/dev/null || "$py" -m pip install --quiet "maturin>=1.9,<2" pytest numpy
 "$py" -m pip install --quiet --no-deps --force-reinstall "$here"
 cd "$here/tests"
 set +e

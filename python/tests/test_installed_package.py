@@ -86,15 +86,24 @@ def bare_env() -> dict:
 
 def test_the_package_starts_the_manager_it_installed():
     installed_site()
+    manager = installed_script("ss_shm_manager")
+    assert manager is not None, "the wheel installed no ss_shm_manager"
+    # The daemon is a child of the process that starts it: print the
+    # program each child runs.
     code = (
-        "import storage_sharing as ss\n"
-        "path = ss.spawn_manager()\n"
-        "client = ss.ManagerClient(path)\n"
-        "print('manager at', client.path)\n"
+        "import os, storage_sharing as ss\n"
+        "client = ss.ManagerClient(ss.spawn_manager())\n"
+        "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    try:\n"
+        "        stat = open(f'/proc/{pid}/stat').read()\n"
+        "        if int(stat.rsplit(')', 1)[1].split()[1]) == os.getpid():\n"
+        "            print('child runs', os.readlink(f'/proc/{pid}/exe'))\n"
+        "    except OSError:\n"
+        "        pass\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=bare_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "manager at" in out.stdout
+    assert f"child runs {manager}" in out.stdout.splitlines(), out.stdout
 
 
 def test_enable_and_the_dataloader_example_run_in_a_fresh_interpreter():

@@ -1618,7 +1618,7 @@ ss_status ss_cuda_pool_alloc(ss_cuda_pool *pool, size_t nbytes, void **out_ptr);
  * # Safety
  * `pool` is NULL or a live pool.
  */
-ss_status ss_cuda_pool_free_block(ss_cuda_pool *pool, void *ptr);
+ss_status ss_cuda_pool_dealloc(ss_cuda_pool *pool, void *ptr);
 
 /**
  * Adds tensor `name` (unique, UTF-8) to the manifest: its storage must lie

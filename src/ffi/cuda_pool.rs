@@ -173,8 +173,8 @@ pub unsafe extern "C" fn ss_cuda_pool_alloc(pool: *mut SsCudaPool, nbytes: usize
 /// # Safety
 /// `pool` is NULL or a live pool.
 #[no_mangle]
-pub unsafe extern "C" fn ss_cuda_pool_free_block(pool: *mut SsCudaPool, ptr: *mut c_void) -> ss_status {
-    ffi_status!("ss_cuda_pool_free_block", {
+pub unsafe extern "C" fn ss_cuda_pool_dealloc(pool: *mut SsCudaPool, ptr: *mut c_void) -> ss_status {
+    ffi_status!("ss_cuda_pool_dealloc", {
         // SAFETY: NULL or a live pool.
         let p = unsafe { handle(pool, "pool") }?;
         p.pool.free_block(ptr as u64)

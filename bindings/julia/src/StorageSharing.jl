@@ -43,7 +43,7 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        write_tensor, writer_counts, set_durable!, content_reader, reader_format, set_verify!, read_tensor, read_storage,
        list_tensors, list_storages, verify, tensor_dtype, tensor_offset, tensor_ndim, tensor_shape, tensor_stride,
        tensor_storage_hash, tensor_conj, tensor_neg, tensor_bytes, storage_bytes,
-       CudaPool, CudaWeights, cuda_pool_new, cuda_pool_alloc, cuda_pool_free_block, cuda_pool_add_tensor, cuda_pool_export,
+       CudaPool, CudaWeights, cuda_pool_new, cuda_pool_alloc, cuda_pool_dealloc, cuda_pool_add_tensor, cuda_pool_export,
        cuda_pool_begin_update, cuda_pool_publish, cuda_weights_open, cuda_weights_count, cuda_weights_tensor,
        cuda_weights_find, cuda_weights_acquire, cuda_weights_release
 

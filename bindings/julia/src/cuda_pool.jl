@@ -79,8 +79,8 @@ function cuda_pool_alloc(p::CudaPool, nbytes::Integer)
     return out[]
 end
 
-cuda_pool_free_block(p::CudaPool, ptr::Ptr{Cvoid}) =
-    check("ss_cuda_pool_free_block", ccall((:ss_cuda_pool_free_block, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Cvoid}), p.handle, ptr))
+cuda_pool_dealloc(p::CudaPool, ptr::Ptr{Cvoid}) =
+    check("ss_cuda_pool_dealloc", ccall((:ss_cuda_pool_dealloc, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Cvoid}), p.handle, ptr))
 
 """Adds tensor `name` (dtype a c10::ScalarType number) over the storage at `ptr`."""
 function cuda_pool_add_tensor(p::CudaPool, name::AbstractString, ptr::Ptr{Cvoid}, nbytes::Integer, dtype::Integer,

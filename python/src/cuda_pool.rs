@@ -178,6 +178,32 @@ impl PyCudaPool {
         Ok(self.get()?.segments())
     }
 
+    /// Per segment, the eight fields of PyTorch's `_share_cuda_()` tuple
+    /// (legacy-kind CUDA pools only).
+    #[allow(clippy::type_complexity)]
+    fn stock_segments<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(i32, Bound<'py, PyBytes>, u64, u64, Bound<'py, PyBytes>, u64, Bound<'py, PyBytes>, bool)>> {
+        let p = self.get()?;
+        let handles = py.allow_threads(|| p.stock_segments()).or_raise()?;
+        Ok(handles
+            .into_iter()
+            .map(|h| {
+                (
+                    h.device,
+                    PyBytes::new(py, &h.mem_handle),
+                    h.size_bytes,
+                    h.offset_bytes,
+                    PyBytes::new(py, h.ref_counter_handle.as_bytes()),
+                    h.ref_counter_offset,
+                    PyBytes::new(py, &h.event_handle),
+                    h.event_sync_required,
+                )
+            })
+            .collect())
+    }
+
     /// Makes this pool the process's current one: where
     /// `ss_pool_torch_malloc` places PyTorch's allocations.
     fn make_current(&self) -> PyResult<()> {

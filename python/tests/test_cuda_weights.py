@@ -167,6 +167,9 @@ def test_stock_descriptor_is_for_legacy_cuda_pools():
     pool = cuda.Pool.from_state_dict({"a": torch.ones(3)}, device="cpu", kind="legacy")
     with pytest.raises(ss.InvalidArgumentError, match="legacy-kind CUDA"):
         pool.stock_descriptor()
+    with pytest.raises(ss.Error, match="CUDA device only") as caught:
+        pool._native.stock_segments()  # the library refuses as well
+    assert caught.value.kind == "Unsupported"
 
 
 def test_handle_is_small_and_picklable():

@@ -365,7 +365,7 @@ def test_max_consumers_is_a_clear_refusal_and_a_closed_consumer_frees_its_place(
     pool = cuda.Pool.from_state_dict({"w": torch.ones(10)}, device="cpu", max_consumers=1)
     handle = pool.export()
     first = cuda.open_weights(handle, timeout=pw.GUARD)
-    with pytest.raises(ss.Error, match="max_consumers"):
+    with pytest.raises(ss.BusyError, match="max_consumers"):
         cuda.open_weights(handle, timeout=pw.GUARD)
     first.close()
     del first
@@ -428,10 +428,8 @@ def test_a_gone_producers_handle_is_refused():
     done.set()
     p.join(pw.GUARD)
     assert p.exitcode == 0
-    with pytest.raises(ss.Error) as caught:
+    with pytest.raises(ss.PeerGoneError, match=f"pid {p.pid}"):
         cuda.open_weights(handle, timeout=2.0)
-    assert isinstance(caught.value, (ss.PeerGoneError, ss.NotFoundError)), caught.value
-    assert str(p.pid) in str(caught.value)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="playing another user (uid 65534) needs root")

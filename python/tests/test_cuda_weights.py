@@ -211,6 +211,36 @@ def test_torch_allocator_functions_place_blocks_in_the_current_pool():
         ss._native.clear_current_pool()
 
 
+BORN_OUTLIVES_POOL = """
+import ctypes, gc, torch
+import storage_sharing as ss
+from storage_sharing import cuda
+lib = ctypes.CDLL(ss._native.__file__)
+lib.ss_pool_torch_malloc.restype = ctypes.c_void_p
+lib.ss_pool_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.ss_pool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+pool = cuda.Pool("cpu", segment_size=1 << 20)
+pool._native.make_current()
+p = lib.ss_pool_torch_malloc(1 << 16, 0, None)
+ss._native.clear_current_pool()
+del pool
+gc.collect()
+ctypes.memset(p, 7, 1 << 16)  # PyTorch still owns the block: it must be mapped
+assert ctypes.string_at(p + 100, 1) == bytes([7])
+lib.ss_pool_torch_free(p, 1 << 16, 0, None)
+print("ok")
+"""
+
+
+def test_a_block_pytorch_holds_keeps_its_pool_alive():
+    # Tensors born in a pool are PyTorch's caching-allocator blocks: the
+    # user may drop the Pool object and keep the model, so the pool must
+    # live until PyTorch frees its last block.
+    done = subprocess.run([sys.executable, "-c", BORN_OUTLIVES_POOL], capture_output=True, text=True, timeout=pw.GUARD)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stdout, done.stderr)
+    assert "in no live pool" not in done.stderr
+
+
 # ---- producer and consumers in separate processes ----
 
 

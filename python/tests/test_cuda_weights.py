@@ -94,6 +94,20 @@ def test_views_of_one_storage_stay_views_and_only_reached_bytes_are_copied():
     assert segments_hold(pool.segments(), got.values())
 
 
+def test_opened_weights_keep_the_storages_of_the_producer():
+    big = torch.arange(1000, dtype=torch.float32)
+    sd = {"a": big[:10], "b": big[500:].view(20, 25).t(), "c": torch.ones(3, dtype=torch.int64), "e": torch.empty(0)}
+    pool = cuda.Pool.from_state_dict(sd, device="cpu")
+    w = cuda.open_weights(pool.export(), timeout=pw.GUARD)
+    for name, t in sd.items():
+        assert torch.equal(w[name], t) and w[name].stride() == t.stride(), name
+    assert w["a"].untyped_storage().data_ptr() == w["b"].untyped_storage().data_ptr(), "views of one storage"
+    assert w["a"].untyped_storage().nbytes() == 1000 * 4, "a storage of its own, not the whole segment"
+    assert w["c"].untyped_storage().data_ptr() != w["a"].untyped_storage().data_ptr()
+    only_empty = cuda.Pool.from_state_dict({"e": torch.empty(0, 4)}, device="cpu")
+    assert cuda.open_weights(only_empty.export(), timeout=pw.GUARD)["e"].shape == (0, 4)
+
+
 def test_a_small_slice_brings_only_its_bytes():
     big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
     pool = cuda.Pool.from_state_dict({"slice": big[5000:5010]}, device="cpu", segment_size=1 << 16)

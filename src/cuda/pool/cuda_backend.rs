@@ -10,7 +10,7 @@
 //! - Legacy kind: a segment is a `cuMemAlloc` allocation with a legacy IPC
 //!   handle (`cuIpcGetMemHandle`), which stock PyTorch can open too
 //!   (`Pool::stock_segments` gives PyTorch's 8-tuples with ref-counter
-//!   slots, through [`crate::cuda::global`]). The memory is freed once the
+//!   slots, through `crate::cuda::global()`). The memory is freed once the
 //!   pool, every stock tuple (its counter at 0, via limbo) and every
 //!   consumer connection are done with it.
 //! - Events: publish records an interprocess event on the producer's

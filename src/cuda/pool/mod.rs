@@ -8,7 +8,7 @@
 //! - [`manifest`]: the tensors, their encoding and validation;
 //! - [`placement`]: where blocks go in the segments;
 //! - [`control`]: the version state and the consumers' hold slots;
-//! - [`producer`]: the producer; [`server`]: its connection thread;
+//! - [`producer`]: the producer; `server`: its connection thread;
 //! - [`import`]: the consumer ([`Weights`]);
 //! - [`host_backend`] (host RAM; tests and CPU weights) and
 //!   [`cuda_backend`] (CUDA VMM or legacy IPC): the device calls;
@@ -27,7 +27,7 @@ pub mod placement;
 pub mod producer;
 mod region;
 mod server;
-mod wire;
+pub mod wire;
 
 pub use crate::store::Timeout;
 pub use current::{alloc_in_current, free_anywhere, set_current};

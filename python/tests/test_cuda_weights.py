@@ -433,6 +433,30 @@ def test_weights_inherited_through_fork_refuse_calls_and_still_read():
         assert version == 1, "the child's copy left the parent's connection and slot alone"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="library (src/cuda/pool): a child the producer forked keeps the server's connections open, "
+    "so its consumers see no hang-up when the producer dies; needs the server's fds closed in fork "
+    "children, or a pidfd of the producer polled by check_producer",
+)
+def test_a_killed_producer_with_a_forked_child_is_peer_gone():
+    ctx = mp.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=pw.produce_then_fork, args=(out, done), daemon=True)
+    p.start()
+    w = cuda.open_weights(out.get(timeout=pw.GUARD), timeout=pw.GUARD)
+    out.put("opened")
+    forked = out.get(timeout=pw.GUARD)
+    try:
+        os.kill(p.pid, signal.SIGKILL)
+        # Not p.join(): the forked child holds p's sentinel pipe too.
+        wait_until(lambda: p.exitcode is not None, "the producer to die")
+        with pytest.raises(ss.PeerGoneError, match=str(p.pid)):
+            w.acquire(timeout=5.0)
+    finally:
+        os.kill(forked, signal.SIGKILL)
+
+
 def test_an_update_that_raises_leaves_the_pool_torn_until_the_next_publish():
     pool = cuda.Pool.from_state_dict({"w": torch.zeros(10)}, device="cpu")
     handle = pool.export()

@@ -1,6 +1,6 @@
 //! `storage_sharing.cuda`'s native half: a producer's shareable weights
-//! pool, a consumer's opened weights, and the two C functions PyTorch's
-//! `CUDAPluggableAllocator` calls so that tensors are born in a pool.
+//! pool and a consumer's opened weights (the C functions PyTorch's
+//! `CUDAPluggableAllocator` calls are in `pool_allocator`).
 //!
 //! Objects remember the process that made them: after fork(), a child's
 //! copy of a parent's pool or weights refuses calls and is left alone when
@@ -11,12 +11,10 @@ use crate::errors::{invalid, OrRaise};
 use crate::symm::timeout_of;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use std::ffi::c_void;
 use std::mem::ManuallyDrop;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use storage_sharing::content_store::Dtype;
 use storage_sharing::cuda::pool::{self, Pool, PoolDevice, PoolHandle, PoolKind, PoolOptions, TensorSpec, Weights};
-use storage_sharing::Error;
 
 fn pid() -> u32 {
     std::process::id()
@@ -178,6 +176,32 @@ impl PyCudaPool {
         Ok(self.get()?.segments())
     }
 
+    /// Per segment, the eight fields of PyTorch's `_share_cuda_()` tuple
+    /// (legacy-kind CUDA pools only).
+    #[allow(clippy::type_complexity)]
+    fn stock_segments<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(i32, Bound<'py, PyBytes>, u64, u64, Bound<'py, PyBytes>, u64, Bound<'py, PyBytes>, bool)>> {
+        let p = self.get()?;
+        let handles = py.allow_threads(|| p.stock_segments()).or_raise()?;
+        Ok(handles
+            .into_iter()
+            .map(|h| {
+                (
+                    h.device,
+                    PyBytes::new(py, &h.mem_handle),
+                    h.size_bytes,
+                    h.offset_bytes,
+                    PyBytes::new(py, h.ref_counter_handle.as_bytes()),
+                    h.ref_counter_offset,
+                    PyBytes::new(py, &h.event_handle),
+                    h.event_sync_required,
+                )
+            })
+            .collect())
+    }
+
     /// Makes this pool the process's current one: where
     /// `ss_pool_torch_malloc` places PyTorch's allocations.
     fn make_current(&self) -> PyResult<()> {
@@ -290,52 +314,5 @@ impl PyCudaWeights {
     fn check_producer(&self, py: Python<'_>) -> PyResult<()> {
         let w = self.get()?;
         py.allow_threads(|| w.check_producer()).or_raise()
-    }
-}
-
-// ---- PyTorch's CUDAPluggableAllocator over the current pool ----
-
-/// Why the last `ss_pool_torch_malloc` of this process failed (PyTorch
-/// only sees NULL and reports out of memory).
-static LAST_ALLOC_ERROR: Mutex<Option<String>> = Mutex::new(None);
-
-fn remember(e: &Error) {
-    *LAST_ALLOC_ERROR.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.message().to_string());
-}
-
-/// The message of the last failed `ss_pool_torch_malloc`, taken (None
-/// when none failed since the last call).
-#[pyfunction]
-pub fn take_alloc_error() -> Option<String> {
-    LAST_ALLOC_ERROR.lock().unwrap_or_else(|p| p.into_inner()).take()
-}
-
-/// PyTorch's `alloc_fn`: `size` bytes in the current pool, or NULL (which
-/// PyTorch turns into an out-of-memory error).
-#[no_mangle]
-pub extern "C" fn ss_pool_torch_malloc(size: isize, device: i32, stream: *mut c_void) -> *mut c_void {
-    let stream = stream as u64;
-    let got = std::panic::catch_unwind(move || {
-        let nbytes = usize::try_from(size)
-            .map_err(|_| Error::new(storage_sharing::ErrorKind::InvalidArgument, format!("negative allocation size {size}")))?;
-        pool::alloc_in_current(nbytes, device, stream)
-    });
-    match got {
-        Ok(Ok(ptr)) => ptr as *mut c_void,
-        Ok(Err(e)) => {
-            remember(&e);
-            std::ptr::null_mut()
-        }
-        Err(_) => std::ptr::null_mut(),
-    }
-}
-
-/// PyTorch's `free_fn`: gives `ptr` back to the pool that owns it.
-#[no_mangle]
-pub extern "C" fn ss_pool_torch_free(ptr: *mut c_void, _size: usize, _device: i32, _stream: *mut c_void) {
-    let ptr = ptr as u64;
-    let result = std::panic::catch_unwind(move || pool::free_anywhere(ptr));
-    if let Ok(Err(e)) = result {
-        storage_sharing::log::log(storage_sharing::log::Level::Warning, &format!("ss_pool_torch_free({ptr:#x}): {}", e.message()));
     }
 }

@@ -11,6 +11,7 @@ mod errors;
 mod fd_server;
 mod manager;
 mod maps;
+mod pool_allocator;
 mod reshare;
 mod symm;
 mod symm_collectives;
@@ -49,7 +50,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cuda_pool::PyCudaWeights>()?;
     m.add_function(wrap_pyfunction!(cuda_pool::clear_current_pool, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_pool::pool_handle_info, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_pool::take_alloc_error, m)?)?;
+    m.add_function(wrap_pyfunction!(pool_allocator::take_alloc_error, m)?)?;
     maps::add_flags(m)?;
     m.add("HANDLE_SIZE", storage_sharing::arena::handle::WIRE_SIZE)?;
     fd_server::install_fork_handler();

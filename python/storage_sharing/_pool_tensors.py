@@ -1,11 +1,12 @@
 """Tensors over memory a pool maps at a known address, with no copy.
 
-A storage of the pool becomes one uint8 tensor over its bytes, whose
-storage keeps the native owner (the pool or the opened weights) alive;
-each named tensor is a typed view of that storage (``set_`` with the
-manifest's dtype, sizes, strides and offset), so tensors that were views of
-one storage in the producer are views of one storage here too, and a
-tensor's storage is its own storage entry, not the whole segment.
+A segment becomes one uint8 tensor over its bytes, whose storage keeps the
+native owner (the pool or the opened weights) alive; each storage entry of
+the manifest is a slice of that storage (a storage of its own sharing the
+memory), and each named tensor a typed view of its entry's storage
+(``set_`` with the manifest's dtype, sizes, strides and offset). So tensors
+that were views of one storage in the producer are views of one storage
+here too, and a tensor's storage is its own entry, not the whole segment.
 
 * CPU (the host backend): a ctypes byte array at the address, read by
   ``torch.frombuffer`` (which keeps the array, and so the owner, alive).
@@ -59,13 +60,23 @@ def bytes_at(address: int, nbytes: int, device: torch.device, owner) -> torch.Te
     raise ValueError(f"pool tensors live on cpu or cuda, not {device}")
 
 
+def storage_in(segment: torch.UntypedStorage, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """A storage of its own over ``nbytes`` bytes at ``offset`` in
+    ``segment`` (a slice of an untyped storage shares its memory and keeps
+    it alive): one per storage entry, with no cost per segment byte."""
+    if offset < 0 or nbytes <= 0 or offset + nbytes > segment.nbytes():
+        raise ValueError(f"a storage of {nbytes} bytes at offset {offset} lies outside its segment of {segment.nbytes()} bytes")
+    return segment[offset : offset + nbytes]
+
+
 def typed_view(
-    base: torch.Tensor, dtype: torch.dtype, sizes: Sequence[int], strides: Sequence[int], storage_offset: int
+    base, dtype: torch.dtype, sizes: Sequence[int], strides: Sequence[int], storage_offset: int
 ) -> torch.Tensor:
-    """A ``dtype`` tensor over ``base``'s storage; ``set_`` checks that it
-    stays inside it."""
-    t = torch.empty(0, dtype=dtype, device=base.device)
-    return t.set_(base.untyped_storage(), storage_offset, tuple(sizes), tuple(strides))
+    """A ``dtype`` tensor over ``base`` (a tensor's storage, or an untyped
+    storage); ``set_`` checks that it stays inside it."""
+    storage = base.untyped_storage() if isinstance(base, torch.Tensor) else base
+    t = torch.empty(0, dtype=dtype, device=storage.device)
+    return t.set_(storage, storage_offset, tuple(sizes), tuple(strides))
 
 
 def dtype_named(name: str) -> torch.dtype:

@@ -47,7 +47,7 @@ import torch
 from . import _native
 from ._errors import ClosedError, InvalidArgumentError, NoSpaceError
 from ._pool_layout import group_by_storage
-from ._pool_tensors import bytes_at, dtype_name, dtype_named, typed_view
+from ._pool_tensors import bytes_at, dtype_name, dtype_named, storage_in, typed_view
 
 __all__ = [
     "STOCK_FORMAT",
@@ -410,13 +410,22 @@ class Weights(Mapping):
         self._lock = threading.Lock()
         self._holds = 0
         self._version = 0
-        bases: Dict[int, torch.Tensor] = {}
+        segments = native.segments()
+        mapped: Dict[int, torch.UntypedStorage] = {}  # segment -> its bytes
+        storages: Dict[int, torch.UntypedStorage] = {}  # storage entry -> its bytes
         self._tensors: Dict[str, torch.Tensor] = {}
-        for name, storage, _seg, ptr, nbytes, dt, sizes, strides, offset in native.tensors():
-            base = bases.get(storage)
-            if base is None:
-                base = bases[storage] = bytes_at(ptr, nbytes, device, native)
-            self._tensors[name] = typed_view(base, dtype_named(dt), sizes, strides, offset)
+        for name, entry, seg, ptr, nbytes, dt, sizes, strides, offset in native.tensors():
+            storage = storages.get(entry)
+            if storage is None:
+                if nbytes == 0:  # no bytes, no segment
+                    storage = torch.empty(0, dtype=torch.uint8, device=device).untyped_storage()
+                else:
+                    base, size = segments[seg]
+                    if seg not in mapped:
+                        mapped[seg] = bytes_at(base, size, device, native).untyped_storage()
+                    storage = storage_in(mapped[seg], ptr - base, nbytes)
+                storages[entry] = storage
+            self._tensors[name] = typed_view(storage, dtype_named(dt), sizes, strides, offset)
 
     def _live(self):
         if self._native is None:

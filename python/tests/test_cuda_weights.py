@@ -433,12 +433,6 @@ def test_weights_inherited_through_fork_refuse_calls_and_still_read():
         assert version == 1, "the child's copy left the parent's connection and slot alone"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library (src/cuda/pool): a child the producer forked keeps the server's connections open, "
-    "so its consumers see no hang-up when the producer dies; needs the server's fds closed in fork "
-    "children, or a pidfd of the producer polled by check_producer",
-)
 def test_a_killed_producer_with_a_forked_child_is_peer_gone():
     ctx = mp.get_context("spawn")
     out, done = ctx.Queue(), ctx.Event()

@@ -3,9 +3,11 @@
 //! receiver at its open-file limit gets a `TooManyFiles` error instead of a
 //! message whose descriptors the kernel silently dropped. [`peer`] tells
 //! who is at the other end of a socket, [`seals`] whether a received
-//! descriptor is safe to map.
+//! descriptor is safe to map, [`parent_only`] keeps sockets whose hang-up
+//! means "this process is gone" out of forked children.
 
 pub mod abstract_socket;
+pub mod parent_only;
 pub mod peer;
 pub mod seals;
 

@@ -2,8 +2,9 @@
 //! four consumers of one pool, readers in many processes and threads while
 //! the producer updates (never a torn version), kill -9 of a consumer
 //! holding a version and of the producer (idle and mid-update), a consumer
-//! dying mid-import, a consumer out of descriptors, and nothing left in
-//! /dev/shm.
+//! dying mid-import, a consumer out of descriptors, parties that forked
+//! a child (the child neither hides their death nor disturbs them), and
+//! nothing left in /dev/shm.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -102,6 +103,14 @@ fn child_entry() {
         "consumer" => consumer(&mut parent),
         "producer" => producer(&mut parent),
         "fd_starved" => fd_starved(&mut parent),
+        "forking_producer" => {
+            // Forks a child that outlives it (a DataLoader worker, say).
+            let (_pool, _p, h) = producer_pool(PoolKind::Vmm, 1);
+            parent.send(&format!("handle {}", hex(&h.to_bytes())));
+            assert_eq!(parent.recv(), "fork");
+            parent.send(&format!("forked {}", sleeping_child()));
+            parent.wait_for_close();
+        }
         "half_import" => {
             // Connects and stops before reading the pool: killed there.
             let h = PoolHandle::from_bytes(&unhex(&parent.arg)).unwrap();
@@ -155,6 +164,7 @@ fn consumer(parent: &mut Parent) {
                 }
                 parent.send(&format!("reads {} torn {}", reads.load(Ordering::SeqCst), torn.load(Ordering::SeqCst)));
             }
+            "fork" => parent.send(&format!("forked {}", sleeping_child())),
             "gone?" => {
                 let r = w.acquire(0, T);
                 let kind = r.as_ref().err().map(|e| e.kind());
@@ -198,6 +208,27 @@ fn fd_starved(parent: &mut Parent) {
     let w = Weights::open(&h, T).unwrap();
     parent.send(&format!("opened {}", w.tensors().len()));
     parent.wait_for_close();
+}
+
+/// Forks a child that sleeps until killed; returns its pid.
+fn sleeping_child() -> i32 {
+    // SAFETY: the child only makes async-signal-safe calls, then _exit.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: as above.
+        unsafe {
+            libc::sleep(120);
+            libc::_exit(0)
+        };
+    }
+    pid
+}
+
+fn kill_pid(line: &str) {
+    let pid: i32 = line.strip_prefix("forked ").unwrap().parse().unwrap();
+    // SAFETY: a process the test made (a grandchild): killing it is the point.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
 }
 
 fn spawn_consumers(h: &PoolHandle, n: usize) -> Vec<Peer> {
@@ -384,4 +415,75 @@ fn a_consumer_out_of_descriptors_gets_too_many_files_and_maps_nothing() {
     let w = Weights::open(&h, T).unwrap();
     assert_eq!(w.acquire(0, T).unwrap(), 3);
     w.release(0).unwrap();
+}
+
+#[test]
+fn a_producer_that_forked_a_child_is_peer_gone_when_killed() {
+    let mut producer = Peer::spawn(ENTRY, "forking_producer", "");
+    let line = producer.recv();
+    let h = PoolHandle::from_bytes(&unhex(line.strip_prefix("handle ").unwrap())).unwrap();
+    let mut consumers = spawn_consumers(&h, 1);
+    producer.send("fork");
+    let forked = producer.recv();
+    producer.kill9();
+    // The child still lives, with copies of every descriptor its parent
+    // had, yet the consumer sees the producer gone.
+    consumers[0].send("gone?");
+    let answer = consumers[0].recv();
+    kill_pid(&forked);
+    assert_eq!(answer, "gone v1", "a forked child hid the producer's death");
+    for mut c in consumers {
+        c.send("exit");
+        c.finish();
+    }
+}
+
+#[test]
+fn a_consumer_that_forked_a_child_gives_up_its_hold_when_killed() {
+    let (pool, _p, h) = producer_pool(PoolKind::Vmm, 1);
+    let mut c = spawn_consumers(&h, 1).pop().unwrap();
+    c.send("fork");
+    let forked = c.recv();
+    c.send("hold");
+    assert_eq!(c.recv(), "v 1 whole");
+    c.kill9();
+    let update = pool.begin_update(T);
+    kill_pid(&forked);
+    update.expect("the dead consumer's hold was kept by its forked child").publish(0).unwrap();
+}
+
+/// The forked child's copies are inert: a weights object refuses calls and
+/// keeps the parent's hold; a pool dropped there leaves the parent serving.
+#[test]
+fn copies_in_a_forked_child_leave_the_parent_alone() {
+    let (pool, _p, h) = producer_pool(PoolKind::Vmm, 1);
+    let w = Weights::open(&h, T).unwrap();
+    assert_eq!(w.acquire(0, T).unwrap(), 1);
+    // SAFETY: the child makes no allocation-free promise here, but the
+    // test process's other threads hold no lock these calls take (the
+    // library's locks are fork-safe and the pool's server thread takes
+    // none of what the child's calls use); it ends with _exit.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0);
+    if child == 0 {
+        let refused = w.acquire(0, T).err().map(|e| e.kind()) == Some(ErrorKind::InvalidArgument)
+            && w.release(0).err().map(|e| e.kind()) == Some(ErrorKind::InvalidArgument)
+            && pool.begin_update(T).err().map(|e| e.kind()) == Some(ErrorKind::InvalidArgument);
+        drop(w);
+        drop(pool);
+        // SAFETY: ends the child without running the parent's exit hooks.
+        unsafe { libc::_exit(if refused { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    // SAFETY: our child.
+    assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child's copies did not refuse (status {status})");
+    let e = pool.begin_update(Some(Duration::from_millis(100))).err().expect("the child's drop released the parent's hold");
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    w.release(0).unwrap();
+    // The server still answers: a new consumer opens, an update goes through.
+    let again = Weights::open(&h, T).unwrap();
+    assert_eq!(pool.begin_update(T).unwrap().publish(0).unwrap(), 2);
+    assert_eq!(again.acquire(0, T).unwrap(), 2);
+    again.release(0).unwrap();
 }

@@ -13,6 +13,7 @@ use super::options::PoolKind;
 use super::wire::{Hello, HELLO_BYTES, STATUS_OK};
 use crate::content_store::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
+use crate::fdpass::parent_only::ParentOnlyFd;
 use crate::fdpass::{abstract_socket, peer, recv_fds};
 use crate::store::Timeout;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -46,7 +47,10 @@ struct Readers {
 /// A producer's pool opened in this process (see the module docs).
 pub struct Weights {
     handle: PoolHandle,
-    conn: OwnedFd,
+    /// Not inherited by forked children (its hang-up is this process's death).
+    conn: ParentOnlyFd,
+    /// The fork generation it was opened in: a forked child's copy is inert.
+    generation: u64,
     control: ControlBlock,
     slot: usize,
     backend: Arc<dyn PoolBackend>,
@@ -140,6 +144,8 @@ impl Weights {
             ),
             _ => Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("connecting to pool {}", h.socket_name)),
         })?;
+        let generation = crate::fork_safe::fork_generation();
+        let conn = ParentOnlyFd::new(conn);
         peer::expect_process(conn.as_raw_fd(), h.producer_pid, &format!("pool socket {}", h.socket_name))?;
         let mut buf = [0u8; HELLO_BYTES + 512];
         let (n, mut fds) = receive(conn.as_raw_fd(), &mut buf, 1 + MAX_SEGMENTS, &deadline, h, "waiting for the pool")?;
@@ -203,6 +209,7 @@ impl Weights {
         Ok(Weights {
             handle: h.clone(),
             conn,
+            generation,
             control,
             slot: hello.slot as usize,
             backend,
@@ -235,6 +242,7 @@ impl Weights {
 
     /// `PeerGone` once the producer is gone (its connection hung up).
     pub fn check_producer(&self) -> Result<()> {
+        self.check_same_process()?;
         if self.gone.load(Ordering::SeqCst) {
             return Err(gone_error(&self.handle));
         }
@@ -321,6 +329,7 @@ impl Weights {
     /// reading the weights are done), then lets go of the hold if this was
     /// the last reader of this process.
     pub fn release(&self, stream: u64) -> Result<()> {
+        self.check_same_process()?;
         self.backend.sync_stream(stream)?;
         self.release_hold()
     }
@@ -392,9 +401,27 @@ fn open_tensors(m: &Manifest, mapped: &[Box<dyn MappedSegment>]) -> Vec<OpenTens
         .collect()
 }
 
+impl Weights {
+    /// A forked child's copy shares the parent's hold slot and has no
+    /// connection of its own (`ParentOnlyFd`): it must not touch either.
+    fn check_same_process(&self) -> Result<()> {
+        if crate::fork_safe::fork_generation() == self.generation {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "the weights of pool {} were opened before a fork: the child cannot use the parent's connection and hold; open the handle again in the child",
+                self.handle.socket_name
+            ),
+        ))
+    }
+}
+
 impl Drop for Weights {
     fn drop(&mut self) {
-        if lock(&self.readers).count > 0 {
+        // In a forked child the slot is the parent's, whatever the copied count says.
+        if self.check_same_process().is_ok() && lock(&self.readers).count > 0 {
             self.control.drop_hold(self.slot);
         }
     }

@@ -69,6 +69,8 @@ pub(crate) struct PoolInner {
 /// A pool of device memory whose tensors are shared whole (see the module docs).
 pub struct Pool {
     pub(crate) inner: Arc<PoolInner>,
+    /// The fork generation it was made in: a forked child's copy is inert.
+    generation: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -161,7 +163,7 @@ impl Pool {
             linger: AtomicBool::new(false),
         });
         super::current::register(&inner);
-        Ok(Pool { inner })
+        Ok(Pool { inner, generation: crate::fork_safe::fork_generation() })
     }
 
     pub fn options(&self) -> PoolOptions {
@@ -171,11 +173,13 @@ impl Pool {
     /// A block of at least `nbytes` bytes, 512-aligned; the pool grows by
     /// a segment when none has room (only before export).
     pub fn alloc(&self, nbytes: usize) -> Result<u64> {
+        self.check_same_process()?;
         self.inner.alloc(nbytes)
     }
 
     /// Frees a block from [`Pool::alloc`].
     pub fn free_block(&self, ptr: u64) -> Result<()> {
+        self.check_same_process()?;
         self.inner.free_block(ptr)
     }
 
@@ -183,6 +187,7 @@ impl Pool {
     /// the pool and the view inside its storage; storages are shared by
     /// the views that start at the same address.
     pub fn add_tensor(&self, name: &str, t: &TensorSpec) -> Result<()> {
+        self.check_same_process()?;
         let invalid = |msg: String| Error::new(ErrorKind::InvalidArgument, format!("tensor {name:?}: {msg}"));
         if name.is_empty() || name.len() > MAX_NAME || name.contains('\0') {
             return Err(invalid(format!("a name must be 1 to {MAX_NAME} bytes without NUL")));
@@ -248,6 +253,7 @@ impl Pool {
     /// Freezes the manifest, starts the server (once) and publishes
     /// version 1 if nothing was published yet. Every call returns the same handle.
     pub fn export(&self) -> Result<PoolHandle> {
+        self.check_same_process()?;
         let mut server = lock(&self.inner.server);
         if let Some(s) = server.as_ref() {
             return Ok(self.handle_for(s.socket_name()));
@@ -290,6 +296,7 @@ impl Pool {
     /// whose update spans calls): end it with [`Pool::publish_update`] or
     /// [`Pool::abandon_update`].
     pub fn start_update(&self, timeout: Timeout) -> Result<()> {
+        self.check_same_process()?;
         let mut u = lock(&self.inner.updating);
         if u.open {
             return Err(Error::new(ErrorKind::Busy, "an update of this pool is open already; publish it first"));
@@ -331,6 +338,7 @@ impl Pool {
     /// Publishes the open update: records an event on `stream` (CUDA),
     /// bumps the version and lets readers in. Returns the new version.
     pub fn publish_update(&self, stream: u64) -> Result<u64> {
+        self.check_same_process()?;
         let mut u = lock(&self.inner.updating);
         if !u.open {
             return Err(Error::new(ErrorKind::InvalidArgument, "publish: no update of this pool is open (call begin_update first)"));
@@ -347,6 +355,9 @@ impl Pool {
     /// Ends the open update without publishing: the pool is torn (acquire
     /// fails) until the next publish.
     pub fn abandon_update(&self) {
+        if self.check_same_process().is_err() {
+            return;
+        }
         let mut u = lock(&self.inner.updating);
         if u.open {
             self.inner.control.abandon();
@@ -389,8 +400,28 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// A forked child's copy shares the parent's control block, server
+    /// wake-up descriptor and memory: it must change none of them.
+    fn check_same_process(&self) -> Result<()> {
+        if crate::fork_safe::fork_generation() == self.generation {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::InvalidArgument,
+            "this pool was made before a fork: only the process that made it may change, export or update it",
+        ))
+    }
+}
+
 impl Drop for Pool {
     fn drop(&mut self) {
+        if self.check_same_process().is_err() {
+            // Dropping the child's copy would stop the parent's server
+            // (their wake-up eventfd is one) and mark its updates torn.
+            std::mem::forget(self.inner.clone());
+            return;
+        }
         // An update left open (C and Python callers) may have written half.
         self.abandon_update();
         self.inner.closing.store(true, Ordering::SeqCst);

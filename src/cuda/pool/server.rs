@@ -9,6 +9,7 @@ use super::options::PoolKind;
 use super::producer::PoolInner;
 use super::wire::{Hello, CHUNK, STATUS_FULL, STATUS_OK};
 use crate::error::{Error, Result};
+use crate::fdpass::parent_only::ParentOnlyFd;
 use crate::fdpass::{abstract_socket, peer, send_fds};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -28,7 +29,8 @@ pub(crate) struct Server {
 }
 
 struct Conn {
-    fd: OwnedFd,
+    /// Not inherited by forked children: its hang-up is the consumer's death.
+    fd: ParentOnlyFd,
     slot: usize,
 }
 
@@ -36,6 +38,9 @@ impl Server {
     pub fn start(inner: Arc<PoolInner>) -> Result<Server> {
         let name = abstract_socket::unique_name_with("ss_pool");
         let listener = abstract_socket::listen(&name).map_err(|e| io_err(e, format!("listening on the pool socket {name}")))?;
+        // A forked child keeping the name bound would take (and never
+        // answer) connections after this process is gone.
+        let listener = ParentOnlyFd::new(listener);
         // SAFETY: eventfd takes plain integers.
         let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if raw < 0 {
@@ -88,7 +93,7 @@ fn io_err(e: std::io::Error, what: String) -> Error {
     Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), what)
 }
 
-fn serve(inner: Arc<PoolInner>, listener: OwnedFd, wake: OwnedFd, told: Sender<()>) {
+fn serve(inner: Arc<PoolInner>, listener: ParentOnlyFd, wake: OwnedFd, told: Sender<()>) {
     let mut conns: Vec<Conn> = Vec::new();
     let mut listener = Some(listener);
     loop {
@@ -156,7 +161,7 @@ fn drop_consumer(inner: &PoolInner, c: Conn) {
 fn accept_all(inner: &PoolInner, listener: RawFd, conns: &mut Vec<Conn>) {
     loop {
         let conn = match abstract_socket::accept(listener) {
-            Ok(c) => c,
+            Ok(c) => ParentOnlyFd::new(c),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
             Err(e) => {
                 crate::log::warn(&format!("pool server: accept failed: {e}"));

@@ -556,7 +556,9 @@ def test_stock_pytorch_opens_a_legacy_pool():
 
 # ---- the example ----
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python", "cuda_weights.py")
+# The repository: SS_SOURCE_TREE when the suite runs from a copy (the installed-wheel run).
+ROOT = os.environ.get("SS_SOURCE_TREE") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+EXAMPLE = os.path.join(ROOT, "examples", "python", "cuda_weights.py")
 
 
 @pytest.mark.parametrize("args", [[], ["--kind", "legacy"], pytest.param(["--device", "cuda:0", "--born-in-pool"], marks=CUDA0.marks)])

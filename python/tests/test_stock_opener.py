@@ -2,6 +2,7 @@
 run on a GPU by scripts/gpu/cuda_weights_gpu.py; here, without one, it is
 kept in step with the producer and with the page that shows it."""
 
+import os
 import re
 import runpy
 import sys
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+# The repository: SS_SOURCE_TREE when the suite runs from a copy (the installed-wheel run).
+ROOT = Path(os.environ.get("SS_SOURCE_TREE") or Path(__file__).resolve().parents[2])
 EXAMPLE = ROOT / "examples" / "python" / "open_with_stock_pytorch.py"
 
 

@@ -50,9 +50,8 @@ impl Drop for Region {
 /// that others cannot guess in advance.
 pub fn random_u64() -> u64 {
     let mut r = [0u8; 8];
-    // SAFETY: getrandom writes at most 8 bytes into our buffer.
-    let n = unsafe { libc::getrandom(r.as_mut_ptr().cast(), r.len(), 0) };
-    if n == 8 {
+    // Through syscall(2): glibc's wrapper is newer than the wheel's glibc.
+    if crate::syscalls::getrandom(&mut r) == 8 {
         return u64::from_ne_bytes(r);
     }
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();

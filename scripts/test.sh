@@ -86,8 +86,10 @@ oldest_torch_part() {
     local wheel="${package_wheel:-}"
     if [ -z "$wheel" ]; then
         rm -rf "$target/python-wheel"
-        CARGO_TARGET_DIR="$target/python" "$SS_TEST_PYTHON" -m pip wheel --quiet --no-deps \
-            --wheel-dir "$target/python-wheel" ./python
+        # maturin is in that venv (python/run_tests.sh put it there), and the
+        # crate is built already in $target/python.
+        CARGO_TARGET_DIR="$target/python" "$SS_TEST_PYTHON" -m maturin build --quiet --release \
+            -m python/Cargo.toml --out "$target/python-wheel"
         wheel="$(ls "$target"/python-wheel/storage_sharing-*.whl)"
     fi
     bash scripts/torch_versions.sh --cache "$target/torch-versions" --wheel "$wheel" "$oldest_torch"

@@ -78,7 +78,7 @@ part_done "Python package"
 # suite and PyTorch's test_multiprocessing.py of that release, stock and with
 # enable(), through scripts/torch_versions.sh in a venv of its own under
 # target/ (kept between runs). The newest is $SS_TEST_PYTHON's, above.
-oldest_torch=2.2.2
+oldest_torch=2.5.1
 oldest_torch_part() {
     echo "== Python package on the oldest PyTorch supported, $oldest_torch"
     # The package the part above installed, as a wheel ($package_wheel when

@@ -9,9 +9,9 @@
 #include <sys/types.h>
 
 #define SS_VERSION_MAJOR 0
-#define SS_VERSION_MINOR 1
+#define SS_VERSION_MINOR 2
 #define SS_VERSION_PATCH 0
-#define SS_VERSION_STRING "0.1.0"
+#define SS_VERSION_STRING "0.2.0"
 /* Marks the deprecated aliases of renamed functions (docs/c-api.md). */
 #if defined(__GNUC__) || defined(__clang__)
 #define SS_DEPRECATED(note) __attribute__((deprecated(note)))
@@ -1703,12 +1703,14 @@ SS_DEPRECATED("renamed to ss_map_lookup, which returns a const (borrowed) ss_map
 ss_map *ss_map_from_data(const void *ptr);
 
 /**
- * Deprecated alias of `ss_store_callbacks_open`. Unlike it, a
- * `struct_size` of 0 (a caller written before the field existed) is taken
- * as the current layout.
+ * Deprecated alias of `ss_store_callbacks_open`, with one more refusal:
+ * a table laid out as in 0.1.0 (five function pointers, no leading
+ * `struct_size`) is named as such. Only its first word is read before
+ * that check, so the old, shorter table is never read past its end.
  *
  * # Safety
- * As `ss_store_callbacks_open`.
+ * As `ss_store_callbacks_open`, except that `cb` may point to 0.1.0's
+ * smaller table (at least one readable pointer-sized word).
  */
 SS_DEPRECATED("renamed to ss_store_callbacks_open (initialize the table with SS_STORE_CALLBACKS_INIT)")
 ss_status ss_store_from_callbacks(const ss_store_callbacks *cb,

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Builds and installs the Python package into $SS_TEST_PYTHON's environment
-# (a Python with torch), then runs its pytest suite. Fails when pytest
+# For developers: builds and installs the Python package from python/ into
+# $SS_TEST_PYTHON's environment (a Python with torch; needs cargo), then runs
+# its pytest suite. The test command tests the wheel instead
+# (scripts/build_wheel.sh, python/run_wheel_tests.sh). Fails when pytest
 # collects no test (its exit code 5).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 py="${SS_TEST_PYTHON:?set SS_TEST_PYTHON to a Python with torch installed}"
-"$py" -c "import maturin, pytest" 2>/dev/null || "$py" -m pip install --quiet "maturin>=1.5,<2" pytest numpy
+"$py" -c "import maturin, pytest" 2>/dev/null || "$py" -m pip install --quiet "maturin>=1.9,<2" pytest numpy
 "$py" -m pip install --quiet --no-deps --force-reinstall "$here"
 cd "$here/tests"
 set +e
-"$py" -m pytest -q -p no:cacheprovider "$@"
+SS_SOURCE_TREE="$(dirname "$here")" "$py" -m pytest -q -p no:cacheprovider "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

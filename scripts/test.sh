@@ -69,9 +69,10 @@ if [ -n "${CI:-}" ] && [ "$torch_tests" -eq 0 ]; then
 fi
 part_done "cargo test"
 
-echo "== Python package: pip install ./python (maturin, PyO3), pytest"
-CARGO_TARGET_DIR="$target/python" bash python/run_tests.sh
-part_done "Python package"
+echo "== Python package: the wheel (scripts/build_wheel.sh), pip-installed into a fresh venv without cargo, pytest"
+bash scripts/build_wheel.sh | tee "$target/build_wheel.log"
+bash python/run_wheel_tests.sh "$(tail -n 1 "$target/build_wheel.log")"
+part_done "Python package (wheel)"
 
 # The oldest PyTorch the package supports (python/pyproject.toml's torch
 # extra, TESTED_RANGE in python/storage_sharing/_torch_compat.py): the pytest

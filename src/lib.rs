@@ -18,5 +18,9 @@ pub mod shm;
 pub mod storage;
 pub mod store;
 pub mod symm;
+pub mod syscalls;
 
 pub use error::{Error, ErrorKind, Result};
+
+/// This library's version (Cargo.toml's), what `ss_version()` returns.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

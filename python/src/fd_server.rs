@@ -47,14 +47,13 @@ pub fn install_fork_handler() {
 }
 
 fn random_u64() -> u64 {
-    let mut v = 0u64;
-    // SAFETY: getrandom writes at most 8 bytes into v.
-    let n = unsafe { libc::getrandom(&mut v as *mut u64 as *mut libc::c_void, 8, 0) };
-    if n != 8 {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-        v = t as u64 ^ ((std::process::id() as u64) << 32);
+    let mut b = [0u8; 8];
+    // Through syscall(2): glibc's wrapper would need glibc 2.25, above the wheel's 2.17.
+    if storage_sharing::syscalls::getrandom(&mut b) == 8 {
+        return u64::from_ne_bytes(b);
     }
-    v
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    t as u64 ^ ((std::process::id() as u64) << 32)
 }
 
 fn io_err(e: std::io::Error, what: impl std::fmt::Display) -> Error {

@@ -33,6 +33,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<maps::PyRefcountedMapAllocator>()?;
     m.add_class::<manager::PyManagerClient>()?;
     m.add_function(wrap_pyfunction!(manager::spawn_manager, m)?)?;
+    m.add_function(wrap_pyfunction!(manager::set_manager_binary, m)?)?;
+    m.add_function(wrap_pyfunction!(ss_version, m)?)?;
     m.add_class::<content_store::PyContentWriter>()?;
     m.add_class::<content_store::PyContentReader>()?;
     m.add_class::<content_store::StoredBytes>()?;
@@ -46,4 +48,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("HANDLE_SIZE", storage_sharing::arena::handle::WIRE_SIZE)?;
     fd_server::install_fork_handler();
     Ok(())
+}
+
+/// The version of the storage-sharing library this module is built on
+/// (its Cargo.toml's); `storage_sharing.__version__` must be the same.
+#[pyfunction]
+fn ss_version() -> &'static str {
+    storage_sharing::VERSION
 }

@@ -23,6 +23,13 @@ pub fn spawn_manager(py: Python<'_>, binary: Option<String>) -> PyResult<String>
     .or_raise()
 }
 
+/// Uses `path` as the daemon binary from now on (before `SS_SHM_MANAGER`
+/// and the library's lookup).
+#[pyfunction]
+pub fn set_manager_binary(path: String) -> PyResult<()> {
+    spawn::set_manager_binary(&path).or_raise()
+}
+
 #[pyclass(frozen, module = "storage_sharing._native", name = "ManagerClient")]
 pub struct PyManagerClient {
     client: Arc<Client>,

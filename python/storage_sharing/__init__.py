@@ -10,7 +10,9 @@ shareable arena, with Python objects over it:
   :func:`open_shared` / :func:`open_remote` into a :class:`RemoteBlock`.
 * :class:`MapAllocator`, :class:`RefcountedMapAllocator` -- ATen's
   allocators by name and flags, as buffers.
-* :func:`spawn_manager`, :class:`ManagerClient` -- the shared-memory manager.
+* :func:`spawn_manager`, :class:`ManagerClient` -- the shared-memory manager
+  (the ``ss_shm_manager`` the wheel installs, unless ``SS_SHM_MANAGER``
+  names another).
 * :mod:`storage_sharing.torch` -- ``enable()`` puts torch.multiprocessing
   and DataLoader workers on the arena.
 
@@ -19,9 +21,11 @@ builtin (FileNotFoundError, PermissionError, TimeoutError, OSError with
 errno ENOSPC, ValueError, ...). Calls that can block release the GIL.
 """
 
+import os as _os
 from typing import Optional, Tuple
 
 from . import _native
+from ._installed_tools import installed_script as _installed_script
 from ._buffers import BufferMixin as _BufferMixin
 from ._buffers import wrap as _wrap
 from ._errors import (
@@ -53,7 +57,14 @@ from ._native import (
     trim_remote_cache,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+# The manager daemon the wheel installed is the one this package starts,
+# on PATH or not (SS_SHM_MANAGER, when set, still names another).
+if not _os.environ.get("SS_SHM_MANAGER"):
+    _manager = _installed_script("ss_shm_manager")
+    if _manager is not None:
+        _native.set_manager_binary(str(_manager))
 
 
 class Block(_BufferMixin):

@@ -403,7 +403,6 @@ fn map(fd: RawFd, len: usize, what: &str) -> Result<*mut u8> {
 
 fn random_u32() -> u32 {
     let mut b = [0u8; 4];
-    // SAFETY: getrandom writes at most 4 bytes into our buffer.
-    unsafe { libc::getrandom(b.as_mut_ptr().cast(), 4, 0) };
+    crate::syscalls::getrandom(&mut b);
     u32::from_ne_bytes(b) ^ std::process::id().rotate_left(16)
 }

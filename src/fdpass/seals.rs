@@ -18,8 +18,7 @@ const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
 
 /// A new close-on-exec memfd named `label` that can be sealed.
 pub fn sealable_memfd(label: &CStr, what: &str) -> Result<OwnedFd> {
-    // SAFETY: memfd_create reads the NUL-terminated label only.
-    let fd = unsafe { libc::memfd_create(label.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    let fd = crate::syscalls::memfd_create(label, libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING);
     if fd < 0 {
         return Err(Error::last_os_error(format!("memfd_create for {what}")));
     }

@@ -1,7 +1,7 @@
-//! The old names of renamed functions, kept for one release as
-//! deprecated aliases (the header marks them so compilers warn). Each calls
-//! its replacement; docs/c-api.md has the table. Delete this file in the
-//! release after next.
+//! The old names of the functions renamed in 0.2.0, kept for one minor
+//! release as deprecated aliases (the header marks them so compilers warn).
+//! Each calls its replacement; docs/c-api.md has the table and the policy.
+//! Delete this file in 0.3.0.
 #![allow(deprecated)]
 
 use super::arena::{ss_arena_handle, SsArena, SsArenaView};
@@ -327,28 +327,55 @@ pub unsafe extern "C" fn ss_map_from_data(ptr: *const c_void) -> *mut SsMap {
     })
 }
 
-/// Deprecated alias of `ss_store_callbacks_open`. Unlike it, a
-/// `struct_size` of 0 (a caller written before the field existed) is taken
-/// as the current layout.
+/// Deprecated alias of `ss_store_callbacks_open`, with one more refusal:
+/// a table laid out as in 0.1.0 (five function pointers, no leading
+/// `struct_size`) is named as such. Only its first word is read before
+/// that check, so the old, shorter table is never read past its end.
 ///
 /// # Safety
-/// As `ss_store_callbacks_open`.
+/// As `ss_store_callbacks_open`, except that `cb` may point to 0.1.0's
+/// smaller table (at least one readable pointer-sized word).
 #[deprecated(note = "renamed to ss_store_callbacks_open (initialize the table with SS_STORE_CALLBACKS_INIT)")]
 #[no_mangle]
 pub unsafe extern "C" fn ss_store_from_callbacks(cb: *const SsStoreCallbacks, ctx: *mut c_void, out: *mut *mut SsStore) -> ss_status {
     ffi_value!("ss_store_from_callbacks", ss_status::SS_ERR_PANIC, {
-        // SAFETY: NULL or a readable table, per the contract.
-        let mut table = match unsafe { cb.as_ref() } {
-            Some(t) => *t,
-            // SAFETY: the replacement reports the NULL table.
-            None => return unsafe { store_callbacks::ss_store_callbacks_open(cb, ctx, out) },
-        };
-        if table.struct_size == 0 {
-            table.struct_size = std::mem::size_of::<SsStoreCallbacks>();
+        if !cb.is_null() {
+            // SAFETY: a non-NULL table has at least its first word, in
+            // either layout.
+            let first_word = unsafe { cb.cast::<usize>().read_unaligned() };
+            if let Err(e) = check_not_a_0_1_table(first_word) {
+                super::guard::set_last_error(&e);
+                return e.kind().into();
+            }
         }
-        // SAFETY: a readable local copy of the caller's table.
-        unsafe { store_callbacks::ss_store_callbacks_open(&table, ctx, out) }
+        // SAFETY: NULL, or a table whose first word is a plausible
+        // struct_size: the current layout, which the replacement checks.
+        unsafe { store_callbacks::ss_store_callbacks_open(cb, ctx, out) }
     })
+}
+
+/// Refuses the first word of an `ss_store_callbacks` that cannot be a
+/// `struct_size`: 0 (never initialized: a zeroed table filled by hand) or
+/// more than any version's size (0.1.0's table, whose first word is the
+/// `set` function).
+fn check_not_a_0_1_table(first_word: usize) -> crate::Result<()> {
+    use crate::{Error, ErrorKind};
+    let size = std::mem::size_of::<SsStoreCallbacks>();
+    let fix = "rebuild the caller against this header and initialize the table with SS_STORE_CALLBACKS_INIT \
+               (the 0.1.0 layout, without struct_size, is no longer accepted)";
+    if first_word == 0 {
+        return Err(Error::new(ErrorKind::InvalidArgument, format!("ss_store_callbacks.struct_size is 0: {fix}")));
+    }
+    if first_word > size {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "ss_store_callbacks.struct_size is {first_word:#x}, not a size ({size} bytes in this library): \
+                 the table looks built against storage-sharing 0.1.0, which had no struct_size field; {fix}"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Deprecated alias of `ss_symm_mem_rendezvous`, which writes the same
@@ -369,4 +396,18 @@ pub unsafe extern "C" fn ss_symm_rendezvous(
         // SAFETY: a `*mut SsSymmMem` slot holds a `*const SsSymmMem` alike.
         unsafe { symm::ss_symm_mem_rendezvous(ptr, group, timeout_ms, out.cast()) }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_and_a_function_pointer_are_not_sizes() {
+        let zero = check_not_a_0_1_table(0).unwrap_err();
+        assert!(zero.message().contains("SS_STORE_CALLBACKS_INIT"), "{}", zero.message());
+        let old = check_not_a_0_1_table(0x5555_5555_1234).unwrap_err();
+        assert!(old.message().contains("0.1.0") && old.message().contains("struct_size"), "{}", old.message());
+        assert!(check_not_a_0_1_table(std::mem::size_of::<SsStoreCallbacks>()).is_ok());
+    }
 }

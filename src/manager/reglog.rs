@@ -57,8 +57,7 @@ unsafe impl Sync for RegLog {}
 impl RegLog {
     /// A new log for this process: the mapping and the descriptor to send.
     pub fn create() -> Result<(Self, OwnedFd)> {
-        // SAFETY: memfd_create with a static name; the result is checked.
-        let raw = unsafe { libc::memfd_create(c"ss-registration-log".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        let raw = crate::syscalls::memfd_create(c"ss-registration-log", libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING);
         if raw < 0 {
             return Err(Error::last_os_error("could not create the registration log (memfd_create)"));
         }
@@ -215,7 +214,7 @@ mod tests {
     #[test]
     fn an_unsealed_or_wrong_sized_file_is_refused() {
         // SAFETY: a fresh anonymous file of our own.
-        let fd = unsafe { OwnedFd::from_raw_fd(libc::memfd_create(c"not-a-log".as_ptr(), libc::MFD_CLOEXEC)) };
+        let fd = unsafe { OwnedFd::from_raw_fd(crate::syscalls::memfd_create(c"not-a-log", libc::MFD_CLOEXEC)) };
         // SAFETY: sizing our own file.
         unsafe { libc::ftruncate(fd.as_raw_fd(), LOG_SIZE as libc::off_t) };
         assert_eq!(RegLog::adopt(&fd).unwrap_err().kind(), ErrorKind::Protocol);

@@ -18,8 +18,7 @@ pub fn new_process_wide_shm_handle() -> String {
 
 fn random_u32() -> u32 {
     let mut bytes = [0u8; 4];
-    // SAFETY: getrandom writes at most `len` bytes into the buffer we own.
-    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    let n = crate::syscalls::getrandom(&mut bytes);
     if n == bytes.len() as isize {
         return u32::from_ne_bytes(bytes);
     }

@@ -121,8 +121,7 @@ mod tests {
 
     #[test]
     fn write_all_fills_a_memfd_and_reserve_grows_it() {
-        // SAFETY: a fresh anonymous file of our own.
-        let fd = unsafe { libc::memfd_create(c"ss-reserve-test".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = crate::syscalls::memfd_create(c"ss-reserve-test", libc::MFD_CLOEXEC);
         assert!(fd >= 0);
         let src: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
         write_all(fd, 0, &src, "memfd").unwrap();

@@ -98,8 +98,7 @@ pub use crate::fdpass::peer::credentials as peer;
 /// name from being taken in advance by someone who guessed the pid.
 pub fn unique_name() -> String {
     let mut r = [0u8; 8];
-    // SAFETY: getrandom writes at most 8 bytes into our buffer.
-    let n = unsafe { libc::getrandom(r.as_mut_ptr().cast(), r.len(), 0) };
+    let n = crate::syscalls::getrandom(&mut r);
     let random = if n == 8 {
         u64::from_ne_bytes(r)
     } else {

@@ -82,17 +82,10 @@ part_done "Python package (wheel)"
 oldest_torch=2.5.1
 oldest_torch_part() {
     echo "== Python package on the oldest PyTorch supported, $oldest_torch"
-    # The package the part above installed, as a wheel ($package_wheel when
-    # that part made one).
-    local wheel="${package_wheel:-}"
-    if [ -z "$wheel" ]; then
-        rm -rf "$target/python-wheel"
-        # maturin is in that venv (python/run_tests.sh put it there), and the
-        # crate is built already in $target/python.
-        CARGO_TARGET_DIR="$target/python" "$SS_TEST_PYTHON" -m maturin build --quiet --release \
-            -m python/Cargo.toml --out "$target/python-wheel"
-        wheel="$(ls "$target"/python-wheel/storage_sharing-*.whl)"
-    fi
+    # The wheel the part above built and tested (build_wheel.sh prints its
+    # path last).
+    local wheel
+    wheel="$(tail -n 1 "$target/build_wheel.log")"
     bash scripts/torch_versions.sh --cache "$target/torch-versions" --wheel "$wheel" "$oldest_torch"
 }
 oldest_torch_part

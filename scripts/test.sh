@@ -79,18 +79,13 @@ part_done "Python package (wheel)"
 # suite and PyTorch's test_multiprocessing.py of that release, stock and with
 # enable(), through scripts/torch_versions.sh in a venv of its own under
 # target/ (kept between runs). The newest is $SS_TEST_PYTHON's, above.
-oldest_torch=2.2.2
+oldest_torch=2.5.1
 oldest_torch_part() {
     echo "== Python package on the oldest PyTorch supported, $oldest_torch"
-    # The package the part above installed, as a wheel ($package_wheel when
-    # that part made one).
-    local wheel="${package_wheel:-}"
-    if [ -z "$wheel" ]; then
-        rm -rf "$target/python-wheel"
-        CARGO_TARGET_DIR="$target/python" "$SS_TEST_PYTHON" -m pip wheel --quiet --no-deps \
-            --wheel-dir "$target/python-wheel" ./python
-        wheel="$(ls "$target"/python-wheel/storage_sharing-*.whl)"
-    fi
+    # The wheel the part above built and tested (build_wheel.sh prints its
+    # path last).
+    local wheel
+    wheel="$(tail -n 1 "$target/build_wheel.log")"
     bash scripts/torch_versions.sh --cache "$target/torch-versions" --wheel "$wheel" "$oldest_torch"
 }
 oldest_torch_part

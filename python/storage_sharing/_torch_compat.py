@@ -23,7 +23,7 @@ from ._errors import Error
 
 # The PyTorch minor releases scripts/torch_versions.sh has passed (see
 # docs/python.md for the table).
-TESTED_RANGE = ((2, 2), (2, 15))
+TESTED_RANGE = ((2, 5), (2, 15))
 ALLOW_UNTESTED_ENV = "STORAGE_SHARING_TORCH_ALLOW_UNTESTED"
 
 
@@ -71,6 +71,13 @@ def _params(fn):
         return None
 
 
+def _signature_text(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(no signature)"
+
+
 def _method_problems():
     problems = []
     storage = torch.UntypedStorage
@@ -88,7 +95,7 @@ def _method_problems():
         params = _params(storage._new_shared)
         if params is None or params[:1] != ["size"] or "device" not in params:
             problems.append(
-                f"torch.UntypedStorage._new_shared{inspect.signature(storage._new_shared)}: "
+                f"torch.UntypedStorage._new_shared{_signature_text(storage._new_shared)}: "
                 "expected (size, *, device='cpu')"
             )
     reducer = ForkingPickler._extra_reducers.get(storage)
@@ -111,7 +118,7 @@ def _method_problems():
             if method is None or not callable(method):
                 problems.append(f"{where}.{name} is missing")
             elif params != expected:
-                problems.append(f"{where}.{name}{inspect.signature(method)}: expected ({', '.join(expected)})")
+                problems.append(f"{where}.{name}{_signature_text(method)}: expected ({', '.join(expected)})")
     return problems
 
 

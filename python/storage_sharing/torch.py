@@ -45,6 +45,7 @@ raises :class:`UnsupportedTorchError` naming each problem.
 import inspect
 import os
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -159,7 +160,19 @@ def in_arena(obj) -> bool:
         return False
 
 
-def _rebuild_storage(handle: bytes, address: str, nbytes: int) -> torch.UntypedStorage:
+# Storages of this process's arena that were sent, by address (one entry
+# per live storage however often it is sent): one received back in this
+# process is the storage that was sent (as PyTorch's own shared-storage
+# cache makes it), not a second mapping.
+_sent: "weakref.WeakValueDictionary[int, torch.UntypedStorage]" = weakref.WeakValueDictionary()
+
+
+def _rebuild_storage(handle: bytes, address: str, nbytes: int, sender_ptr: int = 0) -> torch.UntypedStorage:
+    sent = _sent.get(sender_ptr) if sender_ptr and _arena_pid == os.getpid() else None
+    if sent is not None and sent.data_ptr() == sender_ptr and sent.nbytes() == nbytes:
+        # The share's hold is not needed: the storage itself keeps the block.
+        _arena.unshare(Handle.from_bytes(handle))
+        return sent
     view = open_shared(Handle.from_bytes(handle), address)
     storage = _marked(torch.frombuffer(view, dtype=torch.uint8, count=nbytes).untyped_storage())
     setattr(storage, _RECEIVED, (handle, address))
@@ -191,7 +204,8 @@ def _reduce_own(storage):
     except Error:
         return None  # not a block of ours
     if handle.size >= storage.nbytes():
-        return (_rebuild_storage, (bytes(handle), arena.fd_server_address(), storage.nbytes()))
+        _sent[storage.data_ptr()] = storage
+        return (_rebuild_storage, (bytes(handle), arena.fd_server_address(), storage.nbytes(), storage.data_ptr()))
     arena.unshare(handle)
     return None
 
@@ -216,7 +230,7 @@ def _reduce_storage(storage):
             reduced = _reduce_received(storage)
             if reduced is not None:
                 return reduced
-        elif is_enabled() and _torch["can_move"] and not getattr(storage, _MARK, False) and not _torch["is_shared"](storage):
+        elif _moves_fresh_storages() and not getattr(storage, _MARK, False) and not _torch["is_shared"](storage):
             # PyTorch would copy it into a fresh segment of its own (one
             # descriptor and one mapping per storage): an arena block costs
             # neither once the segment is mapped. (A PyTorch that cannot
@@ -226,6 +240,13 @@ def _reduce_storage(storage):
             if reduced is not None:
                 return reduced
     return _torch["reduce_storage"](storage)
+
+
+def _moves_fresh_storages() -> bool:
+    """Only under the file_descriptor strategy, whose cost (a descriptor per
+    storage) the arena saves: under file_system PyTorch's named segments cost
+    no descriptor, and programs that chose it may look for those names."""
+    return is_enabled() and _torch["can_move"] and torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
 
 
 def _is_shared(self) -> bool:

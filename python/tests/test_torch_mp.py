@@ -200,7 +200,12 @@ def test_blocks_come_back_when_consumer_lets_go(torch_enabled):
     arena.collect()
     before = arena.stats()["deferred_blocks"]
     x = st.empty(100)
-    y = roundtrip(x)
+    payload = ForkingPickler.dumps(x)
+    # Opened as a consumer would (in its own process it would have no sent
+    # storage to come back to): a view with a hold of its own.
+    st._sent.clear()
+    y = ForkingPickler.loads(payload)
+    assert y.untyped_storage()._cdata != x.untyped_storage()._cdata
     del x
     gc.collect()
     assert arena.stats()["deferred_blocks"] == before + 1, "freed by the producer, held by the open view"

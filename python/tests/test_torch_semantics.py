@@ -82,10 +82,40 @@ def test_received_tensor_sent_on_in_process_stays_over_the_same_bytes(torch_enab
     st = torch_enabled
     x = st.empty(4).zero_()
     y = roundtrip(x)
-    z = roundtrip(y)  # y is a received storage: z is a new share of x's block
+    z = roundtrip(y)
     z[3] = 5
     assert x[3] == 5 and y[3] == 5
-    assert z.is_shared() and not st.in_arena(z)
+    assert z.is_shared() and st.in_arena(z)
+
+
+def test_a_storage_received_in_its_own_process_is_the_storage_sent(torch_enabled):
+    # PyTorch's test_multiprocessing _test_preserve_sharing: the storage,
+    # a tensor and two views through one Queue come back over the very
+    # storage that was sent (its _cdata), the views still views of it.
+    x = torch.randn(5, 5)
+    data = [x.untyped_storage(), x, x[2], x[:, 1]]
+    q = mp.get_context("spawn").Queue()
+    q.put(data)
+    got = q.get(timeout=WAIT)
+    assert got[0]._cdata == data[0]._cdata
+    assert all(t.untyped_storage()._cdata == data[0]._cdata for t in got[1:])
+    got[3][4] = 7
+    assert x[4, 1] == 7
+    assert torch_enabled.in_arena(x), "a fresh storage moves into the arena under file_descriptor"
+
+
+def test_fresh_storages_keep_pytorchs_segments_under_file_system(torch_enabled):
+    st = torch_enabled
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        x = torch.zeros(4)
+        y = roundtrip(x)
+        assert x.is_shared() and not st.in_arena(x), "PyTorch's named segment, as without enable()"
+        y[1] = 3
+        assert x[1] == 3
+    finally:
+        mp.set_sharing_strategy(before)
 
 
 @pytest.mark.parametrize("received", [False, True])

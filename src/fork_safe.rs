@@ -147,6 +147,16 @@ pub fn fork_generation() -> u64 {
     FORK_GENERATION.load(Ordering::Acquire)
 }
 
+/// Ok in the process an object was made in (its fork generation then);
+/// else `InvalidArgument` saying `why`: a forked child's copy of an object
+/// that shares state with its parent must stay inert.
+pub fn check_made_here(generation: u64, why: impl FnOnce() -> String) -> crate::error::Result<()> {
+    if fork_generation() == generation {
+        return Ok(());
+    }
+    Err(crate::error::Error::new(crate::error::ErrorKind::InvalidArgument, why()))
+}
+
 fn install_handlers() {
     if !HANDLERS_INSTALLED.load(Ordering::Acquire) && !HANDLERS_INSTALLED.swap(true, Ordering::AcqRel) {
         // SAFETY: pthread_atfork only stores the pointers to three

@@ -405,16 +405,12 @@ impl Weights {
     /// A forked child's copy shares the parent's hold slot and has no
     /// connection of its own (`ParentOnlyFd`): it must not touch either.
     fn check_same_process(&self) -> Result<()> {
-        if crate::fork_safe::fork_generation() == self.generation {
-            return Ok(());
-        }
-        Err(Error::new(
-            ErrorKind::InvalidArgument,
+        crate::fork_safe::check_made_here(self.generation, || {
             format!(
                 "the weights of pool {} were opened before a fork: the child cannot use the parent's connection and hold; open the handle again in the child",
                 self.handle.socket_name
-            ),
-        ))
+            )
+        })
     }
 }
 

@@ -404,13 +404,9 @@ impl Pool {
     /// A forked child's copy shares the parent's control block, server
     /// wake-up descriptor and memory: it must change none of them.
     fn check_same_process(&self) -> Result<()> {
-        if crate::fork_safe::fork_generation() == self.generation {
-            return Ok(());
-        }
-        Err(Error::new(
-            ErrorKind::InvalidArgument,
-            "this pool was made before a fork: only the process that made it may change, export or update it",
-        ))
+        crate::fork_safe::check_made_here(self.generation, || {
+            "this pool was made before a fork: only the process that made it may change, export or update it".into()
+        })
     }
 }
 

@@ -101,7 +101,8 @@ def test_a_storage_received_in_its_own_process_is_the_storage_sent(torch_enabled
     assert all(t.untyped_storage()._cdata == data[0]._cdata for t in got[1:])
     got[3][4] = 7
     assert x[4, 1] == 7
-    assert torch_enabled.in_arena(x), "a fresh storage moves into the arena under file_descriptor"
+    if torch_enabled._torch_compat.can_move_storages():
+        assert torch_enabled.in_arena(x), "a fresh storage moves into the arena under file_descriptor"
 
 
 def test_fresh_storages_keep_pytorchs_segments_under_file_system(torch_enabled):

@@ -95,6 +95,13 @@ fn parse_marker(text: &[u8], path: &Path) -> Result<HashMode> {
 /// What a folder holds: `Some(Native{hash})`, `Some(Torch)`, or `None`
 /// for a folder with no store yet.
 pub fn detect(root_fd: &OwnedFd, root: &Path) -> Result<Option<(Format, HashMode)>> {
+    // The folders first, the marker second: a native writer writes its
+    // marker before any folder, so folders seen before a marker that is
+    // still missing are a torch store's, never a native store being made
+    // by another writer at this moment (the other order saw its folders
+    // but not its marker, and refused a concurrent native open).
+    let has = |name: &str| std::fs::symlink_metadata(root.join(name)).is_ok_and(|m| m.is_dir());
+    let folders = has(STORAGES) || has(TENSORS);
     match fsio::open_regular(root_fd, root, &[MARKER], "store marker") {
         Ok(f) => {
             let text = fsio::read_small(f, MARKER_MAX, "store marker")?;
@@ -103,8 +110,7 @@ pub fn detect(root_fd: &OwnedFd, root: &Path) -> Result<Option<(Format, HashMode
         Err(e) if e.kind() == ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
-    let has = |name: &str| std::fs::symlink_metadata(root.join(name)).is_ok_and(|m| m.is_dir());
-    if has(STORAGES) || has(TENSORS) {
+    if folders {
         return Ok(Some((Format::Torch, HashMode::Stable)));
     }
     Ok(None)

@@ -163,6 +163,26 @@ fn writers_in_threads_share_a_store() {
     assert!(content_store::verify(&r, &mut |_, _| {}).unwrap().problems.is_empty());
 }
 
+/// Native writers opening one fresh store at once all get it (the soak saw
+/// one refused as a torch store: it found the folders another writer had
+/// just made, and not yet that writer's marker). Many rounds, as it is a race.
+#[test]
+fn native_writers_opening_a_fresh_store_at_once_all_get_it() {
+    for round in 0..200 {
+        let root = temp_store("fresh-race");
+        let _c = Cleanup(root.clone());
+        std::thread::scope(|s| {
+            for t in 0..4u8 {
+                let root = &root;
+                s.spawn(move || {
+                    let w = Writer::open(root, Format::Native).unwrap_or_else(|e| panic!("round {round}, writer {t}: {e}"));
+                    w.write_storage(&common::pattern(64, t)).unwrap();
+                });
+            }
+        });
+    }
+}
+
 #[test]
 fn bad_names_and_views_are_refused_by_the_writer() {
     let root = temp_store("badw");

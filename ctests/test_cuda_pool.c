@@ -44,6 +44,9 @@ static int consumer(int in, int out) {
     char go;
     CHECK(read(in, &go, 1) == 1);   /* the producer's update is waiting for us */
     CHECK_OK(ss_cuda_weights_release(w, 0));
+    /* Acquiring again before the producer's update started would hold
+       version 1 again: wait for its publish. */
+    CHECK(read(in, &go, 1) == 1);
     CHECK_OK(ss_cuda_weights_acquire(w, 0, 20000, &v));
     CHECK(v == 2 && all_equal(w0.data_ptr, 256, 2.0f));
     CHECK_OK(ss_cuda_weights_release(w, 0));
@@ -112,6 +115,7 @@ int main(void) {
     uint64_t v = 0;
     CHECK_OK(ss_cuda_pool_publish(pool, 0, &v));
     CHECK(v == 2);
+    CHECK(write(to_child[1], "p", 1) == 1);
     wait_child_ok(pid);
 
     ss_cuda_pool_options cuda = SS_CUDA_POOL_OPTIONS_INIT;

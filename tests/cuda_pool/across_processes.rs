@@ -231,6 +231,21 @@ fn kill_pid(line: &str) {
     unsafe { libc::kill(pid, libc::SIGKILL) };
 }
 
+/// A consumer process killed with -9 after connecting and before reading
+/// its hello: its slot comes back, an update goes through, and a new
+/// consumer opens version `want`.
+fn half_import_killed(pool: &Pool, h: &PoolHandle, want: u64) {
+    let mut c = Peer::spawn(ENTRY, "half_import", &hex(&h.to_bytes()));
+    assert_eq!(c.recv(), "connected");
+    assert!(wait_until(Duration::from_secs(30), || pool.consumers() == 1));
+    c.kill9();
+    assert!(wait_until(Duration::from_secs(30), || pool.consumers() == 0));
+    pool.begin_update(T).unwrap().publish(0).unwrap();
+    let w = Weights::open(h, T).unwrap();
+    assert_eq!(w.acquire(0, T).unwrap(), want);
+    w.release(0).unwrap();
+}
+
 fn spawn_consumers(h: &PoolHandle, n: usize) -> Vec<Peer> {
     (0..n)
         .map(|_| {
@@ -338,15 +353,7 @@ fn a_consumer_gone_mid_import_frees_its_slot() {
     assert!(wait_until(Duration::from_secs(30), || pool.consumers() == 0));
     pool.begin_update(T).unwrap().publish(0).unwrap();
     // The same with a real process killed with -9 before it read its hello.
-    let mut c = Peer::spawn(ENTRY, "half_import", &hex(&h.to_bytes()));
-    assert_eq!(c.recv(), "connected");
-    assert!(wait_until(Duration::from_secs(30), || pool.consumers() == 1));
-    c.kill9();
-    assert!(wait_until(Duration::from_secs(30), || pool.consumers() == 0));
-    pool.begin_update(T).unwrap().publish(0).unwrap();
-    let w = Weights::open(&h, T).unwrap();
-    assert_eq!(w.acquire(0, T).unwrap(), 3);
-    w.release(0).unwrap();
+    half_import_killed(&pool, &h, 3);
 }
 
 fn producer_killed(kind: &str, mid_update: bool) {
@@ -406,15 +413,7 @@ fn a_consumer_out_of_descriptors_gets_too_many_files_and_maps_nothing() {
     // The producer is unaffected: it still serves and updates.
     pool.begin_update(T).unwrap().publish(0).unwrap();
     // The same with a real process killed with -9 before it read its hello.
-    let mut c = Peer::spawn(ENTRY, "half_import", &hex(&h.to_bytes()));
-    assert_eq!(c.recv(), "connected");
-    assert!(wait_until(Duration::from_secs(30), || pool.consumers() == 1));
-    c.kill9();
-    assert!(wait_until(Duration::from_secs(30), || pool.consumers() == 0));
-    pool.begin_update(T).unwrap().publish(0).unwrap();
-    let w = Weights::open(&h, T).unwrap();
-    assert_eq!(w.acquire(0, T).unwrap(), 3);
-    w.release(0).unwrap();
+    half_import_killed(&pool, &h, 3);
 }
 
 #[test]

@@ -94,7 +94,7 @@ struct LegacySegment {
 
 impl Drop for LegacySegment {
     fn drop(&mut self) {
-        let sent = std::mem::take(&mut *self.stock.lock().unwrap_or_else(|p| p.into_inner()));
+        let sent = std::mem::take(&mut *super::lock(&self.stock));
         for s in sent {
             global().sent_free(s);
         }
@@ -134,7 +134,7 @@ impl PoolSegment for LegacySegment {
         let deleter: crate::cuda::Deleter = Box::new(move |_| drop(keep));
         let (h, sent) = global().share(self.memory.ptr, self.size, self.memory.device, 0, Some(deleter))?;
         if let Some(s) = sent {
-            self.stock.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+            super::lock(&self.stock).push(s);
         }
         Ok(h)
     }

@@ -12,13 +12,13 @@ static LIVE: Mutex<Vec<Weak<PoolInner>>> = Mutex::new(Vec::new());
 static CURRENT: RwLock<Option<Arc<Pool>>> = RwLock::new(None);
 
 pub(crate) fn register(inner: &Arc<PoolInner>) {
-    let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
+    let mut live = super::lock(&LIVE);
     live.retain(|w| w.strong_count() > 0);
     live.push(Arc::downgrade(inner));
 }
 
 pub(crate) fn forget(inner: &Arc<PoolInner>) {
-    let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
+    let mut live = super::lock(&LIVE);
     live.retain(|w| w.strong_count() > 0 && !std::ptr::eq(w.as_ptr(), Arc::as_ptr(inner)));
 }
 
@@ -53,7 +53,7 @@ pub fn alloc_in_current(nbytes: usize, device: i32, _stream: u64) -> Result<u64>
 
 /// Frees `ptr` in whichever live pool holds it.
 pub fn free_anywhere(ptr: u64) -> Result<()> {
-    let live: Vec<Arc<PoolInner>> = LIVE.lock().unwrap_or_else(|p| p.into_inner()).iter().filter_map(Weak::upgrade).collect();
+    let live: Vec<Arc<PoolInner>> = super::lock(&LIVE).iter().filter_map(Weak::upgrade).collect();
     match live.iter().find(|p| p.contains(ptr)) {
         Some(p) => p.free_block(ptr),
         None => Err(Error::new(ErrorKind::InvalidArgument, format!("0x{ptr:x} is in no live pool of this process"))),

@@ -8,6 +8,7 @@
 use super::backend::{MappedSegment, PoolBackend};
 use super::control::{ControlBlock, Hold};
 use super::handle::PoolHandle;
+use super::lock;
 use super::manifest::{Manifest, MAX_BYTES, MAX_SEGMENTS};
 use super::options::PoolKind;
 use super::wire::{Hello, HELLO_BYTES, STATUS_OK};
@@ -18,7 +19,7 @@ use crate::fdpass::{abstract_socket, peer, recv_fds};
 use crate::store::Timeout;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// One tensor of an opened pool, a view into a mapped segment.
@@ -60,10 +61,6 @@ pub struct Weights {
     readers: Mutex<Readers>,
     released: Condvar,
     gone: AtomicBool,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 struct Deadline(Option<Instant>);

@@ -38,7 +38,7 @@ pub use producer::{Pool, TensorSpec, UpdateGuard};
 
 use crate::error::Result;
 use backend::PoolBackend;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The backend for a device and kind (CUDA: `CudaUnavailable` without a driver).
 pub(crate) fn backend_for(device: PoolDevice, kind: PoolKind) -> Result<Arc<dyn PoolBackend>> {
@@ -46,6 +46,12 @@ pub(crate) fn backend_for(device: PoolDevice, kind: PoolKind) -> Result<Arc<dyn 
         PoolDevice::Host => Ok(Arc::new(host_backend::HostBackend::new(kind))),
         PoolDevice::Cuda(index) => Ok(Arc::new(cuda_backend::CudaPoolBackend::new(index, kind)?)),
     }
+}
+
+/// Locks `m`; poisoning is ignored (the pool's state is whole between
+/// statements that could panic).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 use super::backend::{PoolBackend, PoolSegment};
 use super::control::ControlBlock;
 use super::handle::PoolHandle;
+use super::lock;
 use super::manifest::{view_extent, Manifest, SegmentEntry, StorageEntry, TensorEntry, MAX_NAME, MAX_SEGMENTS};
 use super::options::{PoolDevice, PoolKind, PoolOptions};
 use super::placement::{block_bytes, Placement};
@@ -14,7 +15,7 @@ use crate::store::Timeout;
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A tensor to describe in the manifest: a view of the storage that
@@ -71,10 +72,6 @@ pub struct Pool {
     pub(crate) inner: Arc<PoolInner>,
     /// The fork generation it was made in: a forked child's copy is inert.
     generation: u64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl PoolInner {

@@ -155,7 +155,7 @@ fn serve(inner: Arc<PoolInner>, listener: ParentOnlyFd, wake: OwnedFd, told: Sen
 
 fn drop_consumer(inner: &PoolInner, c: Conn) {
     inner.control.clear_slot(c.slot);
-    inner.consumers.lock().unwrap_or_else(|p| p.into_inner())[c.slot] = None;
+    super::lock(&inner.consumers)[c.slot] = None;
 }
 
 fn accept_all(inner: &PoolInner, listener: RawFd, conns: &mut Vec<Conn>) {
@@ -175,7 +175,7 @@ fn accept_all(inner: &PoolInner, listener: RawFd, conns: &mut Vec<Conn>) {
         };
         set_send_timeout(conn.as_raw_fd());
         let slot = {
-            let mut consumers = inner.consumers.lock().unwrap_or_else(|p| p.into_inner());
+            let mut consumers = super::lock(&inner.consumers);
             let free = consumers.iter().position(Option::is_none);
             if let Some(s) = free {
                 consumers[s] = Some(pid);
@@ -220,7 +220,7 @@ fn refuse_full(inner: &PoolInner, fd: RawFd) {
 }
 
 fn send_pool(inner: &PoolInner, fd: RawFd, slot: usize) -> Result<()> {
-    let layout = inner.layout.lock().unwrap_or_else(|p| p.into_inner());
+    let layout = super::lock(&inner.layout);
     let manifest = layout.frozen.clone().expect("the server starts after the manifest is frozen");
     let mut fds = vec![inner.control_fd.as_raw_fd()];
     if inner.opts.kind == PoolKind::Vmm {

@@ -436,10 +436,13 @@ mod c_api {
             let mut h = good;
             h.segment_name[10] = b'/' as i8;
             assert_eq!(open_remote(&h), Err(SS_ERR_INVALID_ARGUMENT), "not an arena segment name");
+            // A well-formed name that no segment has: the last hex digit of
+            // the random part changed (changing pid digits could leave the
+            // name as it was when the pid already has those digits).
             let mut h = good;
-            h.segment_name[10] = b'9' as i8;
-            h.segment_name[11] = b'9' as i8;
-            assert!(matches!(open_remote(&h), Err(SS_ERR_NOT_FOUND) | Err(SS_ERR_INVALID_ARGUMENT)));
+            let last = h.segment_name.iter().position(|&c| c == 0).unwrap() - 1;
+            h.segment_name[last] = if h.segment_name[last] == b'0' as i8 { b'1' } else { b'0' } as i8;
+            assert_eq!(open_remote(&h), Err(SS_ERR_NOT_FOUND), "a name no segment has");
             let mut h = good;
             h.segment_id += 1000;
             assert_eq!(open_remote(&h), Err(SS_ERR_CORRUPT), "the named segment is another one");

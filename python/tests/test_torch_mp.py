@@ -166,8 +166,10 @@ def test_empty_and_ordinary_tensors_fall_back(torch_enabled):
     assert torch.equal(new[1], x) and torch.equal(new[2], x[2]) and torch.equal(new[3], x[:, 1])
     new[1][2, 1] = 42.0
     assert float(x[2, 1]) == 42.0 and float(new[3][2]) == 42.0, "one memory"
-    meta = torch.ones(3, device="meta")
-    assert roundtrip(meta).shape == (3,)
+    # PyTorch's own reduction sends meta tensors from 2.5 on (2.4 fails stock).
+    if torch_enabled._torch_compat._minor_version(str(torch.__version__)) >= (2, 5):
+        meta = torch.ones(3, device="meta")
+        assert roundtrip(meta).shape == (3,)
 
 
 def test_is_shared_and_share_memory_unchanged(torch_enabled):

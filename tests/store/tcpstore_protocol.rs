@@ -196,6 +196,58 @@ fn bad_replies_and_a_vanished_server_are_typed_errors() {
     assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
 }
 
+/// Stands in front of our server as PyTorch's servers before 2.5 do: a
+/// connection whose first query after `VALIDATE` is `PING`, which they do
+/// not know, is closed; every other byte is relayed both ways. Returns
+/// the port and the count of connections closed on `PING`.
+fn server_without_ping(server_port: u16) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let refused = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = refused.clone();
+    std::thread::spawn(move || {
+        for client in l.incoming() {
+            let mut client = client.unwrap();
+            // VALIDATE is the query byte and a 4-byte magic; then the
+            // next query's byte.
+            let mut first = [0u8; 6];
+            if client.read_exact(&mut first).is_err() {
+                continue;
+            }
+            if first[5] == 13 {
+                counted.fetch_add(1, Ordering::SeqCst);
+                continue; // dropped: closed
+            }
+            let mut upstream = TcpStream::connect(("127.0.0.1", server_port)).unwrap();
+            upstream.write_all(&first).unwrap();
+            let (mut c2, mut u2) = (client.try_clone().unwrap(), upstream.try_clone().unwrap());
+            std::thread::spawn(move || std::io::copy(&mut c2, &mut u2));
+            std::thread::spawn(move || std::io::copy(&mut upstream, &mut client));
+        }
+    });
+    (port, refused)
+}
+
+#[test]
+fn a_server_older_than_ping_is_validated_with_getnumkeys() {
+    use std::sync::atomic::Ordering;
+    let master = TcpStore::open("127.0.0.1", 0, true, 0, T).unwrap();
+    let (port, refused) = server_without_ping(master.port());
+    let s = std::sync::Arc::new(TcpStore::open("127.0.0.1", port, false, 0, T).unwrap());
+    assert_eq!(refused.load(Ordering::SeqCst), 1, "one PING tried, then the older handshake");
+    s.set(b"k", b"v").unwrap();
+    assert_eq!(master.get(b"k", T).unwrap(), b"v");
+    assert_eq!(s.add(b"n", 5).unwrap(), 5);
+    // A wait takes a connection of its own: validated without PING too.
+    let s2 = s.clone();
+    let waiter = std::thread::spawn(move || s2.get(b"late", T).unwrap());
+    std::thread::sleep(Duration::from_millis(50));
+    master.set(b"late", b"now").unwrap();
+    assert_eq!(waiter.join().unwrap(), b"now");
+    assert_eq!(refused.load(Ordering::SeqCst), 1, "PING is not tried again on this handle");
+}
+
 #[test]
 fn a_master_killed_with_9_leaves_its_clients_a_peer_gone_error() {
     let port = free_port();

@@ -17,7 +17,7 @@ use crate::store::{show_key, Timeout};
 use std::io::{ErrorKind as IoKind, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
@@ -106,6 +106,10 @@ pub struct TcpClient {
     links: AtomicPtr<Links>,
     /// How long any single reply may take (the store's timeout).
     reply_timeout: Timeout,
+    /// Set once the server closed a connection on `PING`: PyTorch's
+    /// servers before 2.5 do not know it, so connections are validated
+    /// with `GETNUMKEYS`, which every release answers.
+    no_ping: AtomicBool,
 }
 
 impl Drop for TcpClient {
@@ -140,11 +144,19 @@ fn io_kind(e: &std::io::Error) -> ErrorKind {
 impl TcpClient {
     /// Connects to `host:port`, retrying while nobody listens yet (ranks
     /// start in any order) until `timeout`, then validates the connection
-    /// as PyTorch's client does (`VALIDATE` magic, then a `PING`).
+    /// as PyTorch's client does (`VALIDATE` magic, then a `PING`; for a
+    /// server older than `PING`, `GETNUMKEYS`).
     pub fn connect(host: &str, port: u16, timeout: Timeout) -> Result<TcpClient> {
         let addr = format!("{host}:{port}");
         let links = Box::into_raw(Box::new(Links::new(fork_generation(), std::ptr::null_mut())));
-        let client = TcpClient { host: host.to_string(), port, addr, links: AtomicPtr::new(links), reply_timeout: timeout };
+        let client = TcpClient {
+            host: host.to_string(),
+            port,
+            addr,
+            links: AtomicPtr::new(links),
+            reply_timeout: timeout,
+            no_ping: AtomicBool::new(false),
+        };
         let end = deadline(timeout);
         let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(500));
         let conn = loop {
@@ -190,19 +202,47 @@ impl TcpClient {
 
     /// One new, validated connection (no retry).
     fn open_conn(&self) -> Result<Conn> {
-        let stream = Self::try_connect(&self.host, self.port, &self.addr)?;
-        let _ = stream.set_nodelay(true);
-        let mut conn = Conn { stream, read_timeout: None, rbuf: Box::new([0; 4096]), rpos: 0, rlen: 0 };
+        if !self.no_ping.load(Ordering::Relaxed) {
+            if let Some(conn) = self.open_conn_with_ping()? {
+                return Ok(conn);
+            }
+            self.no_ping.store(true, Ordering::Relaxed);
+        }
+        let mut conn = self.new_conn()?;
+        let mut out = Request::Validate(VALIDATION_MAGIC).to_bytes();
+        Request::GetNumKeys.encode(&mut out);
+        let keys = self.run(&mut conn, &out, self.reply_timeout, |c| c.read_i64())?;
+        if keys < 0 {
+            return Err(self.protocol(format!("GETNUMKEYS answered {keys}, a negative count")));
+        }
+        Ok(conn)
+    }
+
+    /// `None` when the server closed the connection on `PING`: one from
+    /// before `PING` (PyTorch 2.4 and older) drops a client that sends a
+    /// query it does not know.
+    fn open_conn_with_ping(&self) -> Result<Option<Conn>> {
+        let mut conn = self.new_conn()?;
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
         // SAFETY: getpid has no preconditions; the nonce only needs to vary.
         let nonce = (unsafe { libc::getpid() } as u32).rotate_left(16) ^ nanos;
         let mut out = Request::Validate(VALIDATION_MAGIC).to_bytes();
         Request::Ping(nonce).encode(&mut out);
-        let echoed = self.run(&mut conn, &out, self.reply_timeout, |c| c.read_u32())?;
+        let echoed = match self.run(&mut conn, &out, self.reply_timeout, |c| c.read_u32()) {
+            Ok(v) => v,
+            Err(e) if e.kind() == ErrorKind::PeerGone => return Ok(None),
+            Err(e) => return Err(e),
+        };
         if echoed != nonce {
             return Err(self.protocol(format!("PING answered with {echoed:#x}, expected {nonce:#x}")));
         }
-        Ok(conn)
+        Ok(Some(conn))
+    }
+
+    fn new_conn(&self) -> Result<Conn> {
+        let stream = Self::try_connect(&self.host, self.port, &self.addr)?;
+        let _ = stream.set_nodelay(true);
+        Ok(Conn { stream, read_timeout: None, rbuf: Box::new([0; 4096]), rpos: 0, rlen: 0 })
     }
 
     fn try_connect(host: &str, port: u16, addr: &str) -> Result<TcpStream> {

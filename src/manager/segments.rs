@@ -1,6 +1,7 @@
 //! The segments in /dev/shm that look like ours or PyTorch's
 //! (`torch_<pid>_<rand>_<n>`, or the older `torch_<pid>_<n>`; arena
-//! segments `ss_arena_<pid>_<id>_<hex>`), with what
+//! segments `ss_arena_<pid>_<id>_<hex>`, host pool segments
+//! `ss_pool_<pid>_<hex>_<n>`), with what
 //! `ssctl ls` shows and `ssctl gc` decides on.
 
 use super::segment_users::{creator_alive, names_in_use, SHM_DIR};
@@ -35,10 +36,14 @@ impl Segment {
 }
 
 /// The creating pid if `file` (without the leading '/') has our naming:
-/// ATen's `torch_<pid>_...` or an arena's `ss_arena_<pid>_<id>_<hex>`.
+/// ATen's `torch_<pid>_...`, an arena's `ss_arena_<pid>_<id>_<hex>` or a
+/// host pool segment's `ss_pool_<pid>_<16 hex>_<n>`.
 pub fn creator_pid(file: &str) -> Option<i32> {
     if let Some(rest) = file.strip_prefix("ss_arena_") {
         return arena_creator_pid(rest);
+    }
+    if let Some(rest) = file.strip_prefix("ss_pool_") {
+        return pool_creator_pid(rest);
     }
     let rest = file.strip_prefix("torch_")?;
     let parts: Vec<&str> = rest.split('_').collect();
@@ -48,14 +53,29 @@ pub fn creator_pid(file: &str) -> Option<i32> {
     parts[0].parse().ok()
 }
 
+fn pool_creator_pid(rest: &str) -> Option<i32> {
+    pid_of_three_fields(rest, [is_digits, |p| is_hex(p, 16), is_digits])
+}
+
 fn arena_creator_pid(rest: &str) -> Option<i32> {
+    pid_of_three_fields(rest, [is_digits, is_digits, |p| is_hex(p, 8)])
+}
+
+/// The first of three `_`-separated fields, each passing its check, as a pid.
+fn pid_of_three_fields(rest: &str, checks: [fn(&str) -> bool; 3]) -> Option<i32> {
     let parts: Vec<&str> = rest.split('_').collect();
-    let digits = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
-    let hex = |p: &str| p.len() == 8 && p.bytes().all(|b| b.is_ascii_hexdigit());
-    if parts.len() != 3 || !digits(parts[0]) || !digits(parts[1]) || !hex(parts[2]) {
+    if parts.len() != 3 || !parts.iter().zip(checks).all(|(p, ok)| ok(p)) {
         return None;
     }
     parts[0].parse().ok()
+}
+
+fn is_digits(p: &str) -> bool {
+    !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())
+}
+
+fn is_hex(p: &str, len: usize) -> bool {
+    p.len() == len && p.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// Every segment with our naming whose name starts with `prefix` (with
@@ -78,7 +98,7 @@ pub fn scan(prefix: &str) -> Vec<Segment> {
         found.push(Segment {
             name: format!("/{file}"),
             size: meta.len(),
-            // Arena segments hold data at offset 0, not a count.
+            // Arena and pool segments hold data at offset 0, not a count.
             refcount: if file.starts_with("torch_") { read_refcount(&entry.path(), meta.len()) } else { None },
             pid,
             creator_alive: creator_alive(pid, created),
@@ -126,5 +146,9 @@ mod tests {
         assert_eq!(creator_pid("ss_arena_77_3_0a1b2c3d"), Some(77));
         assert_eq!(creator_pid("ss_arena_77_3"), None);
         assert_eq!(creator_pid("ss_arena_77_3_xyz"), None);
+        assert_eq!(creator_pid("ss_pool_77_00ff00ff00ff00ff_0"), Some(77));
+        assert_eq!(creator_pid("ss_pool_77_00ff00ff00ff00ff"), None);
+        assert_eq!(creator_pid("ss_pool_77_00ff_0"), None);
+        assert_eq!(creator_pid("ss_pool_x_00ff00ff00ff00ff_0"), None);
     }
 }

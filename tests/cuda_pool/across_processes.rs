@@ -4,7 +4,8 @@
 //! holding a version and of the producer (idle and mid-update), a consumer
 //! dying mid-import, a consumer out of descriptors, parties that forked
 //! a child (the child neither hides their death nor disturbs them), and
-//! nothing left in /dev/shm.
+//! nothing left in /dev/shm, even by a producer killed before any consumer
+//! came.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -393,6 +394,19 @@ fn producer_killed(kind: &str, mid_update: bool) {
 fn a_producer_killed_is_peer_gone_for_its_consumers() {
     producer_killed("vmm", false);
     producer_killed("legacy", false);
+}
+
+#[test]
+fn a_legacy_producer_killed_before_any_consumer_leaves_no_name() {
+    let mut producer = Peer::spawn(ENTRY, "producer", "legacy");
+    assert!(producer.recv().starts_with("handle "));
+    let pid = producer.pid() as u32;
+    assert_eq!(names_of(pid).len(), 1, "the pool's one segment is named");
+    producer.kill9();
+    // No consumer will see it gone: the manager unlinks the name once the
+    // producer's connection drops and nobody maps it.
+    let gone = wait_until(Duration::from_secs(10), || names_of(pid).is_empty());
+    assert!(gone, "{:?} left in /dev/shm", names_of(pid));
 }
 
 #[test]

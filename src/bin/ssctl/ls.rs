@@ -28,7 +28,7 @@ pub fn run(args: &[String]) -> i32 {
                 None => return usage("--prefix needs a value"),
             },
             "-h" | "--help" => {
-                println!("usage: ssctl ls [--prefix NAME_PREFIX]\nLists /dev/shm segments named like ours or PyTorch's (torch_<pid>_..., ss_arena_<pid>_...):\nsize, header refcount, creating pid and whether it is alive, whether a live process maps it.");
+                println!("usage: ssctl ls [--prefix NAME_PREFIX]\nLists /dev/shm segments named like ours or PyTorch's (torch_<pid>_..., ss_arena_<pid>_..., ss_pool_<pid>_...):\nsize, header refcount, creating pid and whether it is alive, whether a live process maps it.");
                 return 0;
             }
             other => return usage(&format!("unknown argument {other}")),

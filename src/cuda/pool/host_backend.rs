@@ -10,7 +10,10 @@
 //!   the pool goes, or at exit if the pool was never dropped (Python's
 //!   teardown may skip it); mappings made by then stay valid. After a
 //!   kill -9 of the producer its consumers unlink the names when they
-//!   see it gone.
+//!   see it gone, and the shared memory manager, with which each name is
+//!   registered before it exists, unlinks them once no live process maps
+//!   them (so a producer killed before any consumer came leaves nothing;
+//!   without a manager, `ssctl gc` knows the names).
 //!
 //! Events are not needed: host writes are visible once made.
 
@@ -23,7 +26,7 @@ use std::collections::HashSet;
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, Once};
+use std::sync::{Arc, Mutex, Once};
 
 /// Legacy names made by this process and not unlinked yet, for the exit hook.
 static LIVE_NAMES: Mutex<Option<HashSet<String>>> = Mutex::new(None);
@@ -105,6 +108,8 @@ struct MemfdSegment {
 struct NamedSegment {
     name: String,
     region: Region,
+    /// The manager told of the name, told again when it is unlinked.
+    manager: Option<Arc<crate::manager::Client>>,
 }
 
 struct Mapped {
@@ -147,6 +152,21 @@ impl Drop for NamedSegment {
     fn drop(&mut self) {
         unlink(&self.name);
         forget(&self.name);
+        tell_manager_freed(&self.manager, &self.name);
+    }
+}
+
+/// Registers `name` with this process's manager daemon (spawned if need
+/// be) before it exists. Best effort: without a manager the segment still
+/// works; only the cleanup after a kill -9 with no consumer is lost.
+fn register_with_manager(name: &str) -> Option<Arc<crate::manager::Client>> {
+    crate::manager::default_client().and_then(|client| client.register(name).map(|()| client)).ok()
+}
+
+fn tell_manager_freed(manager: &Option<Arc<crate::manager::Client>>, name: &str) {
+    if let Some(c) = manager {
+        // No reply to wait for; a manager that is gone is not an error.
+        let _ = c.free(name);
     }
 }
 
@@ -199,10 +219,13 @@ impl PoolBackend for HostBackend {
             PoolKind::Legacy => {
                 let name = self.legacy_name();
                 let c = CString::new(name.as_str()).expect("our names have no NUL");
+                let manager = register_with_manager(&name);
                 // SAFETY: shm_open with a valid name; a new object only we may open.
                 let raw = unsafe { libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC, 0o600) };
                 if raw < 0 {
-                    return Err(Error::last_os_error(format!("unable to create pool segment <{name}>")));
+                    let e = Error::last_os_error(format!("unable to create pool segment <{name}>"));
+                    tell_manager_freed(&manager, &name);
+                    return Err(e);
                 }
                 // SAFETY: a fresh descriptor of ours.
                 let fd = unsafe { OwnedFd::from_raw_fd(raw) };
@@ -211,11 +234,12 @@ impl PoolBackend for HostBackend {
                 match made {
                     Ok(region) => {
                         remember(&name);
-                        Ok(Box::new(NamedSegment { name, region }))
+                        Ok(Box::new(NamedSegment { name, region, manager }))
                     }
                     Err(e) => {
                         // SAFETY: removing the name we just made.
                         unsafe { libc::shm_unlink(c.as_ptr()) };
+                        tell_manager_freed(&manager, &name);
                         Err(e)
                     }
                 }

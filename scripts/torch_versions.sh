@@ -28,6 +28,10 @@
 #                     file of tag vVERSION is downloaded from GitHub into the
 #                     version's cache folder (never into this repository)
 #   --no-pytorch-tests  only the pytest suite
+#   --allow-untested  run with STORAGE_SHARING_TORCH_ALLOW_UNTESTED=1, so
+#                     enable() tries a release outside TESTED_RANGE (how a
+#                     release is tried before the range takes it in); its
+#                     row says "allowed untested"
 #   --python PY       the interpreter the venvs are made from (default python3)
 #
 # A VERSION is what pip takes after `torch==`: 2.4.1, 2.15.0.
@@ -40,6 +44,7 @@ delete_after=0
 wheel=""
 tests_dir=""
 pytorch_tests=1
+allow_untested=0
 base_python=python3
 versions=()
 while [ "$#" -gt 0 ]; do
@@ -49,6 +54,7 @@ while [ "$#" -gt 0 ]; do
     --wheel) wheel="${2:?$me: --wheel needs a file}"; shift 2 ;;
     --pytorch-tests) tests_dir="${2:?$me: --pytorch-tests needs a folder}"; shift 2 ;;
     --no-pytorch-tests) pytorch_tests=0; shift ;;
+    --allow-untested) allow_untested=1; shift ;;
     --python) base_python="${2:?$me: --python needs an interpreter}"; shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) echo "$me: unknown option $1 (see --help)" >&2; exit 2 ;;
@@ -62,6 +68,11 @@ done
 if [ ${#versions[@]} -eq 0 ]; then
     # Oldest and newest first: the ends of the range say the most.
     versions=(2.0.1 2.15.0 2.1.2 2.14.1 2.2.2 2.13.0 2.3.1 2.12.1 2.4.1 2.11.0 2.5.1 2.10.0 2.6.0 2.9.1 2.7.1 2.8.0)
+fi
+if [ "$allow_untested" -eq 1 ]; then
+    export STORAGE_SHARING_TORCH_ALLOW_UNTESTED=1
+else
+    unset STORAGE_SHARING_TORCH_ALLOW_UNTESTED
 fi
 [ -z "$tests_dir" ] || [ -d "$tests_dir" ] || { echo "$me: --pytorch-tests $tests_dir: no such folder" >&2; exit 2; }
 mkdir -p "$cache/results"
@@ -172,7 +183,9 @@ run_version() {
             source="none at hand (no --pytorch-tests; GitHub not reachable)"
         fi
     fi
-    echo "| $version | $suite | $stock | $ours | $lost | $source |" >"$row"
+    local shown="$version"
+    [ "$allow_untested" -eq 0 ] || shown="$version (allowed untested)"
+    echo "| $shown | $suite | $stock | $ours | $lost | $source |" >"$row"
     local took=$((SECONDS - started))
     echo "== torch $version took $((took / 60)) min $((took % 60)) s"
 }

@@ -173,14 +173,16 @@ def use_inherited_weights(weights, out):
         out.put((str(e), float(weights["w"].sum())))
 
 
-def produce_then_fork(out, done):
+def produce_then_fork(out, opened, done):
     """A producer that forks a child after a consumer opened its pool (a
     DataLoader worker, say), then waits to be killed."""
     from storage_sharing import cuda
 
     pool = cuda.Pool.from_state_dict({"w": torch.full((10,), 7.0)}, device="cpu")
     out.put(pool.export())
-    out.get(timeout=GUARD)  # the consumer has opened the pool
+    # An event, not the queue: the parent reading `out` could take its own
+    # message back before this process did.
+    opened.wait(GUARD)
     child = os.fork()
     if child == 0:
         time.sleep(GUARD)

@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+ALLOW = "STORAGE_SHARING_TORCH_ALLOW_UNTESTED"
+
 pytest.importorskip("torch")
 
 # Prints, as JSON: enable()'s outcome, whether it is enabled, and which of
@@ -61,10 +63,20 @@ print(json.dumps({
 """
 
 
-def run_case(change, after_import=False, allow_untested=False):
+def child_env(allow_untested=None):
+    """This environment without storage_sharing.torch's variables, but for
+    ALLOW_UNTESTED: kept as the run has it (None; scripts/torch_versions.sh
+    --allow-untested tries a release outside the range), set (True) or
+    dropped (False)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("STORAGE_SHARING_TORCH")}
-    if allow_untested:
-        env["STORAGE_SHARING_TORCH_ALLOW_UNTESTED"] = "1"
+    allow = os.environ.get(ALLOW) if allow_untested is None else "1" if allow_untested else None
+    if allow is not None:
+        env[ALLOW] = allow
+    return env
+
+
+def run_case(change, after_import=False, allow_untested=None):
+    env = child_env(allow_untested)
     script = SCRIPT.replace("CHANGE", textwrap.indent(change.strip() or "pass", "    ")).replace("AFTER_IMPORT", str(after_import))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -91,7 +103,7 @@ def test_supported_torch_enables_and_patches():
 def test_version_outside_tested_range_is_refused(version):
     import storage_sharing.torch as st
 
-    result = run_case(f"torch.__version__ = {version!r}")
+    result = run_case(f"torch.__version__ = {version!r}", allow_untested=False)
     (lo_major, lo_minor), (hi_major, hi_minor) = st.TESTED_RANGE
     assert_refused(result, f"torch {version} is outside the tested range {lo_major}.{lo_minor} to {hi_major}.{hi_minor}", "STORAGE_SHARING_TORCH_ALLOW_UNTESTED=1")
 
@@ -140,8 +152,7 @@ arena = st.empty(4).fill_(7)
 sent = ForkingPickler.loads(ForkingPickler.dumps(arena))
 print(t.is_shared(), st.in_arena(t), torch.equal(got, t), st.in_arena(arena), torch.equal(sent, arena))
 """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STORAGE_SHARING_TORCH")}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "False", "True", "True", "True"]
 
@@ -158,5 +169,5 @@ def test_allowing_untested_versions_does_not_skip_the_checks():
 
 
 def test_every_problem_is_named_at_once():
-    result = run_case("torch.__version__ = '2.99.0'\ndel ForkingPickler._extra_reducers[torch.UntypedStorage]")
+    result = run_case("torch.__version__ = '2.99.0'\ndel ForkingPickler._extra_reducers[torch.UntypedStorage]", allow_untested=False)
     assert_refused(result, "outside the tested range", "no reduction for torch.UntypedStorage")

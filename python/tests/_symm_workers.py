@@ -21,14 +21,29 @@ def init(rank, world_size, how, where):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
 
 
+# Tensors given to gloo, kept until the process group is destroyed. In
+# PyTorch 2.5 and 2.6, destroy_process_group() can deadlock when a gloo
+# worker thread drops the last reference to such a tensor (it waits for
+# the GIL, which the main thread holds while joining that worker: seen
+# with gdb, ~ProcessGroupGloo in std::thread::join, the worker in
+# ~AsyncAllreduceWork taking the GIL); a tensor still referenced here is
+# not freed by the worker.
+_GLOO_TENSORS = []
+
+
 def run(body, rank, world_size, how, where, results, *args):
     try:
         init(rank, world_size, how, where)
-        out = body(rank, world_size, *args)
-        results.put((rank, "ok", out))
-        dist.destroy_process_group()
+        report = (rank, "ok", body(rank, world_size, *args))
     except BaseException as e:  # reported to the test, which asserts
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        report = (rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    results.put(report)
+    # Delivered before the teardown, whatever the teardown does.
+    results.close()
+    results.join_thread()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _GLOO_TENSORS.clear()
 
 
 def peers_and_signals(rank, world_size):
@@ -83,6 +98,7 @@ def collectives(rank, world_size):
     y = x.clone()
     symm.all_reduce(x)
     dist.all_reduce(y)
+    _GLOO_TENSORS.append(y)
     out["vs_gloo"] = bool(torch.allclose(x, y))
     return out
 

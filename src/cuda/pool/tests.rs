@@ -125,8 +125,16 @@ fn a_consumer_that_goes_frees_its_slot() {
     let w = Weights::open(&h, T).unwrap();
     w.acquire(0, T).unwrap();
     drop(w);
-    // The server sees the hang-up and clears the slot; the update goes on.
+    // The hold goes with the handle; the update goes on.
     pool.begin_update(T).unwrap().publish(0).unwrap();
+    // The server frees the slot when it sees the hang-up, which a child
+    // that another test thread is forking may delay: it holds a copy of
+    // the socket until it execs.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while pool.consumers() > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(pool.consumers(), 0, "the slot of the consumer that went");
     let ws: Vec<Weights> = (0..4).map(|_| Weights::open(&h, T).unwrap()).collect();
     let e = Weights::open(&h, T).err().unwrap();
     assert_eq!(e.kind(), ErrorKind::Busy, "{e}");

@@ -142,10 +142,14 @@ fn consumer(parent: &mut Parent) {
             }
             "readloop" => {
                 let (stop, reads, torn) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+                // "reading" goes once every thread is in its loop: on a loaded
+                // machine a thread could otherwise start after the updates.
+                let started = Arc::new(std::sync::Barrier::new(5));
                 let threads: Vec<_> = (0..4)
                     .map(|_| {
-                        let (w, stop, reads, torn) = (w.clone(), stop.clone(), reads.clone(), torn.clone());
+                        let (w, stop, reads, torn, started) = (w.clone(), stop.clone(), reads.clone(), torn.clone(), started.clone());
                         std::thread::spawn(move || {
+                            started.wait();
                             while !stop.load(Ordering::Relaxed) {
                                 let v = w.acquire(0, T).unwrap();
                                 if !all_are(x, v) {
@@ -157,6 +161,7 @@ fn consumer(parent: &mut Parent) {
                         })
                     })
                     .collect();
+                started.wait();
                 parent.send("reading");
                 assert_eq!(parent.recv(), "stop");
                 stop.store(true, Ordering::Relaxed);
@@ -440,9 +445,19 @@ fn a_producer_that_forked_a_child_is_peer_gone_when_killed() {
     let forked = producer.recv();
     producer.kill9();
     // The child still lives, with copies of every descriptor its parent
-    // had, yet the consumer sees the producer gone.
-    consumers[0].send("gone?");
-    let answer = consumers[0].recv();
+    // had, yet the consumer sees the producer gone: once the child has run
+    // its fork handler, which it does when first scheduled (on a loaded
+    // machine, after the kill, so the first answers may still say
+    // not-gone).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let answer = loop {
+        consumers[0].send("gone?");
+        let answer = consumers[0].recv();
+        if answer != "not-gone v1" || std::time::Instant::now() > deadline {
+            break answer;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
     kill_pid(&forked);
     assert_eq!(answer, "gone v1", "a forked child hid the producer's death");
     for mut c in consumers {

@@ -79,7 +79,7 @@ part_done "Python package (wheel)"
 # suite and PyTorch's test_multiprocessing.py of that release, stock and with
 # enable(), through scripts/torch_versions.sh in a venv of its own under
 # target/ (kept between runs). The newest is $SS_TEST_PYTHON's, above.
-oldest_torch=2.5.1
+oldest_torch=2.4.1
 oldest_torch_part() {
     echo "== Python package on the oldest PyTorch supported, $oldest_torch"
     # The wheel the part above built and tested (build_wheel.sh prints its

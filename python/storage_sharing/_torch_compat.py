@@ -23,7 +23,7 @@ from ._errors import Error
 
 # The PyTorch minor releases scripts/torch_versions.sh has passed (see
 # docs/python.md for the table).
-TESTED_RANGE = ((2, 5), (2, 15))
+TESTED_RANGE = ((2, 4), (2, 15))
 ALLOW_UNTESTED_ENV = "STORAGE_SHARING_TORCH_ALLOW_UNTESTED"
 
 

@@ -106,7 +106,7 @@ impl Segment {
                 match shm_create(&name) {
                     Ok(fd) => (fd, Some(name)),
                     Err(e) => {
-                        tell_manager_freed(&manager, &name);
+                        crate::manager::tell_freed(&manager, &name);
                         return Err(e);
                     }
                 }
@@ -135,7 +135,7 @@ impl Segment {
             Err(e) => {
                 if let Some(n) = &name {
                     unlink(n);
-                    tell_manager_freed(&manager, n);
+                    crate::manager::tell_freed(&manager, n);
                 }
                 return Err(e);
             }
@@ -322,7 +322,7 @@ impl Drop for Segment {
             }
         }
         if let Some(n) = &self.name {
-            tell_manager_freed(&self.manager, n);
+            crate::manager::tell_freed(&self.manager, n);
         }
     }
 }
@@ -335,20 +335,12 @@ impl Drop for Segment {
 /// `ss_arena_<pid>_...` names of dead creators; the process is warned
 /// once that this cleanup is lost.
 fn register_with_manager(name: &str) -> Option<std::sync::Arc<crate::manager::Client>> {
-    let registered = crate::manager::default_client().and_then(|client| client.register(name).map(|()| client));
-    match registered {
+    match crate::manager::register_with_default(name) {
         Ok(client) => Some(client),
         Err(e) => {
             super::no_manager_warning::warn_once(&e);
             None
         }
-    }
-}
-
-fn tell_manager_freed(manager: &Option<std::sync::Arc<crate::manager::Client>>, name: &str) {
-    if let Some(c) = manager {
-        // No reply to wait for; a manager that is gone is not an error.
-        let _ = c.free(name);
     }
 }
 

@@ -513,6 +513,21 @@ fn client_in(c: &mut Connections, path: &str, me: u32) -> Result<Arc<Client>> {
     Ok(client)
 }
 
+/// Registers `name` with [`default_client`] before the name exists, so
+/// the manager removes it once no live process maps it, even after a
+/// kill -9; the client to tell (with [`tell_freed`]) when it goes.
+pub fn register_with_default(name: &str) -> Result<Arc<Client>> {
+    default_client().and_then(|client| client.register(name).map(|()| client))
+}
+
+/// Tells `manager`, where `name` was registered, that it is gone. No reply
+/// is waited for; a manager that is gone is not an error.
+pub fn tell_freed(manager: &Option<Arc<Client>>, name: &str) {
+    if let Some(c) = manager {
+        let _ = c.free(name);
+    }
+}
+
 /// The connection used when no handle is given: an existing one of this
 /// process (as libshm), else a manager spawned now.
 pub fn default_client() -> Result<Arc<Client>> {

@@ -14,6 +14,6 @@ pub mod segments;
 pub mod server;
 pub mod spawn;
 
-pub use client::{client_for, default_client, Client};
+pub use client::{client_for, default_client, register_with_default, tell_freed, Client};
 pub use managed::ManagedMapAllocator;
 pub use protocol::AllocInfo;

@@ -449,15 +449,12 @@ fn a_producer_that_forked_a_child_is_peer_gone_when_killed() {
     // its fork handler, which it does when first scheduled (on a loaded
     // machine, after the kill, so the first answers may still say
     // not-gone).
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let answer = loop {
+    let mut answer = String::new();
+    wait_until(Duration::from_secs(10), || {
         consumers[0].send("gone?");
-        let answer = consumers[0].recv();
-        if answer != "not-gone v1" || std::time::Instant::now() > deadline {
-            break answer;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+        answer = consumers[0].recv();
+        answer != "not-gone v1"
+    });
     kill_pid(&forked);
     assert_eq!(answer, "gone v1", "a forked child hid the producer's death");
     for mut c in consumers {

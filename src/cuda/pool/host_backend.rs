@@ -152,21 +152,7 @@ impl Drop for NamedSegment {
     fn drop(&mut self) {
         unlink(&self.name);
         forget(&self.name);
-        tell_manager_freed(&self.manager, &self.name);
-    }
-}
-
-/// Registers `name` with this process's manager daemon (spawned if need
-/// be) before it exists. Best effort: without a manager the segment still
-/// works; only the cleanup after a kill -9 with no consumer is lost.
-fn register_with_manager(name: &str) -> Option<Arc<crate::manager::Client>> {
-    crate::manager::default_client().and_then(|client| client.register(name).map(|()| client)).ok()
-}
-
-fn tell_manager_freed(manager: &Option<Arc<crate::manager::Client>>, name: &str) {
-    if let Some(c) = manager {
-        // No reply to wait for; a manager that is gone is not an error.
-        let _ = c.free(name);
+        crate::manager::tell_freed(&self.manager, &self.name);
     }
 }
 
@@ -219,12 +205,14 @@ impl PoolBackend for HostBackend {
             PoolKind::Legacy => {
                 let name = self.legacy_name();
                 let c = CString::new(name.as_str()).expect("our names have no NUL");
-                let manager = register_with_manager(&name);
+                // Best effort: without a manager the segment still works;
+                // only the cleanup after a kill -9 with no consumer is lost.
+                let manager = crate::manager::register_with_default(&name).ok();
                 // SAFETY: shm_open with a valid name; a new object only we may open.
                 let raw = unsafe { libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC, 0o600) };
                 if raw < 0 {
                     let e = Error::last_os_error(format!("unable to create pool segment <{name}>"));
-                    tell_manager_freed(&manager, &name);
+                    crate::manager::tell_freed(&manager, &name);
                     return Err(e);
                 }
                 // SAFETY: a fresh descriptor of ours.
@@ -239,7 +227,7 @@ impl PoolBackend for HostBackend {
                     Err(e) => {
                         // SAFETY: removing the name we just made.
                         unsafe { libc::shm_unlink(c.as_ptr()) };
-                        tell_manager_freed(&manager, &name);
+                        crate::manager::tell_freed(&manager, &name);
                         Err(e)
                     }
                 }

@@ -38,7 +38,8 @@ if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
     echo "== installing PyTorch into $venv (about 5 GB with its CUDA libraries; CPU use only)"
     rm -rf "$venv"
     python3 -m venv "$venv"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check torch numpy
+    # No pip cache: on a fresh machine it would only hold a second copy.
+    PIP_NO_CACHE_DIR=1 "$venv/bin/pip" install --quiet --disable-pip-version-check torch numpy
 fi
 export SS_TEST_PYTHON="$venv/bin/python"
 echo "== PyTorch $("$SS_TEST_PYTHON" -c 'import torch; print(torch.__version__)') at $SS_TEST_PYTHON"
@@ -74,23 +75,6 @@ bash scripts/build_wheel.sh | tee "$target/build_wheel.log"
 bash python/run_wheel_tests.sh "$(tail -n 1 "$target/build_wheel.log")"
 part_done "Python package (wheel)"
 
-# The oldest PyTorch the package supports (python/pyproject.toml's torch
-# extra, TESTED_RANGE in python/storage_sharing/_torch_compat.py): the pytest
-# suite and PyTorch's test_multiprocessing.py of that release, stock and with
-# enable(), through scripts/torch_versions.sh in a venv of its own under
-# target/ (kept between runs). The newest is $SS_TEST_PYTHON's, above.
-oldest_torch=2.4.1
-oldest_torch_part() {
-    echo "== Python package on the oldest PyTorch supported, $oldest_torch"
-    # The wheel the part above built and tested (build_wheel.sh prints its
-    # path last).
-    local wheel
-    wheel="$(tail -n 1 "$target/build_wheel.log")"
-    bash scripts/torch_versions.sh --cache "$target/torch-versions" --wheel "$wheel" "$oldest_torch"
-}
-oldest_torch_part
-part_done "oldest PyTorch"
-
 echo "== C tests (ctest, -Wall -Wextra -Wpedantic -Werror, and under ASan+UBSan)"
 for variant in plain asan; do
     build="$target/ctests-$variant"
@@ -110,6 +94,40 @@ part_done "packaging, Go"
 echo "== libtorch: a C++ program on the wheel's libtorch shares tensors with Python PyTorch through torch.hpp"
 bash tests/libtorch/run.sh "$target/release"
 part_done "libtorch adapter"
+
+# The oldest PyTorch the package supports (python/pyproject.toml's torch
+# extra, TESTED_RANGE in python/storage_sharing/_torch_compat.py): the pytest
+# suite and PyTorch's test_multiprocessing.py of that release, stock and with
+# enable(), through scripts/torch_versions.sh in a venv of its own under
+# target/ (kept between runs). The newest is $SS_TEST_PYTHON's, above.
+oldest_torch=2.4.1
+oldest_torch_part() {
+    echo "== Python package on the oldest PyTorch supported, $oldest_torch"
+    # The wheel the part above built and tested (build_wheel.sh prints its
+    # path last).
+    local wheel
+    wheel="$(tail -n 1 "$target/build_wheel.log")"
+    bash scripts/torch_versions.sh --cache "$target/torch-versions" --wheel "$wheel" "$oldest_torch"
+}
+
+# Last, because it needs room: its venv takes about 5 GB plus about 3 GB of
+# downloads while pip installs. Where the disk has less, the build products
+# no later part needs go first (each is rebuilt by the next run), the newest
+# PyTorch's venv last.
+room_gib=10
+free_gib() { df -P -B1G "$target" | awk 'NR == 2 { print $4 }'; }
+echo "== disk: $(free_gib) GiB free under $target (installing the oldest PyTorch needs about $room_gib)"
+oldest_venv="$target/torch-versions/torch-$oldest_torch"
+[ -x "$oldest_venv/bin/python" ] && room_gib=0
+for reusable in "$target/wheel-build" "$target/wheel-venv" "$target/python" \
+    "$target/ctests-asan" "$target/ctests-plain" "$target/release" "$venv"; do
+    [ "$(free_gib)" -ge "$room_gib" ] && break
+    [ -e "$reusable" ] || continue
+    echo "== disk: removing $reusable ($(du -sh "$reusable" | cut -f1)) to make room"
+    rm -rf "$reusable"
+done
+oldest_torch_part
+part_done "oldest PyTorch"
 
 echo "== minutes per part"
 printf '%s\n' "${timings[@]}"

@@ -13,6 +13,7 @@
 //! The one who changes a marked slot wakes the sleeper. Marks exist only
 //! while someone sleeps; a timed-out sleeper removes its own mark.
 
+use crate::syscalls::{futex_wait, futex_wake};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -184,33 +185,6 @@ impl Spinner {
         }
         std::hint::spin_loop();
         true
-    }
-}
-
-fn futex_wait(slot: &AtomicU32, expected: u32, timeout: Option<Duration>) {
-    let ts = timeout
-        .map(|t| libc::timespec { tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t, tv_nsec: t.subsec_nanos() as libc::c_long });
-    let ts_ptr = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
-    // SAFETY: FUTEX_WAIT (shared) reads the aligned u32 behind `slot`,
-    // which stays mapped for the call; the timespec outlives it. EINTR,
-    // EAGAIN and ETIMEDOUT all mean "look again", so the result is ignored.
-    unsafe {
-        libc::syscall(libc::SYS_futex, slot.as_ptr(), libc::FUTEX_WAIT, expected, ts_ptr, std::ptr::null::<u32>(), 0);
-    }
-}
-
-fn futex_wake(slot: &AtomicU32) {
-    // SAFETY: FUTEX_WAKE (shared) only uses the address as a key.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            slot.as_ptr(),
-            libc::FUTEX_WAKE,
-            i32::MAX,
-            std::ptr::null::<libc::timespec>(),
-            std::ptr::null::<u32>(),
-            0,
-        );
     }
 }
 

@@ -1,10 +1,19 @@
 //! The control block: a small sealed memfd shared by the producer and its
 //! consumers, holding the version state and one hold slot per consumer.
 //!
-//! Layout: `[magic u64 | state u64 | slots u64 | event valid u64 | pad]`
-//! then the publish event's handle (64 bytes), then one 64-byte line per
-//! consumer slot whose first word is the version that consumer holds (0:
-//! none). `state` is `version << 2 | TORN | WRITING`.
+//! Layout: `[magic u64 | state u64 | slots u64 | event valid u64 |
+//! changes u32 | releases u32 | pad]` then the publish event's handle (64
+//! bytes), then one 64-byte line per consumer slot whose first word is the
+//! version that consumer holds (0: none). `state` is
+//! `version << 2 | TORN | WRITING`.
+//!
+//! `changes` and `releases` are futex words, so that a waiter sleeps until
+//! the other side acts instead of polling: the producer bumps `changes` and
+//! wakes it whenever `state` changes, a consumer (or the producer, for a
+//! consumer that went) bumps `releases` whenever a slot is let go. Waits
+//! are still capped (at [`WAIT_SLICE`]), so a peer that never wakes (a
+//! hostile one, or one built before these words) costs latency, never a
+//! hang.
 //!
 //! The handshake is Dekker's, every access SeqCst: a consumer stores the
 //! version into its slot and then reads the state; the producer sets
@@ -17,8 +26,10 @@ use super::backend::EVENT_BYTES;
 use super::region::{page_size, Region};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fdpass::seals::{check_received, seal_against_shrinking, sealable_memfd};
+use crate::syscalls::{futex_wait, futex_wake};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{fence, AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering::SeqCst};
+use std::time::Duration;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"SSPCTL01");
 /// An update is being written.
@@ -26,6 +37,10 @@ pub const WRITING: u64 = 1;
 /// An update was abandoned without publish: the memory is a mix.
 pub const TORN: u64 = 2;
 const HEADER: usize = 64;
+const CHANGES_AT: usize = 32;
+const RELEASES_AT: usize = 36;
+/// The longest a waiter sleeps before it looks again on its own.
+pub const WAIT_SLICE: Duration = Duration::from_millis(2);
 const EVENT_AT: usize = 64;
 const SLOTS_AT: usize = 128;
 const LINE: usize = 64;
@@ -95,6 +110,20 @@ impl ControlBlock {
         unsafe { &*(self.region.base().add(at) as *const AtomicU64) }
     }
 
+    fn futex_word(&self, at: usize) -> &AtomicU32 {
+        debug_assert!(at % 4 == 0 && at + 4 <= HEADER);
+        // SAFETY: in the header and 4-aligned; shared, only ever accessed
+        // atomically (and by the kernel's futex calls).
+        unsafe { &*(self.region.base().add(at) as *const AtomicU32) }
+    }
+
+    /// Bumps a futex word and wakes whoever sleeps on it, in any process.
+    fn signal(&self, at: usize) {
+        let word = self.futex_word(at);
+        word.fetch_add(1, SeqCst);
+        futex_wake(word);
+    }
+
     fn slot(&self, slot: usize) -> &AtomicU64 {
         assert!(slot < self.slots, "slot {slot} of {}", self.slots);
         self.word(SLOTS_AT + slot * LINE)
@@ -125,6 +154,7 @@ impl ControlBlock {
     /// before anything was written).
     pub fn cancel_writing(&self) {
         self.word(8).fetch_and(!WRITING, SeqCst);
+        self.signal(CHANGES_AT);
     }
 
     /// The slots that hold a version now.
@@ -143,6 +173,7 @@ impl ControlBlock {
         self.word(24).store(u64::from(event.is_some()), SeqCst);
         let next = self.version() + 1;
         self.word(8).store(next << 2, SeqCst);
+        self.signal(CHANGES_AT);
         next
     }
 
@@ -150,14 +181,41 @@ impl ControlBlock {
     pub fn abandon(&self) {
         let v = self.version();
         self.word(8).store(v << 2 | TORN, SeqCst);
+        self.signal(CHANGES_AT);
     }
 
     /// Frees the slot of a consumer that is gone.
     pub fn clear_slot(&self, slot: usize) {
         self.slot(slot).store(0, SeqCst);
+        self.signal(RELEASES_AT);
+    }
+
+    /// How many times a slot was let go: read it before looking at the
+    /// holders, then [`ControlBlock::wait_release`] with what it was.
+    pub fn releases(&self) -> u32 {
+        self.futex_word(RELEASES_AT).load(SeqCst)
+    }
+
+    /// Sleeps until a slot is let go after `releases` was `seen`, for at
+    /// most `max` (and [`WAIT_SLICE`]).
+    pub fn wait_release(&self, seen: u32, max: Duration) {
+        futex_wait(self.futex_word(RELEASES_AT), seen, Some(max.min(WAIT_SLICE)));
     }
 
     // ---- consumer side ----
+
+    /// How many times the state changed: read it before
+    /// [`ControlBlock::try_hold`], then [`ControlBlock::wait_change`] with
+    /// what it was.
+    pub fn changes(&self) -> u32 {
+        self.futex_word(CHANGES_AT).load(SeqCst)
+    }
+
+    /// Sleeps until the state changes after `changes` was `seen`, for at
+    /// most `max` (and [`WAIT_SLICE`]).
+    pub fn wait_change(&self, seen: u32, max: Duration) {
+        futex_wait(self.futex_word(CHANGES_AT), seen, Some(max.min(WAIT_SLICE)));
+    }
 
     /// One attempt to hold the current version in `slot`.
     pub fn try_hold(&self, slot: usize) -> Hold {
@@ -172,7 +230,8 @@ impl ControlBlock {
         fence(SeqCst);
         let again = self.state();
         if again != s {
-            self.slot(slot).store(0, SeqCst);
+            // The producer may have seen this brief hold and gone to sleep.
+            self.drop_hold(slot);
             return if again & TORN != 0 { Hold::Torn } else { Hold::Writing };
         }
         Hold::Held(s >> 2)
@@ -181,6 +240,7 @@ impl ControlBlock {
     /// Lets go of the version held in `slot`.
     pub fn drop_hold(&self, slot: usize) {
         self.slot(slot).store(0, SeqCst);
+        self.signal(RELEASES_AT);
     }
 
     /// The event of the last publish, if it recorded one.
@@ -197,6 +257,7 @@ impl ControlBlock {
 }
 
 const _: () = assert!(HEADER <= EVENT_AT && EVENT_AT + EVENT_BYTES <= SLOTS_AT);
+const _: () = assert!(32 <= CHANGES_AT && CHANGES_AT < RELEASES_AT && RELEASES_AT + 4 <= HEADER);
 
 #[cfg(test)]
 mod tests {
@@ -230,6 +291,28 @@ mod tests {
         assert_eq!(consumer.event(), None);
         producer.clear_slot(0);
         assert!(producer.holders().is_empty());
+    }
+
+    #[test]
+    fn every_state_change_and_every_let_go_is_signalled() {
+        let (producer, fd) = ControlBlock::create(4).unwrap();
+        let consumer = ControlBlock::open(&fd, 4).unwrap();
+        let (c0, r0) = (consumer.changes(), producer.releases());
+        producer.publish(None);
+        assert!(producer.begin_writing());
+        producer.cancel_writing();
+        assert!(producer.begin_writing());
+        producer.abandon();
+        assert_eq!(consumer.changes(), c0 + 3, "publish, cancel and abandon each wake the consumers");
+        producer.publish(None);
+        assert_eq!(consumer.try_hold(0), Hold::Held(2));
+        consumer.drop_hold(0);
+        assert_eq!(consumer.try_hold(1), Hold::Held(2));
+        producer.clear_slot(1);
+        assert_eq!(producer.releases(), r0 + 2, "a release and a cleared slot each wake the producer");
+        assert!(producer.begin_writing());
+        assert_eq!(consumer.try_hold(2), Hold::Writing);
+        assert_eq!(producer.releases(), r0 + 2, "a hold refused before it was stored signals nothing");
     }
 
     #[test]

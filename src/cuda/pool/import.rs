@@ -263,9 +263,10 @@ impl Weights {
     /// hold; each acquire needs its release.
     pub fn acquire(&self, stream: u64, timeout: Timeout) -> Result<u64> {
         let deadline = Deadline::new(timeout);
-        let mut pause = Duration::from_micros(20);
         loop {
             self.check_producer()?;
+            // Read before looking, so a publish in between cuts the sleep short.
+            let changes = self.control.changes();
             let mut r = lock(&self.readers);
             if r.count > 0 {
                 if self.control.state() & super::control::WRITING == 0 {
@@ -297,8 +298,7 @@ impl Weights {
                     }
                     Hold::Writing => {
                         drop(r);
-                        std::thread::sleep(pause);
-                        pause = (pause * 2).min(Duration::from_millis(2));
+                        self.control.wait_change(changes, deadline.left().unwrap_or(Duration::MAX));
                     }
                 }
             }

@@ -303,8 +303,9 @@ impl Pool {
             return Err(Error::new(ErrorKind::Busy, "an update of this pool is open already; publish it first"));
         }
         let start = Instant::now();
-        let mut pause = Duration::from_micros(20);
         loop {
+            // Read before looking, so a release in between cuts the sleep short.
+            let releases = control.releases();
             let holders = control.holders();
             if holders.is_empty() {
                 break;
@@ -325,8 +326,7 @@ impl Pool {
                     ),
                 ));
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(2));
+            control.wait_release(releases, timeout.map_or(Duration::MAX, |t| t.saturating_sub(start.elapsed())));
         }
         u.open = true;
         Ok(())

@@ -297,10 +297,25 @@ mod tests {
         let m = MapAllocator::open(&name, flags::SHAREDMEM | flags::EXCLUSIVE, 4096).unwrap();
         assert!(in_use(&name));
         let set: HashSet<String> = [name.clone()].into_iter().collect();
-        let others = names_in_use(&set, Some(std::process::id() as i32));
-        assert!(others.found.is_empty() && others.doubt.is_none(), "{others:?}");
+        let others = || names_in_use(&set, Some(std::process::id() as i32));
+        assert!(soon(|| others().found.is_empty()), "{:?}", others());
+        assert!(others().doubt.is_none(), "{:?}", others());
         drop(m);
-        assert!(!in_use(&name));
+        assert!(soon(|| !in_use(&name)), "still in use after the drop");
+    }
+
+    /// Whether `cond` holds within 10 s. A child that another test thread
+    /// forks holds copies of this process's mappings and descriptors until
+    /// it execs: another process, rightly counted, but only for a moment.
+    fn soon(mut cond: impl FnMut() -> bool) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !cond() {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        true
     }
 
     #[test]

@@ -19,6 +19,8 @@ pub mod storage;
 pub mod store;
 pub mod symm;
 pub mod syscalls;
+#[cfg(test)]
+mod test_support;
 
 pub use error::{Error, ErrorKind, Result};
 

@@ -289,7 +289,10 @@ fn is_zombie(pid: i32) -> bool {
 mod tests {
     use super::*;
     use crate::shm::{flags, names::new_process_wide_shm_handle, MapAllocator};
+    use crate::test_support::soon;
     use std::ffi::CString;
+
+    const TEN_S: std::time::Duration = std::time::Duration::from_secs(10);
 
     #[test]
     fn sees_own_mapping_and_fd() {
@@ -298,24 +301,10 @@ mod tests {
         assert!(in_use(&name));
         let set: HashSet<String> = [name.clone()].into_iter().collect();
         let others = || names_in_use(&set, Some(std::process::id() as i32));
-        assert!(soon(|| others().found.is_empty()), "{:?}", others());
+        assert!(soon(TEN_S, || others().found.is_empty()), "{:?}", others());
         assert!(others().doubt.is_none(), "{:?}", others());
         drop(m);
-        assert!(soon(|| !in_use(&name)), "still in use after the drop");
-    }
-
-    /// Whether `cond` holds within 10 s. A child that another test thread
-    /// forks holds copies of this process's mappings and descriptors until
-    /// it execs: another process, rightly counted, but only for a moment.
-    fn soon(mut cond: impl FnMut() -> bool) -> bool {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !cond() {
-            if std::time::Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        true
+        assert!(soon(TEN_S, || !in_use(&name)), "still in use after the drop");
     }
 
     #[test]

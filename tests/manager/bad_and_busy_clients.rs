@@ -328,9 +328,14 @@ fn daemon_does_not_keep_the_spawners_descriptors() {
     // SAFETY: closing our copy of the peer end; reading the other end.
     unsafe { libc::close(sv[1]) };
     let mut b = [0u8; 1];
-    // SAFETY: reading into a 1-byte buffer.
-    let n = unsafe { libc::recv(sv[0], b.as_mut_ptr().cast(), 1, libc::MSG_DONTWAIT) };
-    assert_eq!(n, 0, "the peer end is still open somewhere (the daemon?)");
+    // A child that a sibling test is spawning holds a copy until it execs
+    // (or, a daemon, until it closes what it inherited), so look for a
+    // while: the daemon lives on, and a copy it kept would never go.
+    let peer_closed = wait_until(Duration::from_secs(10), || {
+        // SAFETY: reading into a 1-byte buffer.
+        unsafe { libc::recv(sv[0], b.as_mut_ptr().cast(), 1, libc::MSG_DONTWAIT) == 0 }
+    });
+    assert!(peer_closed, "the peer end is still open somewhere (the daemon?)");
     // SAFETY: closing what we opened.
     unsafe { libc::close(sv[0]) };
 }

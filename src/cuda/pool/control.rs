@@ -124,6 +124,12 @@ impl ControlBlock {
         futex_wake(word);
     }
 
+    /// Sleeps while the futex word at `at` is still `seen`, for at most
+    /// `max` and [`WAIT_SLICE`].
+    fn wait_for_signal(&self, at: usize, seen: u32, max: Duration) {
+        futex_wait(self.futex_word(at), seen, Some(max.min(WAIT_SLICE)));
+    }
+
     fn slot(&self, slot: usize) -> &AtomicU64 {
         assert!(slot < self.slots, "slot {slot} of {}", self.slots);
         self.word(SLOTS_AT + slot * LINE)
@@ -186,8 +192,8 @@ impl ControlBlock {
 
     /// Frees the slot of a consumer that is gone.
     pub fn clear_slot(&self, slot: usize) {
-        self.slot(slot).store(0, SeqCst);
-        self.signal(RELEASES_AT);
+        // The same let-go as the consumer's own, done on its behalf.
+        self.drop_hold(slot);
     }
 
     /// How many times a slot was let go: read it before looking at the
@@ -199,7 +205,7 @@ impl ControlBlock {
     /// Sleeps until a slot is let go after `releases` was `seen`, for at
     /// most `max` (and [`WAIT_SLICE`]).
     pub fn wait_release(&self, seen: u32, max: Duration) {
-        futex_wait(self.futex_word(RELEASES_AT), seen, Some(max.min(WAIT_SLICE)));
+        self.wait_for_signal(RELEASES_AT, seen, max);
     }
 
     // ---- consumer side ----
@@ -214,7 +220,7 @@ impl ControlBlock {
     /// Sleeps until the state changes after `changes` was `seen`, for at
     /// most `max` (and [`WAIT_SLICE`]).
     pub fn wait_change(&self, seen: u32, max: Duration) {
-        futex_wait(self.futex_word(CHANGES_AT), seen, Some(max.min(WAIT_SLICE)));
+        self.wait_for_signal(CHANGES_AT, seen, max);
     }
 
     /// One attempt to hold the current version in `slot`.

@@ -50,8 +50,10 @@ pub fn listen(name: &str) -> io::Result<OwnedFd> {
     if unsafe { libc::bind(fd.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len) } != 0 {
         return Err(io::Error::last_os_error());
     }
+    // Room for bursts (a pool opened by hundreds of consumers at once);
+    // the kernel caps it at net.core.somaxconn.
     // SAFETY: listen on our own socket.
-    if unsafe { libc::listen(fd.as_raw_fd(), 64) } != 0 {
+    if unsafe { libc::listen(fd.as_raw_fd(), 4096) } != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(fd)

@@ -28,6 +28,17 @@ fn cmsg_space(nfds: usize) -> usize {
 /// for a datagram socket; a stream socket may take fewer, the descriptors
 /// go with the first byte).
 pub fn send_fds(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<usize> {
+    Ok(send_with(sock, payload, fds, 0)?.expect("a blocking send does not give up"))
+}
+
+/// [`send_fds`] that never waits: `None` when the socket's buffer has no
+/// room for the message now (`EAGAIN`), so a server can serve others and
+/// try again when `poll` says the socket is writable.
+pub fn send_fds_nowait(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<Option<usize>> {
+    send_with(sock, payload, fds, libc::MSG_DONTWAIT)
+}
+
+fn send_with(sock: RawFd, payload: &[u8], fds: &[RawFd], flags: libc::c_int) -> Result<Option<usize>> {
     if payload.is_empty() {
         return Err(Error::new(ErrorKind::InvalidArgument, "send_fds needs at least one payload byte"));
     }
@@ -61,11 +72,14 @@ pub fn send_fds(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<usize> {
     }
     loop {
         // SAFETY: msg points at valid buffers for the duration of the call.
-        let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+        let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL | flags) };
         if n >= 0 {
-            return Ok(n as usize);
+            return Ok(Some(n as usize));
         }
         let e = errno();
+        if flags & libc::MSG_DONTWAIT != 0 && (e == libc::EAGAIN || e == libc::EWOULDBLOCK) {
+            return Ok(None);
+        }
         if e != libc::EINTR {
             return Err(Error::from_errno(e, format!("sendmsg of {} bytes and {} descriptors on socket {sock}", payload.len(), fds.len())));
         }

@@ -36,6 +36,23 @@ pub fn seal_against_shrinking(fd: RawFd, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Seals `fd` (a sized memfd made by [`sealable_memfd`], mapped writable
+/// by its maker already) so that nobody can shrink it, and nobody can
+/// write it except through the mappings that exist now
+/// (`F_SEAL_FUTURE_WRITE`): a receiver can map it read-only, never
+/// writable, nor write it with write(2). False when the kernel lacks that
+/// seal (before Linux 5.1): then it is sealed against shrinking only.
+pub fn seal_against_others_writing(fd: RawFd, what: &str) -> Result<bool> {
+    // SAFETY: fcntl on a descriptor we own; F_ADD_SEALS takes an int.
+    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, SEALS | libc::F_SEAL_FUTURE_WRITE) } == 0 {
+        return Ok(true);
+    }
+    if crate::error::errno() != libc::EINVAL {
+        return Err(Error::last_os_error(format!("unable to seal {what} against writes")));
+    }
+    seal_against_shrinking(fd, what).map(|_| false)
+}
+
 /// Checks a received descriptor before it is mapped: it must be sealed
 /// against shrinking and hold at least `need` bytes. Returns its size.
 /// Refused descriptors get a `Permission` (not sealed) or `SizeMismatch`

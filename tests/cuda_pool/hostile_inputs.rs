@@ -14,7 +14,7 @@ mod nobody;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::Duration;
 use storage_sharing::content_store::dtype::Dtype;
-use storage_sharing::cuda::pool::control::ControlBlock;
+use storage_sharing::cuda::pool::control::{ControlWriter, HoldSlot};
 use storage_sharing::cuda::pool::manifest::{Manifest, SegmentEntry, StorageEntry, TensorEntry};
 use storage_sharing::cuda::pool::wire::{Hello, CHUNK, STATUS_OK};
 use storage_sharing::cuda::pool::{PoolDevice, PoolHandle, PoolKind, Weights};
@@ -67,8 +67,9 @@ struct Forgery {
 
 fn forgery(m: &Manifest) -> Forgery {
     let bytes = m.encode();
-    let (_control, control_fd) = ControlBlock::create(4).unwrap();
-    let mut fds = vec![control_fd];
+    let (_control, control_fd) = ControlWriter::create(4).unwrap();
+    let (_hold, hold_fd) = HoldSlot::create().unwrap();
+    let mut fds = vec![control_fd, hold_fd];
     fds.extend(m.segments.iter().map(|_| memfd(SEG, true)));
     let hello =
         Hello { status: STATUS_OK, kind: 0, slot: 0, slots: 4, segments: m.segments.len() as u32, manifest_len: bytes.len() as u64 };
@@ -189,10 +190,10 @@ fn malformed_hellos_and_descriptors_are_refused() {
     let _g = serial();
     let mut f = forgery(&good_manifest());
     f.fds.pop();
-    refused(f, ErrorKind::Protocol, "sent 1 descriptors for 1 segments");
+    refused(f, ErrorKind::Protocol, "sent 2 descriptors for 1 segments");
     let mut f = forgery(&good_manifest());
     f.fds.push(memfd(SEG, true));
-    refused(f, ErrorKind::Protocol, "sent 3 descriptors");
+    refused(f, ErrorKind::Protocol, "sent 4 descriptors");
     let mut f = forgery(&good_manifest());
     f.hello.kind = 1;
     refused(f, ErrorKind::Protocol, "its handle says Vmm");
@@ -205,11 +206,11 @@ fn malformed_hellos_and_descriptors_are_refused() {
     refused(f, ErrorKind::Protocol, "5000 slots announced");
     // A segment descriptor the sender could shrink under our mapping.
     let mut f = forgery(&good_manifest());
-    f.fds[1] = memfd(SEG, false);
+    f.fds[2] = memfd(SEG, false);
     refused(f, ErrorKind::Permission, "not sealed against shrinking");
     // A segment smaller than the manifest says.
     let mut f = forgery(&good_manifest());
-    f.fds[1] = memfd(4096, true);
+    f.fds[2] = memfd(4096, true);
     refused(f, ErrorKind::SizeMismatch, "fewer than the 65536");
     // A control block that is no control block.
     let mut f = forgery(&good_manifest());
@@ -218,7 +219,7 @@ fn malformed_hellos_and_descriptors_are_refused() {
     // Segments announced but the manifest has another count.
     let mut f = forgery(&good_manifest());
     f.hello.segments = 0;
-    f.fds.truncate(1);
+    f.fds.truncate(2);
     refused(f, ErrorKind::Protocol, "announced 0 segments, its manifest has 1");
     // Not a hello at all.
     let mut f = forgery(&good_manifest());

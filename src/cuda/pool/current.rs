@@ -1,26 +1,14 @@
-//! The process-wide "current pool" and the registry of live pools, for
-//! PyTorch's `CUDAPluggableAllocator` under a `torch.cuda.MemPool`: its
-//! malloc allocates in the current pool (tensors are born there), and its
-//! free finds whichever live pool owns the pointer.
+//! The process-wide "current pool", for PyTorch's `CUDAPluggableAllocator`
+//! under a `torch.cuda.MemPool`: its malloc allocates in the current pool
+//! (tensors are born there), and its free finds whichever live pool owns
+//! the pointer (the registry of live pools is `inner`'s).
 
 use super::options::PoolDevice;
-use super::producer::{Pool, PoolInner};
+use super::producer::Pool;
 use crate::error::{Error, ErrorKind, Result};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, RwLock};
 
-static LIVE: Mutex<Vec<Weak<PoolInner>>> = Mutex::new(Vec::new());
 static CURRENT: RwLock<Option<Arc<Pool>>> = RwLock::new(None);
-
-pub(crate) fn register(inner: &Arc<PoolInner>) {
-    let mut live = super::lock(&LIVE);
-    live.retain(|w| w.strong_count() > 0);
-    live.push(Arc::downgrade(inner));
-}
-
-pub(crate) fn forget(inner: &Arc<PoolInner>) {
-    let mut live = super::lock(&LIVE);
-    live.retain(|w| w.strong_count() > 0 && !std::ptr::eq(w.as_ptr(), Arc::as_ptr(inner)));
-}
 
 /// Makes `pool` the process's current pool (None: no current pool).
 pub fn set_current(pool: Option<Arc<Pool>>) {
@@ -53,8 +41,7 @@ pub fn alloc_in_current(nbytes: usize, device: i32, _stream: u64) -> Result<u64>
 
 /// Frees `ptr` in whichever live pool holds it.
 pub fn free_anywhere(ptr: u64) -> Result<()> {
-    let live: Vec<Arc<PoolInner>> = super::lock(&LIVE).iter().filter_map(Weak::upgrade).collect();
-    match live.iter().find(|p| p.contains(ptr)) {
+    match super::inner::owner_of(ptr) {
         Some(p) => p.free_block(ptr),
         None => Err(Error::new(ErrorKind::InvalidArgument, format!("0x{ptr:x} is in no live pool of this process"))),
     }

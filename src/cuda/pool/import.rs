@@ -6,7 +6,7 @@
 //! side of the version protocol.
 
 use super::backend::{MappedSegment, PoolBackend};
-use super::control::{ControlBlock, Hold};
+use super::control::{ControlReader, Hold, HoldSlot};
 use super::handle::PoolHandle;
 use super::lock;
 use super::manifest::{Manifest, MAX_BYTES, MAX_SEGMENTS};
@@ -17,9 +17,11 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::fdpass::parent_only::ParentOnlyFd;
 use crate::fdpass::{abstract_socket, peer, recv_fds};
 use crate::store::Timeout;
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 /// One tensor of an opened pool, a view into a mapped segment.
@@ -43,7 +45,43 @@ pub struct OpenTensor {
 struct Readers {
     count: usize,
     version: u64,
+    /// Reads open per thread: a thread that reads already re-enters at once.
+    by_thread: HashMap<ThreadId, usize>,
 }
+
+impl Readers {
+    fn join(&mut self) -> u64 {
+        self.count += 1;
+        *self.by_thread.entry(std::thread::current().id()).or_default() += 1;
+        self.version
+    }
+
+    /// One read less, the caller's own if it has one; true when it was the last.
+    fn leave(&mut self) -> bool {
+        let me = std::thread::current().id();
+        let whose = if self.by_thread.contains_key(&me) { Some(me) } else { self.by_thread.keys().next().copied() };
+        if let Some(t) = whose {
+            let n = self.by_thread.get_mut(&t).expect("a key just found");
+            *n -= 1;
+            if *n == 0 {
+                self.by_thread.remove(&t);
+            }
+        }
+        self.count -= 1;
+        self.count == 0
+    }
+
+    fn reading_here(&self) -> bool {
+        self.by_thread.contains_key(&std::thread::current().id())
+    }
+}
+
+/// How long a thread that does not read yet waits for its process's reads
+/// to end before it joins them, while the producer waits to write: long
+/// enough for reads that end by themselves to let the update in, short
+/// enough for a read that waits on this thread (a main thread whose
+/// workers read) to cost only this much.
+pub const JOIN_GRACE: Duration = Duration::from_millis(10);
 
 /// A producer's pool opened in this process (see the module docs).
 pub struct Weights {
@@ -52,13 +90,16 @@ pub struct Weights {
     conn: ParentOnlyFd,
     /// The fork generation it was opened in: a forked child's copy is inert.
     generation: u64,
-    control: ControlBlock,
+    control: ControlReader,
+    /// Where this process's hold is written (a page of its own).
+    hold: HoldSlot,
     slot: usize,
     backend: Arc<dyn PoolBackend>,
     segments: Vec<Box<dyn MappedSegment>>,
     manifest: Manifest,
     tensors: Vec<OpenTensor>,
     readers: Mutex<Readers>,
+    /// Notified when the process's last read ends.
     released: Condvar,
     gone: AtomicBool,
 }
@@ -126,6 +167,42 @@ fn receive(fd: RawFd, buf: &mut [u8], max_fds: usize, deadline: &Deadline, h: &P
     Ok((n, fds))
 }
 
+/// Connects to the producer's socket. A full backlog (a burst of
+/// consumers, or another user's flood of connections) is waited out until
+/// the deadline: the server takes connections in turn and drops strangers'
+/// at once.
+fn connect(h: &PoolHandle, deadline: &Deadline) -> Result<OwnedFd> {
+    let mut pause = Duration::from_micros(100);
+    loop {
+        let e = match abstract_socket::connect(&h.socket_name) {
+            Ok(conn) => return Ok(conn),
+            Err(e) => e,
+        };
+        match e.raw_os_error() {
+            Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => {
+                return Err(Error::new(
+                    ErrorKind::PeerGone,
+                    format!("no pool listens at {} (its producer, pid {}, is gone or dropped the pool)", h.socket_name, h.producer_pid),
+                ))
+            }
+            Some(libc::EAGAIN) if !deadline.passed() => {
+                std::thread::sleep(pause.min(deadline.left().unwrap_or(pause)));
+                pause = (pause * 2).min(Duration::from_millis(10));
+            }
+            Some(libc::EAGAIN) => {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "timed out connecting to pool {} of pid {}: its server's backlog stayed full (a burst of consumers, or connections of another process)",
+                        h.socket_name, h.producer_pid
+                    ),
+                ))
+            }
+            _ => return Err(Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("connecting to pool {}", h.socket_name))),
+        }
+    }
+}
+
 impl Weights {
     /// Opens the pool `h` names: one connection and one message exchange,
     /// whatever the number of tensors. Errors: `PeerGone` (no producer
@@ -134,18 +211,12 @@ impl Weights {
     /// `Protocol` (malformed manifest), `Timeout`.
     pub fn open(h: &PoolHandle, timeout: Timeout) -> Result<Weights> {
         let deadline = Deadline::new(timeout);
-        let conn = abstract_socket::connect(&h.socket_name).map_err(|e| match e.raw_os_error() {
-            Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => Error::new(
-                ErrorKind::PeerGone,
-                format!("no pool listens at {} (its producer, pid {}, is gone or dropped the pool)", h.socket_name, h.producer_pid),
-            ),
-            _ => Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("connecting to pool {}", h.socket_name)),
-        })?;
+        let conn = connect(h, &deadline)?;
         let generation = crate::fork_safe::fork_generation();
         let conn = ParentOnlyFd::new(conn);
         peer::expect_process(conn.as_raw_fd(), h.producer_pid, &format!("pool socket {}", h.socket_name))?;
         let mut buf = [0u8; HELLO_BYTES + 512];
-        let (n, mut fds) = receive(conn.as_raw_fd(), &mut buf, 1 + MAX_SEGMENTS, &deadline, h, "waiting for the pool")?;
+        let (n, mut fds) = receive(conn.as_raw_fd(), &mut buf, 2 + MAX_SEGMENTS, &deadline, h, "waiting for the pool")?;
         let hello = Hello::decode(&buf[..n])?;
         if hello.status != STATUS_OK {
             let why = String::from_utf8_lossy(&buf[HELLO_BYTES.min(n)..n]).into_owned();
@@ -159,7 +230,8 @@ impl Weights {
             ));
         }
         let segments = hello.segments as usize;
-        let want_fds = 1 + if kind == PoolKind::Vmm { segments } else { 0 };
+        // The control block, this consumer's hold page, and (Vmm) the segments.
+        let want_fds = 2 + if kind == PoolKind::Vmm { segments } else { 0 };
         if segments > MAX_SEGMENTS || fds.len() != want_fds {
             return Err(Error::new(
                 ErrorKind::Protocol,
@@ -196,10 +268,10 @@ impl Weights {
                 format!("pool {} announced {segments} segments, its manifest has {}", h.socket_name, manifest.segments.len()),
             ));
         }
-        let segment_fds = fds.split_off(1);
-        let control_fd = fds.pop().expect("one descriptor at least");
-        let control = ControlBlock::open(&control_fd, hello.slots as usize)?;
-        drop(control_fd);
+        let segment_fds = fds.split_off(2);
+        let control = ControlReader::open(&fds[0], hello.slots as usize)?;
+        let hold = HoldSlot::open(&fds[1])?;
+        drop(fds);
         let backend = super::backend_for(h.device, kind)?;
         let mapped = map_segments(&*backend, &manifest, segment_fds, kind)?;
         let tensors = open_tensors(&manifest, &mapped);
@@ -208,6 +280,7 @@ impl Weights {
             conn,
             generation,
             control,
+            hold,
             slot: hello.slot as usize,
             backend,
             segments: mapped,
@@ -237,6 +310,12 @@ impl Weights {
         self.control.version()
     }
 
+    /// Whether the producer is writing an update now (new holds wait,
+    /// except those joining a hold this process has).
+    pub fn update_pending(&self) -> bool {
+        self.control.state() & super::control::WRITING != 0
+    }
+
     /// `PeerGone` once the producer is gone (its connection hung up).
     pub fn check_producer(&self) -> Result<()> {
         self.check_same_process()?;
@@ -263,43 +342,53 @@ impl Weights {
     /// hold; each acquire needs its release.
     pub fn acquire(&self, stream: u64, timeout: Timeout) -> Result<u64> {
         let deadline = Deadline::new(timeout);
+        let mut grace_end = None;
         loop {
             self.check_producer()?;
             // Read before looking, so a publish in between cuts the sleep short.
             let changes = self.control.changes();
             let mut r = lock(&self.readers);
             if r.count > 0 {
-                if self.control.state() & super::control::WRITING == 0 {
-                    r.count += 1;
-                    let v = r.version;
+                // The process holds a version. A thread nested in its own
+                // read joins at once (queueing behind the producer, which
+                // waits for that read, would never end). Another thread
+                // joins at once unless an update waits; then it lets the
+                // process's reads end first, for up to JOIN_GRACE, so that
+                // threads reading in turn cannot keep the producer out, and
+                // then joins (the open read may be waiting for it).
+                let update_waits = self.control.state() & super::control::WRITING != 0;
+                let grace = match update_waits && !r.reading_here() {
+                    true => *grace_end.get_or_insert_with(|| Instant::now() + JOIN_GRACE),
+                    false => Instant::now(),
+                };
+                if Instant::now() >= grace {
+                    let v = r.join();
                     drop(r);
                     return self.wait_publish(stream).map(|_| v);
                 }
-                // The producer waits for this process's readers: join the
-                // queue behind it instead of prolonging the hold.
-                let wait = deadline.left().unwrap_or(Duration::from_millis(50)).min(Duration::from_millis(50));
+                let wait = grace.saturating_duration_since(Instant::now()).min(deadline.left().unwrap_or(Duration::MAX));
                 let _ = self.released.wait_timeout(r, wait);
-            } else {
-                match self.control.try_hold(self.slot) {
-                    Hold::Held(v) => {
-                        r.count = 1;
-                        r.version = v;
-                        drop(r);
-                        return self.wait_publish(stream).map(|_| v);
-                    }
-                    Hold::Torn => {
-                        return Err(Error::new(
-                            ErrorKind::Busy,
-                            format!(
-                                "pool {} is torn: an update was abandoned without publish, so its memory may mix two versions; wait for the producer's next publish",
-                                self.handle.socket_name
-                            ),
-                        ))
-                    }
-                    Hold::Writing => {
-                        drop(r);
-                        self.control.wait_change(changes, deadline.left().unwrap_or(Duration::MAX));
-                    }
+                continue;
+            }
+            match self.control.try_hold(&self.hold) {
+                Hold::Held(v) => {
+                    r.version = v;
+                    r.join();
+                    drop(r);
+                    return self.wait_publish(stream).map(|_| v);
+                }
+                Hold::Torn => {
+                    return Err(Error::new(
+                        ErrorKind::Busy,
+                        format!(
+                            "pool {} is torn: an update was abandoned without publish, so its memory may mix two versions; wait for the producer's next publish",
+                            self.handle.socket_name
+                        ),
+                    ))
+                }
+                Hold::Writing => {
+                    drop(r);
+                    self.control.wait_change(changes, deadline.left().unwrap_or(Duration::MAX));
                 }
             }
             if deadline.passed() {
@@ -336,9 +425,8 @@ impl Weights {
         if r.count == 0 {
             return Err(Error::new(ErrorKind::InvalidArgument, "release without a matching acquire"));
         }
-        r.count -= 1;
-        if r.count == 0 {
-            self.control.drop_hold(self.slot);
+        if r.leave() {
+            self.hold.let_go();
             self.released.notify_all();
         }
         Ok(())
@@ -415,7 +503,7 @@ impl Drop for Weights {
     fn drop(&mut self) {
         // In a forked child the slot is the parent's, whatever the copied count says.
         if self.check_same_process().is_ok() && lock(&self.readers).count > 0 {
-            self.control.drop_hold(self.slot);
+            self.hold.let_go();
         }
     }
 }

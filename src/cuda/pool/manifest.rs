@@ -12,8 +12,9 @@ use std::collections::HashSet;
 
 /// First bytes of an encoded manifest (and its format version).
 pub const MAGIC: &[u8; 8] = b"SSPMAN01";
-/// Most segments: they travel as descriptors of one message, less the control block's.
-pub const MAX_SEGMENTS: usize = crate::fdpass::MAX_FDS_PER_MESSAGE - 1;
+/// Most segments: they travel as descriptors of one message, less the control
+/// block's and the consumer's hold slot's.
+pub const MAX_SEGMENTS: usize = crate::fdpass::MAX_FDS_PER_MESSAGE - 2;
 /// Most tensors (and storages) of one manifest.
 pub const MAX_TENSORS: usize = 1 << 20;
 /// Longest tensor name, in bytes.

@@ -8,7 +8,8 @@
 //! - [`manifest`]: the tensors, their encoding and validation;
 //! - [`placement`]: where blocks go in the segments;
 //! - [`control`]: the version state and the consumers' hold slots;
-//! - [`producer`]: the producer; `server`: its connection thread;
+//! - [`producer`]: the producer; `inner`: what its threads share (and
+//!   the registry of live pools); `server`: its connection thread;
 //! - [`import`]: the consumer ([`Weights`]);
 //! - [`host_backend`] (host RAM; tests and CPU weights) and
 //!   [`cuda_backend`] (CUDA VMM or legacy IPC): the device calls;
@@ -21,6 +22,7 @@ pub mod current;
 pub mod handle;
 pub mod host_backend;
 pub mod import;
+mod inner;
 pub mod manifest;
 pub mod options;
 pub mod placement;

@@ -1,19 +1,18 @@
 //! The producer's pool: segments, the blocks placed in them, the tensors
 //! described over them, and the update side of the version protocol.
 
-use super::backend::{PoolBackend, PoolSegment};
-use super::control::ControlBlock;
+use super::control::ControlWriter;
 use super::handle::PoolHandle;
+use super::inner::{Layout, PoolInner};
 use super::lock;
-use super::manifest::{view_extent, Manifest, SegmentEntry, StorageEntry, TensorEntry, MAX_NAME, MAX_SEGMENTS};
+use super::manifest::{view_extent, Manifest, SegmentEntry, StorageEntry, TensorEntry, MAX_NAME};
 use super::options::{PoolDevice, PoolKind, PoolOptions};
-use super::placement::{block_bytes, Placement};
+use super::placement::Placement;
 use super::server::Server;
 use crate::content_store::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 use crate::store::Timeout;
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -31,19 +30,6 @@ pub struct TensorSpec {
     pub storage_offset: i64,
 }
 
-/// What the lock of a pool guards: the segments, where blocks are, and
-/// the manifest being built (frozen at export).
-pub(crate) struct Layout {
-    pub placement: Placement,
-    pub segments: Vec<Box<dyn PoolSegment>>,
-    storages: Vec<StorageEntry>,
-    storage_by_ptr: HashMap<u64, u32>,
-    tensors: Vec<TensorEntry>,
-    names: HashMap<String, usize>,
-    /// The encoded manifest, once exported.
-    pub frozen: Option<Arc<Vec<u8>>>,
-}
-
 /// The state of the update side.
 #[derive(Default)]
 struct Updating {
@@ -51,93 +37,20 @@ struct Updating {
     last_event: Option<u64>,
 }
 
-pub(crate) struct PoolInner {
-    pub opts: PoolOptions,
-    pub backend: Arc<dyn PoolBackend>,
-    pub control: ControlBlock,
-    pub control_fd: OwnedFd,
-    pub layout: Mutex<Layout>,
-    updating: Mutex<Updating>,
-    server: Mutex<Option<Server>>,
-    /// Slot -> pid of the consumer holding it (None: free); kept by the server.
-    pub consumers: Mutex<Vec<Option<i32>>>,
-    pub closing: AtomicBool,
-    /// Set when a Legacy pool is dropped with consumers connected: the
-    /// server serves them until they go, and then the memory is freed.
-    pub linger: AtomicBool,
-}
-
 /// A pool of device memory whose tensors are shared whole (see the module docs).
 pub struct Pool {
     pub(crate) inner: Arc<PoolInner>,
+    updating: Mutex<Updating>,
+    server: Mutex<Option<Server>>,
     /// The fork generation it was made in: a forked child's copy is inert.
     generation: u64,
-}
-
-impl PoolInner {
-    /// The segment holding [ptr, ptr + len): (index, offset).
-    fn find(layout: &Layout, ptr: u64, len: usize) -> Option<(usize, usize)> {
-        layout.segments.iter().enumerate().find_map(|(i, s)| {
-            let end = ptr.checked_add(len as u64)?;
-            (ptr >= s.addr() && end <= s.addr() + s.size() as u64).then(|| (i, (ptr - s.addr()) as usize))
-        })
-    }
-
-    pub fn contains(&self, ptr: u64) -> bool {
-        Self::find(&lock(&self.layout), ptr, 1).is_some()
-    }
-
-    pub fn alloc(&self, nbytes: usize) -> Result<u64> {
-        let bytes =
-            block_bytes(nbytes).ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("a block of {nbytes} bytes is too large")))?;
-        let mut layout = lock(&self.layout);
-        if let Some((seg, off)) = layout.placement.place(bytes) {
-            return Ok(layout.segments[seg].addr() + off as u64);
-        }
-        if layout.frozen.is_some() {
-            return Err(Error::new(
-                ErrorKind::NoSpace,
-                format!(
-                    "no room for {nbytes} bytes in the pool's segments, and an exported pool cannot grow (its consumers know its segments)"
-                ),
-            ));
-        }
-        if layout.segments.len() >= MAX_SEGMENTS {
-            return Err(Error::new(
-                ErrorKind::NoSpace,
-                format!("the pool has {MAX_SEGMENTS} segments, the most it may have; use a larger segment_size"),
-            ));
-        }
-        let g = self.backend.granularity();
-        let too_large = || Error::new(ErrorKind::InvalidArgument, format!("a block of {nbytes} bytes is too large"));
-        let size = self.opts.segment_size.max(bytes).checked_next_multiple_of(g).ok_or_else(too_large)?;
-        let segment = self.backend.create_segment(size)?;
-        let index = layout.placement.add_segment(segment.size());
-        layout.segments.push(segment);
-        let (seg, off) = layout.placement.place(bytes).expect("a new segment holds the block it was made for");
-        debug_assert_eq!(seg, index);
-        Ok(layout.segments[seg].addr() + off as u64)
-    }
-
-    pub fn free_block(&self, ptr: u64) -> Result<()> {
-        let mut layout = lock(&self.layout);
-        let (seg, off) =
-            Self::find(&layout, ptr, 1).ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("0x{ptr:x} is not in this pool")))?;
-        if !layout.placement.release(seg, off) {
-            return Err(Error::new(
-                ErrorKind::InvalidArgument,
-                format!("0x{ptr:x} is not the start of a block of this pool (freed twice?)"),
-            ));
-        }
-        Ok(())
-    }
 }
 
 impl Pool {
     pub fn new(opts: PoolOptions) -> Result<Pool> {
         opts.validate()?;
         let backend = super::backend_for(opts.device, opts.kind)?;
-        let (control, control_fd) = ControlBlock::create(opts.max_consumers)?;
+        let (control, control_fd) = ControlWriter::create(opts.max_consumers)?;
         let layout = Layout {
             placement: Placement::default(),
             segments: Vec::new(),
@@ -153,14 +66,17 @@ impl Pool {
             control,
             control_fd,
             layout: Mutex::new(layout),
-            updating: Mutex::new(Updating::default()),
-            server: Mutex::new(None),
-            consumers: Mutex::new(vec![None; opts.max_consumers]),
+            consumers: Mutex::new((0..opts.max_consumers).map(|_| None).collect()),
             closing: AtomicBool::new(false),
             linger: AtomicBool::new(false),
         });
-        super::current::register(&inner);
-        Ok(Pool { inner, generation: crate::fork_safe::fork_generation() })
+        super::inner::register(&inner);
+        Ok(Pool {
+            inner,
+            updating: Mutex::new(Updating::default()),
+            server: Mutex::new(None),
+            generation: crate::fork_safe::fork_generation(),
+        })
     }
 
     pub fn options(&self) -> PoolOptions {
@@ -251,7 +167,7 @@ impl Pool {
     /// version 1 if nothing was published yet. Every call returns the same handle.
     pub fn export(&self) -> Result<PoolHandle> {
         self.check_same_process()?;
-        let mut server = lock(&self.inner.server);
+        let mut server = lock(&self.server);
         if let Some(s) = server.as_ref() {
             return Ok(self.handle_for(s.socket_name()));
         }
@@ -294,27 +210,23 @@ impl Pool {
     /// [`Pool::abandon_update`].
     pub fn start_update(&self, timeout: Timeout) -> Result<()> {
         self.check_same_process()?;
-        let mut u = lock(&self.inner.updating);
+        // Whether an update is open is this process's own knowledge: no
+        // word a consumer can write decides it.
+        let mut u = lock(&self.updating);
         if u.open {
             return Err(Error::new(ErrorKind::Busy, "an update of this pool is open already; publish it first"));
         }
         let control = &self.inner.control;
-        if !control.begin_writing() {
-            return Err(Error::new(ErrorKind::Busy, "an update of this pool is open already; publish it first"));
-        }
+        control.begin_writing();
         let start = Instant::now();
         loop {
-            // Read before looking, so a release in between cuts the sleep short.
-            let releases = control.releases();
-            let holders = control.holders();
-            if holders.is_empty() {
-                break;
-            }
+            // Only live connections' slots count: a consumer that went
+            // took its slot, and whatever it wrote there, with it.
+            let holders = self.inner.holders();
+            let Some((_, first)) = holders.first() else { break };
             if timeout.is_some_and(|t| start.elapsed() >= t) {
                 control.cancel_writing();
-                let consumers = lock(&self.inner.consumers);
-                let pids: Vec<String> =
-                    holders.iter().map(|s| consumers.get(*s).copied().flatten().map_or("?".into(), |p| p.to_string())).collect();
+                let pids: Vec<String> = holders.iter().map(|(pid, _)| pid.to_string()).collect();
                 return Err(Error::new(
                     ErrorKind::Timeout,
                     format!(
@@ -326,7 +238,13 @@ impl Pool {
                     ),
                 ));
             }
-            control.wait_release(releases, timeout.map_or(Duration::MAX, |t| t.saturating_sub(start.elapsed())));
+            // Every holder must let go; waiting for one at a time costs
+            // the longest hold, not their sum. Read before looking, so a
+            // release in between cuts the sleep short.
+            let seen = first.releases();
+            if first.held() != 0 {
+                first.wait_release(seen, timeout.map_or(Duration::MAX, |t| t.saturating_sub(start.elapsed())));
+            }
         }
         u.open = true;
         Ok(())
@@ -336,7 +254,7 @@ impl Pool {
     /// bumps the version and lets readers in. Returns the new version.
     pub fn publish_update(&self, stream: u64) -> Result<u64> {
         self.check_same_process()?;
-        let mut u = lock(&self.inner.updating);
+        let mut u = lock(&self.updating);
         if !u.open {
             return Err(Error::new(ErrorKind::InvalidArgument, "publish: no update of this pool is open (call begin_update first)"));
         }
@@ -355,7 +273,7 @@ impl Pool {
         if self.check_same_process().is_err() {
             return;
         }
-        let mut u = lock(&self.inner.updating);
+        let mut u = lock(&self.updating);
         if u.open {
             self.inner.control.abandon();
             u.open = false;
@@ -369,7 +287,7 @@ impl Pool {
 
     /// Consumer processes connected now.
     pub fn consumers(&self) -> usize {
-        lock(&self.inner.consumers).iter().filter(|c| c.is_some()).count()
+        self.inner.connected()
     }
 
     /// (address, bytes) of each segment, in order.
@@ -413,6 +331,7 @@ impl Drop for Pool {
             // Dropping the child's copy would stop the parent's server
             // (their wake-up eventfd is one) and mark its updates torn.
             std::mem::forget(self.inner.clone());
+            std::mem::forget(lock(&self.server).take());
             return;
         }
         // An update left open (C and Python callers) may have written half.
@@ -423,13 +342,13 @@ impl Drop for Pool {
         // refcounted by the driver and the kernel.
         let linger = self.inner.opts.kind == PoolKind::Legacy && self.consumers() > 0;
         self.inner.linger.store(linger, Ordering::SeqCst);
-        let server = lock(&self.inner.server).take();
+        let server = lock(&self.server).take();
         match server {
             Some(s) if linger => s.linger(),
             other => drop(other),
         }
-        super::current::forget(&self.inner);
-        let event = lock(&self.inner.updating).last_event.take();
+        super::inner::forget(&self.inner);
+        let event = lock(&self.updating).last_event.take();
         if let Some(ev) = event {
             self.inner.backend.destroy_event(ev);
         }

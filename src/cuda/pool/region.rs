@@ -1,4 +1,4 @@
-//! A shared, writable mapping of a descriptor, unmapped when dropped.
+//! A shared mapping of a descriptor, unmapped when dropped.
 
 use crate::error::{Error, Result};
 use std::os::fd::RawFd;
@@ -18,8 +18,17 @@ unsafe impl Sync for Region {}
 impl Region {
     /// Maps `len` bytes of `fd` from offset 0, shared and writable.
     pub fn map(fd: RawFd, len: usize, what: &str) -> Result<Region> {
+        Region::map_with(fd, len, libc::PROT_READ | libc::PROT_WRITE, what)
+    }
+
+    /// Maps `len` bytes of `fd` from offset 0, shared and read-only.
+    pub fn map_read_only(fd: RawFd, len: usize, what: &str) -> Result<Region> {
+        Region::map_with(fd, len, libc::PROT_READ, what)
+    }
+
+    fn map_with(fd: RawFd, len: usize, prot: libc::c_int, what: &str) -> Result<Region> {
         // SAFETY: a fresh mapping placed by the kernel; nothing else is touched.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd, 0) };
         if p == libc::MAP_FAILED {
             return Err(Error::last_os_error(format!("unable to mmap {len} bytes of {what}")));
         }

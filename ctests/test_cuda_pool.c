@@ -1,7 +1,10 @@
 /* The GPU weights pool through the C API on the host device (no GPU):
  * a producer places two tensors (one a view of the other's storage),
- * exports, and a forked consumer opens the handle, reads a version,
- * waits out an update, and reads the next one. Bad input is refused. */
+ * exports, and a forked consumer opens the handle, reads a version, reads
+ * it again nested (and from another thread) while the producer's update
+ * waits for it, lets go, and reads the next version. Bad input is refused. */
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -16,6 +19,14 @@ static int all_equal(const float *p, size_t n, float v) {
     for (size_t i = 0; i < n; i++)
         if (p[i] != v) return 0;
     return 1;
+}
+
+/* A second thread of the consumer joins the process's hold. */
+static void *join_hold(void *w) {
+    uint64_t v = 0;
+    if (ss_cuda_weights_acquire(w, 0, 5000, &v) != SS_OK || v != 1) return (void *)1;
+    if (ss_cuda_weights_release(w, 0) != SS_OK) return (void *)1;
+    return NULL;
 }
 
 /* The consumer: reads the handle from `in`, checks versions 1 and 2. */
@@ -43,6 +54,21 @@ static int consumer(int in, int out) {
     CHECK(write(out, "r", 1) == 1); /* holding version 1 */
     char go;
     CHECK(read(in, &go, 1) == 1);   /* the producer's update is waiting for us */
+    bool pending = false;
+    for (int i = 0; i < 2000 && !pending; i++) {
+        CHECK_OK(ss_cuda_weights_update_pending(w, &pending));
+        if (!pending) usleep(5000);
+    }
+    CHECK(pending);
+    /* Nested in this read, and from another thread: at once, not behind the
+       producer (which waits for this very read). */
+    CHECK_OK(ss_cuda_weights_acquire(w, 0, 5000, &v));
+    CHECK(v == 1);
+    pthread_t joiner;
+    void *failed = NULL;
+    CHECK(pthread_create(&joiner, NULL, join_hold, w) == 0 && pthread_join(joiner, &failed) == 0 && failed == NULL);
+    CHECK_OK(ss_cuda_weights_release(w, 0));
+    CHECK_STATUS(ss_cuda_weights_update_pending(w, NULL), SS_ERR_NULL_POINTER);
     CHECK_OK(ss_cuda_weights_release(w, 0));
     /* Acquiring again before the producer's update started would hold
        version 1 again: wait for its publish. */
@@ -109,6 +135,7 @@ int main(void) {
     /* The consumer holds version 1: an update cannot start yet. */
     CHECK_STATUS(ss_cuda_pool_begin_update(pool, 50), SS_ERR_TIMEOUT);
     CHECK(write(to_child[1], "g", 1) == 1);
+    /* Waits while the consumer reads nested, then for its let-go. */
     CHECK_OK(ss_cuda_pool_begin_update(pool, 20000));
     CHECK_STATUS(ss_cuda_pool_begin_update(pool, 10), SS_ERR_BUSY);
     fill_floats(p, 256, 2.0f);

@@ -1722,7 +1722,10 @@ ss_status ss_cuda_weights_find(const ss_cuda_weights *w, const char *name, size_
 /**
  * Holds the current version for reading (in `*out_version`): waits while
  * an update is written (`timeout_ms`: 0 forever), and makes `stream` wait
- * for the publish event. `SS_ERR_PEER_GONE` once the producer is gone;
+ * for the publish event. Threads of a process share its hold: a call
+ * while the process holds a version joins that hold (a thread with a read
+ * open at once; another after at most 10 ms while an update waits), so
+ * nested and cross-thread reads never wait behind the producer. `SS_ERR_PEER_GONE` once the producer is gone;
  * `SS_ERR_BUSY` while the pool is torn (an update abandoned).
  *
  * # Safety
@@ -1732,6 +1735,16 @@ ss_status ss_cuda_weights_acquire(ss_cuda_weights *w,
                                   size_t stream,
                                   int64_t timeout_ms,
                                   uint64_t *out_version);
+
+/**
+ * Whether the producer waits to write, or writes, an update now
+ * (`*out`): new reads wait for its publish, except those joining a read
+ * this process has open, which enter at once.
+ *
+ * # Safety
+ * `w` is NULL or live; `out` NULL or writable.
+ */
+ss_status ss_cuda_weights_update_pending(const ss_cuda_weights *w, bool *out);
 
 /**
  * Ends a read: synchronizes `stream` (kernels reading the weights finish)

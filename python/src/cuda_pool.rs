@@ -310,6 +310,12 @@ impl PyCudaWeights {
         py.allow_threads(|| w.release(stream)).or_raise()
     }
 
+    /// Whether the producer is writing an update now.
+    #[getter]
+    fn update_pending(&self) -> PyResult<bool> {
+        Ok(self.get()?.update_pending())
+    }
+
     /// PeerGone once the producer is gone.
     fn check_producer(&self, py: Python<'_>) -> PyResult<()> {
         let w = self.get()?;

@@ -45,7 +45,7 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from . import _native
-from ._errors import ClosedError, InvalidArgumentError, NoSpaceError
+from ._errors import BusyError, ClosedError, InvalidArgumentError, NoSpaceError
 from ._pool_layout import group_by_storage
 from ._pool_tensors import bytes_at, dtype_name, dtype_named, storage_in, typed_view
 
@@ -253,6 +253,7 @@ class Pool:
             # A storage without bytes takes no block (the manifest gives it none).
             ptr = self._native.alloc(g.nbytes) if g.nbytes else 0
             dst = bytes_at(ptr, g.nbytes, self.device, self._native)
+            _pool_memory(dst.untyped_storage())
             if g.nbytes:
                 dst.copy_(g.source_bytes())
             views = {
@@ -402,13 +403,29 @@ class Weights(Mapping):
 
     Reads are safe against updates only between :meth:`acquire` and
     :meth:`release` (or inside ``with weights.reading():``): the producer's
-    next update waits for the release."""
+    next update waits for the release.
+
+    Threads: the process holds one version for all its threads. A thread
+    already reading enters ``reading()`` again at once, nested as deep as
+    it likes; another thread joins the process's hold at once too, except
+    while the producer waits to write, when it first lets the process's
+    reads end (for at most 10 ms, then it joins: the read it waits for may
+    be waiting for it). :meth:`close` waits for the other threads' reads to
+    end and never drops a hold someone reads under.
+
+    Writes: the tensors are the producer's memory. A consumer that writes
+    them (``w[name] += 1``) changes them for the producer and every other
+    consumer, with no new version: the pool's versions order the
+    producer's writes only. ``is_shared()`` is True on them and
+    ``share_memory_()`` leaves them where they are."""
 
     def __init__(self, native, device: torch.device) -> None:
         self._native = native
         self.device = device
-        self._lock = threading.Lock()
-        self._holds = 0
+        self._lock = threading.Condition()
+        self._holds: Dict[int, int] = {}  # thread ident -> reads open
+        self._closed_holds: Dict[int, int] = {}  # thread ident -> reads close() ended for it
+        self._closing = False
         self._version = 0
         segments = native.segments()
         mapped: Dict[int, torch.UntypedStorage] = {}  # segment -> its bytes
@@ -422,8 +439,8 @@ class Weights(Mapping):
                 else:
                     base, size = segments[seg]
                     if seg not in mapped:
-                        mapped[seg] = bytes_at(base, size, device, native).untyped_storage()
-                    storage = storage_in(mapped[seg], ptr - base, nbytes)
+                        mapped[seg] = _pool_memory(bytes_at(base, size, device, native).untyped_storage())
+                    storage = _pool_memory(storage_in(mapped[seg], ptr - base, nbytes))
                 storages[entry] = storage
             self._tensors[name] = typed_view(storage, dtype_named(dt), sizes, strides, offset)
 
@@ -447,26 +464,45 @@ class Weights(Mapping):
         while the producer writes; None = no limit); the current stream
         waits for its publish. Returns the version. Threads share the
         hold: each acquire needs its release."""
-        v = self._live().acquire(_current_stream(self.device), timeout)
         with self._lock:
-            self._holds += 1
+            if self._closing:
+                raise ClosedError("these weights are being closed")
+            native = self._live()
+        v = native.acquire(_current_stream(self.device), timeout)
+        with self._lock:
+            if self._closing:
+                # close() began meanwhile: it must not wait for a read that
+                # never started.
+                native.release(_current_stream(self.device))
+                raise ClosedError("these weights are being closed")
+            me = threading.get_ident()
+            self._holds[me] = self._holds.get(me, 0) + 1
             self._version = v
         return v
 
     def release(self) -> None:
         """Lets the held version go, once the current stream's reads of it
         are done."""
-        native = self._live()
+        me = threading.get_ident()
         with self._lock:
-            if self._holds == 0:
+            if self._closed_holds.get(me):
+                # close() in this thread ended this read already.
+                self._closed_holds[me] -= 1
+                return
+            native = self._live()
+            whose = me if self._holds.get(me) else next(iter(self._holds), None)
+            if whose is None:
                 raise InvalidArgumentError("these weights hold no version: acquire() first")
-        native.release(_current_stream(self.device))
-        with self._lock:
-            self._holds -= 1
+            native.release(_current_stream(self.device))
+            self._holds[whose] -= 1
+            if not self._holds[whose]:
+                del self._holds[whose]
+            self._lock.notify_all()
 
     @contextlib.contextmanager
     def reading(self, timeout: Optional[float] = None) -> Iterator[int]:
-        """``with weights.reading() as version:``: acquire, then release."""
+        """``with weights.reading() as version:``: acquire, then release.
+        Nests, in one thread and across the threads of the process."""
         version = self.acquire(timeout)
         try:
             yield version
@@ -482,6 +518,13 @@ class Weights(Mapping):
         """Raises PeerGoneError once the producer is gone."""
         self._live().check_producer()
 
+    @property
+    def update_pending(self) -> bool:
+        """Whether the producer waits to write, or writes, an update now
+        (new reads wait for its publish, except those joining a read of
+        this process)."""
+        return self._live().update_pending
+
     def segments(self) -> List[Tuple[int, int]]:
         """Where each segment is mapped in this process: (address, bytes)."""
         return self._live().segments()
@@ -490,16 +533,38 @@ class Weights(Mapping):
     def closed(self) -> bool:
         return self._native is None
 
-    def close(self) -> None:
-        """Releases a held version and lets go of the pool: the mapping and
-        the connection to the producer go when the last tensor over them
-        does."""
-        native = self._native
-        if native is None:
-            return
-        while self._holds:
-            native.release(_current_stream(self.device))
-            self._holds -= 1
+    def close(self, timeout: Optional[float] = 30.0) -> None:
+        """Lets go of the pool: the mapping and the connection to the
+        producer go when the last tensor over them does. Waits (up to
+        ``timeout`` seconds; None = no limit) for the reads other threads
+        have open, refusing new ones meanwhile; the calling thread's own
+        reads end here (their ``release`` then does nothing). Raises
+        :class:`~storage_sharing.BusyError` when other threads still read
+        after ``timeout``; the weights then stay open."""
+        me = threading.get_ident()
+        with self._lock:
+            if self._native is None:
+                return
+            self._closing = True
+            try:
+                others = lambda: sum(n for t, n in self._holds.items() if t != me)  # noqa: E731
+                if not self._lock.wait_for(lambda: others() == 0, timeout):
+                    raise BusyError(
+                        f"close(): {others()} read(s) of other threads still open after {timeout} s; "
+                        f"the weights stay open (close again once they end)"
+                    )
+                self._end_reads()
+            finally:
+                self._closing = False
+
+    def _end_reads(self) -> None:
+        """Ends every read still open (the caller's), and closes."""
+        native, stream = self._native, _current_stream(self.device)
+        for thread, n in self._holds.items():
+            for _ in range(n):
+                native.release(stream)
+            self._closed_holds[thread] = self._closed_holds.get(thread, 0) + n
+        self._holds = {}
         self._native = None
         self._tensors = {}
 
@@ -508,9 +573,10 @@ class Weights(Mapping):
 
     def __del__(self) -> None:
         # A hold forgotten with this object would stall the producer's
-        # updates for as long as a tensor keeps the connection open.
-        if getattr(self, "_holds", 0):
-            self.close()
+        # updates for as long as a tensor keeps the connection open. No
+        # thread can be reading: a read keeps this object alive.
+        if getattr(self, "_holds", None) and self._native is not None:
+            self._end_reads()
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -521,6 +587,17 @@ class Weights(Mapping):
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self._tensors)} tensors"
         return f"<storage_sharing.cuda.Weights {state} device={self.device}>"
+
+
+def _pool_memory(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """Marks a CPU storage over pool memory as shared memory (CUDA storages
+    are already): ``is_shared()`` True, ``share_memory_()`` leaves it in
+    place instead of moving it to a copy that updates would miss."""
+    if storage.device.type == "cpu":
+        from . import torch as _torch_hooks  # installs the is_shared/share_memory_ hooks
+
+        setattr(storage, _torch_hooks.POOL_MARK, True)
+    return storage
 
 
 def open_weights(handle: Union[WeightsHandle, bytes], timeout: Optional[float] = 30.0) -> Weights:

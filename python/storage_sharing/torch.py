@@ -71,6 +71,9 @@ _saved: dict = {}
 # keeps a storage's Python object as long as its memory lives, so the mark
 # follows the storage through views and tensors.
 _MARK = "_storage_sharing_arena"
+# Set by storage_sharing.cuda on the CPU storages of a weights pool (the
+# host backend): shared memory too, which share_memory_ must not move.
+POOL_MARK = "_storage_sharing_pool"
 # Set on a storage received as a handle: (handle bytes, producer's fd
 # server address), what sending it on asks the producer a new share with.
 _RECEIVED = "_storage_sharing_received"
@@ -250,14 +253,14 @@ def _moves_fresh_storages() -> bool:
 
 
 def _is_shared(self) -> bool:
-    # Arena memory is shared memory, like PyTorch's own shared storages.
-    return getattr(self, _MARK, False) or _torch["is_shared"](self)
+    # Arena and pool memory is shared memory, like PyTorch's own shared storages.
+    return getattr(self, _MARK, False) or getattr(self, POOL_MARK, False) or _torch["is_shared"](self)
 
 
 def _share_memory_(self, *args, **kwargs):
     # PyTorch leaves a storage in shared memory where it is; moving arena
     # memory to a copy would cut it off from the processes sharing it.
-    if getattr(self, _MARK, False):
+    if getattr(self, _MARK, False) or getattr(self, POOL_MARK, False):
         return self
     return _torch["share_memory_"](self, *args, **kwargs)
 

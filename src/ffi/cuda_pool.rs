@@ -399,7 +399,10 @@ pub unsafe extern "C" fn ss_cuda_weights_find(w: *const SsCudaWeights, name: *co
 
 /// Holds the current version for reading (in `*out_version`): waits while
 /// an update is written (`timeout_ms`: 0 forever), and makes `stream` wait
-/// for the publish event. `SS_ERR_PEER_GONE` once the producer is gone;
+/// for the publish event. Threads of a process share its hold: a call
+/// while the process holds a version joins that hold (a thread with a read
+/// open at once; another after at most 10 ms while an update waits), so
+/// nested and cross-thread reads never wait behind the producer. `SS_ERR_PEER_GONE` once the producer is gone;
 /// `SS_ERR_BUSY` while the pool is torn (an update abandoned).
 ///
 /// # Safety
@@ -418,6 +421,24 @@ pub unsafe extern "C" fn ss_cuda_weights_acquire(
         let v = w.weights.acquire(stream as u64, timeout_arg(timeout_ms)?)?;
         // SAFETY: checked above.
         unsafe { write_out(out_version, v) };
+        Ok(())
+    })
+}
+
+/// Whether the producer waits to write, or writes, an update now
+/// (`*out`): new reads wait for its publish, except those joining a read
+/// this process has open, which enter at once.
+///
+/// # Safety
+/// `w` is NULL or live; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn ss_cuda_weights_update_pending(w: *const SsCudaWeights, out: *mut bool) -> ss_status {
+    ffi_status!("ss_cuda_weights_update_pending", {
+        out_arg(out, "out")?;
+        // SAFETY: NULL or live.
+        let w = unsafe { handle(w, "weights") }?;
+        // SAFETY: checked above.
+        unsafe { write_out(out, w.weights.update_pending()) };
         Ok(())
     })
 }

@@ -168,5 +168,12 @@ function cuda_weights_acquire(w::CudaWeights; stream::Integer=0, timeout_ms::Int
     return Int(v[])
 end
 
+"""Whether the producer waits to write, or writes, an update now."""
+function cuda_weights_update_pending(w::CudaWeights)
+    pending = Ref{Bool}(false)
+    check("ss_cuda_weights_update_pending", ccall((:ss_cuda_weights_update_pending, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Bool}), w.handle, pending))
+    return pending[]
+end
+
 cuda_weights_release(w::CudaWeights; stream::Integer=0) =
     check("ss_cuda_weights_release", ccall((:ss_cuda_weights_release, libstorage_sharing()), Cint, (Ptr{Cvoid}, Csize_t), w.handle, stream))

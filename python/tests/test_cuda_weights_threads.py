@@ -171,3 +171,42 @@ def test_a_consumers_tensors_are_shared_memory_and_its_writes_are_unversioned(po
     with w.reading():
         t[0] = 5.0
     assert float(pool.state_dict()["w"][0]) == 5.0 and pool.version == 1
+
+
+def test_dropping_a_pool_waits_on_no_silent_connection():
+    import gc
+    import socket
+    import time
+
+    from storage_sharing import _native
+
+    big = {f"layer.{i}.weight.with_a_long_name": torch.zeros(16) for i in range(5000)}
+    pool = cuda.Pool.from_state_dict(big)
+    name = _native.pool_handle_info(bytes(pool.export()))[0]
+    silent = []
+    for _ in range(2):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect("\0" + name)
+        silent.append(s)  # connected, never reading the manifest
+    wait_until(lambda: pool.consumers == 2, "the server took both")
+    ticks = []
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(0.01):
+            ticks.append(time.monotonic())
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    start = time.monotonic()
+    del pool
+    gc.collect()
+    took = time.monotonic() - start
+    stop.set()
+    ticker.join(10)
+    for s in silent:
+        s.close()
+    # A hang guard, not a timing assertion: a drop that waited on the
+    # silent peers took 10 s or more while holding the GIL.
+    assert took < 5, f"dropping the pool took {took:.1f} s with 2 silent connections"
+    assert ticks, "other Python threads froze while the pool was dropped"

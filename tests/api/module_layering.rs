@@ -1,6 +1,7 @@
 //! The library's modules form a tree with `ffi` on top: no module below
 //! `ffi` names it, the dependency graph between top-level modules has no
-//! cycle, and no library source pulls in CLI code. Checked on the source
+//! cycle, no library source pulls in CLI code, and the files of the
+//! weights pool (src/cuda/pool) name each other one way. Checked on the source
 //! text (`scripts/module_graph.py` prints the same graph).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -156,5 +157,47 @@ fn library_sources_use_no_cli_crate() {
     for file in files {
         let text = code(&std::fs::read_to_string(&file).unwrap());
         assert!(!text.contains("indicatif"), "{}: the progress-bar crate belongs to the ssctl binary", file.display());
+    }
+}
+
+/// The sibling files a file of one folder names through `super::` (its
+/// folder's mod.rs re-exports aside): `super::a::x`, `super::{a, b}`.
+fn sibling_edges(folder: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let mut edges = BTreeMap::new();
+    for entry in std::fs::read_dir(folder).unwrap() {
+        let path = entry.unwrap().path();
+        let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
+        if path.extension().is_some_and(|e| e == "rs") && stem != "mod" && stem != "tests" {
+            edges.insert(stem, BTreeSet::new());
+        }
+    }
+    let files: Vec<String> = edges.keys().cloned().collect();
+    for file in files {
+        let text = code(&std::fs::read_to_string(folder.join(format!("{file}.rs"))).unwrap());
+        // Unit tests inside a file may reach anything.
+        let text = text.split("#[cfg(test)]").next().unwrap();
+        let mut named = BTreeSet::new();
+        for (at, _) in text.match_indices("super::") {
+            let rest = &text[at + "super::".len()..];
+            if let Some(group) = rest.strip_prefix('{') {
+                named.extend(group_heads(group));
+            } else {
+                named.insert(rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect::<String>());
+            }
+        }
+        let targets: BTreeSet<String> = named.into_iter().filter(|n| *n != file && edges.contains_key(n)).collect();
+        edges.insert(file, targets);
+    }
+    edges
+}
+
+#[test]
+fn the_weights_pool_files_depend_one_way() {
+    let edges = sibling_edges(&src().join("cuda").join("pool"));
+    assert!(edges.len() >= 10 && edges["producer"].contains("server"), "the scan is broken: {edges:?}");
+    for file in edges.keys() {
+        if let Some(path) = cycle_through(&edges, file) {
+            panic!("file cycle in src/cuda/pool: {}", path.join(" -> "));
+        }
     }
 }

@@ -56,7 +56,7 @@ static int consumer(int in, int out) {
     CHECK(read(in, &go, 1) == 1);   /* the producer's update is waiting for us */
     bool pending = false;
     for (int i = 0; i < 2000 && !pending; i++) {
-        CHECK_OK(ss_cuda_weights_update_pending(w, &pending));
+        CHECK_OK(ss_cuda_weights_is_update_pending(w, &pending));
         if (!pending) usleep(5000);
     }
     CHECK(pending);
@@ -68,7 +68,7 @@ static int consumer(int in, int out) {
     void *failed = NULL;
     CHECK(pthread_create(&joiner, NULL, join_hold, w) == 0 && pthread_join(joiner, &failed) == 0 && failed == NULL);
     CHECK_OK(ss_cuda_weights_release(w, 0));
-    CHECK_STATUS(ss_cuda_weights_update_pending(w, NULL), SS_ERR_NULL_POINTER);
+    CHECK_STATUS(ss_cuda_weights_is_update_pending(w, NULL), SS_ERR_NULL_POINTER);
     CHECK_OK(ss_cuda_weights_release(w, 0));
     /* Acquiring again before the producer's update started would hold
        version 1 again: wait for its publish. */

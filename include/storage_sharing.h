@@ -1744,7 +1744,7 @@ ss_status ss_cuda_weights_acquire(ss_cuda_weights *w,
  * # Safety
  * `w` is NULL or live; `out` NULL or writable.
  */
-ss_status ss_cuda_weights_update_pending(const ss_cuda_weights *w, bool *out);
+ss_status ss_cuda_weights_is_update_pending(const ss_cuda_weights *w, bool *out);
 
 /**
  * Ends a read: synchronizes `stream` (kernels reading the weights finish)

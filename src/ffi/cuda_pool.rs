@@ -432,8 +432,8 @@ pub unsafe extern "C" fn ss_cuda_weights_acquire(
 /// # Safety
 /// `w` is NULL or live; `out` NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn ss_cuda_weights_update_pending(w: *const SsCudaWeights, out: *mut bool) -> ss_status {
-    ffi_status!("ss_cuda_weights_update_pending", {
+pub unsafe extern "C" fn ss_cuda_weights_is_update_pending(w: *const SsCudaWeights, out: *mut bool) -> ss_status {
+    ffi_status!("ss_cuda_weights_is_update_pending", {
         out_arg(out, "out")?;
         // SAFETY: NULL or live.
         let w = unsafe { handle(w, "weights") }?;

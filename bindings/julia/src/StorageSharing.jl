@@ -45,7 +45,7 @@ export SSError, SharedMap, open_map, open_fd, open_refcounted, new_fd_storage, s
        tensor_storage_hash, tensor_conj, tensor_neg, tensor_bytes, storage_bytes,
        CudaPool, CudaWeights, cuda_pool_new, cuda_pool_alloc, cuda_pool_dealloc, cuda_pool_add_tensor, cuda_pool_export,
        cuda_pool_begin_update, cuda_pool_publish, cuda_weights_open, cuda_weights_count, cuda_weights_tensor,
-       cuda_weights_find, cuda_weights_acquire, cuda_weights_release, cuda_weights_update_pending
+       cuda_weights_find, cuda_weights_acquire, cuda_weights_release, cuda_weights_is_update_pending
 
 """The library to load: `STORAGE_SHARING_LIB`, else the standard search path."""
 libstorage_sharing() = get(ENV, "STORAGE_SHARING_LIB", "libstorage_sharing")

@@ -169,9 +169,9 @@ function cuda_weights_acquire(w::CudaWeights; stream::Integer=0, timeout_ms::Int
 end
 
 """Whether the producer waits to write, or writes, an update now."""
-function cuda_weights_update_pending(w::CudaWeights)
+function cuda_weights_is_update_pending(w::CudaWeights)
     pending = Ref{Bool}(false)
-    check("ss_cuda_weights_update_pending", ccall((:ss_cuda_weights_update_pending, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Bool}), w.handle, pending))
+    check("ss_cuda_weights_is_update_pending", ccall((:ss_cuda_weights_is_update_pending, libstorage_sharing()), Cint, (Ptr{Cvoid}, Ptr{Bool}), w.handle, pending))
     return pending[]
 end
 

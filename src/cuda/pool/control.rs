@@ -171,13 +171,20 @@ impl ControlBlock {
     /// Stores the event (if any) and the next version, clearing WRITING
     /// and TORN. Returns the new version.
     pub fn publish(&self, event: Option<&[u8; EVENT_BYTES]>) -> u64 {
+        self.publish_as(event, self.version() + 1)
+    }
+
+    /// [`ControlBlock::publish`] under a version the caller names (at
+    /// least 1, below 2^62): a replica of another pool publishes the
+    /// version its source sent, so readers on every node see one number.
+    pub fn publish_as(&self, event: Option<&[u8; EVENT_BYTES]>, next: u64) -> u64 {
+        debug_assert!(next >= 1 && next < 1 << 62, "version {next}");
         if let Some(ev) = event {
             for (i, chunk) in ev.chunks_exact(8).enumerate() {
                 self.word(EVENT_AT + i * 8).store(u64::from_ne_bytes(chunk.try_into().expect("8 bytes")), SeqCst);
             }
         }
         self.word(24).store(u64::from(event.is_some()), SeqCst);
-        let next = self.version() + 1;
         self.word(8).store(next << 2, SeqCst);
         self.signal(CHANGES_AT);
         next
@@ -319,6 +326,20 @@ mod tests {
         assert!(producer.begin_writing());
         assert_eq!(consumer.try_hold(2), Hold::Writing);
         assert_eq!(producer.releases(), r0 + 2, "a hold refused before it was stored signals nothing");
+    }
+
+    #[test]
+    fn a_named_version_is_published_as_it_is() {
+        let (producer, fd) = ControlBlock::create(4).unwrap();
+        let consumer = ControlBlock::open(&fd, 4).unwrap();
+        assert_eq!(producer.publish_as(None, 41), 41);
+        assert_eq!(consumer.try_hold(0), Hold::Held(41));
+        consumer.drop_hold(0);
+        assert!(producer.begin_writing());
+        producer.abandon();
+        assert_eq!(producer.publish_as(None, 3), 3, "a new source may count from lower");
+        assert_eq!(consumer.try_hold(0), Hold::Held(3), "and the publish clears TORN");
+        assert_eq!(producer.publish(None), 4);
     }
 
     #[test]

@@ -168,6 +168,12 @@ impl PyCudaPool {
         Ok(self.get()?.version())
     }
 
+    /// Whether an abandoned update left the pool torn (until the next publish).
+    #[getter]
+    fn torn(&self) -> PyResult<bool> {
+        Ok(self.get()?.torn())
+    }
+
     #[getter]
     fn consumers(&self) -> PyResult<usize> {
         Ok(self.get()?.consumers())

@@ -382,6 +382,13 @@ impl Pool {
         self.inner.control.version()
     }
 
+    /// Whether an update was abandoned since the last publish (readers
+    /// are refused until the next one): a pool in this state must not be
+    /// sent to replicas as if it were a version.
+    pub fn torn(&self) -> bool {
+        self.inner.control.state() & super::control::TORN != 0
+    }
+
     /// Consumer processes connected now.
     pub fn consumers(&self) -> usize {
         lock(&self.inner.consumers).iter().filter(|c| c.is_some()).count()

@@ -227,6 +227,9 @@ fn an_update_may_publish_a_version_of_the_callers_choosing() {
     pool.add_tensor("w", &spec(p, 512, vec![128])).unwrap();
     pool.export().unwrap();
     pool.start_update(T).unwrap();
+    pool.abandon_update();
+    assert!(pool.torn());
+    pool.start_update(T).unwrap();
     for bad in [0, 1 << 62] {
         let e = pool.publish_update_as(0, Some(bad)).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
@@ -234,6 +237,7 @@ fn an_update_may_publish_a_version_of_the_callers_choosing() {
     }
     assert_eq!(pool.publish_update_as(0, Some(17)).unwrap(), 17, "a refused version leaves the update open");
     assert_eq!(pool.version(), 17);
+    assert!(!pool.torn(), "a publish mends a torn pool");
     let e = pool.publish_update_as(0, Some(5)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "no update open: {e}");
     pool.start_update(T).unwrap();

@@ -65,6 +65,17 @@ def byte_equal(weights, version: int, blob_bytes: int = 0) -> bool:
     return set(weights.keys()) == set(want) and all(torch.equal(weights[n], want[n]) for n in want)
 
 
+def consumers_gone(pool) -> None:
+    """Waits until the pool's server has seen its consumers hang up, so
+    that dropping the pool frees it at once: a legacy pool dropped with
+    consumers connected lingers, freeing (and unlinking its shm names) in
+    its server thread, which the os._exit ending a forked child would cut
+    short."""
+    deadline = time.monotonic() + GUARD
+    while pool.consumers and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def join(init_file: str, rank: int, world: int) -> None:
     import torch.distributed as dist
 
@@ -141,6 +152,7 @@ def node(rank: int, world: int, init_file: str, kind: str, rounds: int, out) -> 
         for p in readers:
             p.join(GUARD)
         leave()
+        consumers_gone(pool)
         out.put((rank, version, pool.version, segments, reports))
     except BaseException:
         out.put((rank, None, None, None, traceback.format_exc()))
@@ -220,6 +232,8 @@ def joiner_replica(rank: int, init1, init2: str, out) -> None:
         with w.reading(timeout=GUARD) as version:
             report["fourth read"] = (version, byte_equal(w, version))
         w.close()
+        del w
+        consumers_gone(pool)
         leave()
     except BaseException:
         report["failed"] = traceback.format_exc()
@@ -302,6 +316,9 @@ def kill_rank(rank: int, init1: str, init2: str, victim: str, pids, out) -> None
             report["repair"] = pool.broadcast(src=0, timeout=TIMEOUT)
             with w.reading(timeout=GUARD) as version:
                 report["repaired read"] = (version, byte_equal(w, version, BLOB), torn_tensors(w, version))
+            w.close()
+            del w
+            consumers_gone(pool)
         leave()
     except BaseException:
         report["failed"] = traceback.format_exc()
@@ -326,3 +343,37 @@ def new_source(init2: str, out) -> None:
     except BaseException:
         report["failed"] = traceback.format_exc()
     out.put(("new source", report))
+
+
+def cuda_pair(rank: int, init: str, out) -> None:
+    """Two ranks on one GPU over gloo (which moves CUDA tensors itself):
+    rank 0's pool on cuda:0 goes to rank 1's replica on cuda:0, three
+    versions; rank 1 reports its versions and whether each arrived whole."""
+    from storage_sharing import cuda
+
+    report = {"versions": [], "equal": []}
+    try:
+        torch.cuda.set_device(0)
+        join(init, rank, 2)
+        if rank == 0:
+            pool = cuda.Pool.from_state_dict(model(1), device="cuda:0")
+            report["versions"].append(pool.broadcast(src=0, timeout=TIMEOUT, chunk_bytes=CHUNK))
+            for version in (2, 3):
+                with pool.update(timeout=TIMEOUT) as tensors:
+                    write_version(tensors, version)
+                report["versions"].append(pool.broadcast(src=0, timeout=TIMEOUT, chunk_bytes=CHUNK))
+        else:
+            pool = cuda.Pool.replica(src=0, device="cuda:0", timeout=TIMEOUT)
+            for step in range(3):
+                if step:
+                    pool.broadcast(src=0, timeout=TIMEOUT)
+                torch.cuda.synchronize()
+                got = {k: v.cpu() for k, v in pool.state_dict().items()}
+                want = model(pool.version)
+                report["versions"].append(pool.version)
+                report["equal"].append(all(torch.equal(got[k], want[k]) for k in want) and got.keys() == want.keys())
+            report["on device"] = all(t.is_cuda for t in pool.state_dict().values())
+        leave()
+    except BaseException:
+        report["failed"] = traceback.format_exc()
+    out.put((rank, report))

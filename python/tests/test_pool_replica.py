@@ -46,6 +46,9 @@ def started():
         if p.is_alive():
             p.kill()
         p.join(rw.GUARD)
+    ended = [p.pid for p in procs if p.exitcode == 0]
+    left = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"ss_pool_{pid}_") for pid in ended)]
+    assert left == [], "a rank that exited left its legacy pool's shm names behind"
 
 
 def test_three_nodes_two_readers_each_see_twenty_broadcasts_whole(tmp_path, started):
@@ -124,6 +127,12 @@ def test_a_rank_killed_mid_transfer_leaves_survivors_typed_errors_and_torn_until
     dead = procs[2] if victim == "replica" else procs[0]
     dead.join(rw.GUARD)
     assert dead.exitcode == -9, "the victim was killed"
+    # A legacy host pool's shm names outlive a producer killed with -9
+    # where no manager runs (its consumers, here in the same process, died
+    # with it): what `ssctl gc` would collect.
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"ss_pool_{dead.pid}_"):
+            os.unlink(os.path.join("/dev/shm", name))
     survivors = [1, 2] if victim == "source" else [0, 1]
     if victim == "source":
         procs.append(started(ctx, rw.new_source, init2, out))
@@ -142,6 +151,22 @@ def test_a_rank_killed_mid_transfer_leaves_survivors_typed_errors_and_torn_until
             assert "torn" in message, message
             assert report["read torn"][0] == "BusyError", (who, report["read torn"])
             assert report["repaired read"] == (3, True, []), (who, report["repaired read"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the GPU run (scripts/gpu) covers this case")
+def test_cuda_pools_replicate_over_gloo_on_one_gpu(tmp_path, started):
+    """The same code with CUDA pools: two ranks on one GPU (NCCL needs a
+    GPU per rank), gloo moving the CUDA chunks; the replica ends on each
+    version byte-equal, its tensors on the device."""
+    ctx = mp.get_context("spawn")  # CUDA does not survive fork
+    out = ctx.Queue()
+    for rank in range(2):
+        started(ctx, rw.cuda_pair, rank, str(tmp_path / "group"), out)
+    got = gather(out, 2)
+    for rank, report in got.items():
+        assert "failed" not in report, f"rank {rank}:\n{report['failed']}"
+        assert report["versions"] == [1, 2, 3], (rank, report)
+    assert got[1]["equal"] == [True] * 3 and got[1]["on device"]
 
 
 # ---- in one process: the manifest, its checks and the layout ----

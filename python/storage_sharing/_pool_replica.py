@@ -59,7 +59,7 @@ _READERS_HELD = 4
 _STALE_CHUNKS = 5
 _CANNOT_BUILD = 6
 _UNSUPPORTED = 7
-_FAILED = 8
+_NO_UPDATE = 8
 _REASONS = {
     _SOURCE_TORN: "the source pool is torn (an update was abandoned)",
     _MANIFEST_DIFFERS: "its replica's manifest differs from the source's",
@@ -68,7 +68,7 @@ _REASONS = {
     _STALE_CHUNKS: "chunks of an earlier failed broadcast may still land in its replica",
     _CANNOT_BUILD: "it could not build its replica",
     _UNSUPPORTED: "the group's backend cannot move its pool's memory",
-    _FAILED: "its transfer failed",
+    _NO_UPDATE: "it could not open an update of its replica",
 }
 
 _turns_lock = threading.Lock()
@@ -334,9 +334,8 @@ def wait(work, deadline: _Deadline, what: str) -> None:
     except RuntimeError as e:
         timed_out = (left is not None and deadline.left() == 0.0) or "timed out" in str(e).lower()
         if timed_out:
-            raise WaitTimeoutError(
-                f"{what}: not done within the timeout of {deadline.timeout} s (a rank of the group is gone or stalled)"
-            ) from e
+            limit = "the group's timeout" if deadline.timeout is None else f"the timeout of {deadline.timeout} s"
+            raise WaitTimeoutError(f"{what}: not done within {limit} (a rank of the group is gone or stalled)") from e
         raise PeerGoneError(f"{what}: the process group failed ({str(e).splitlines()[0][:300]}); a rank of the group is likely gone") from e
 
 
@@ -379,7 +378,6 @@ _ERROR_OF_CODE = {
     _SOURCE_TORN: BusyError,
     _READERS_HELD: WaitTimeoutError,
     _STALE_CHUNKS: BusyError,
-    _FAILED: PeerGoneError,
 }
 
 
@@ -387,6 +385,12 @@ def _refused(g: _Group, votes: List[int], what: str) -> Error:
     first = next(code for code in votes if code)
     cls = _ERROR_OF_CODE.get(first, InvalidArgumentError)
     return cls(f"{what}: refused, nothing was written ({g.refusals(votes)}; each refusing rank's own error says more)")
+
+
+def _commit_failed(g: _Group, votes: List[int], what: str) -> Error:
+    # Every rank that reaches the commit votes yes; a no is a peer that
+    # does not follow the protocol.
+    return InvalidArgumentError(f"{what}: not committed, a rank voted no ({g.refusals(votes)})")
 
 
 def _chunk_bytes(chunk_bytes: Optional[int]) -> int:
@@ -446,7 +450,7 @@ def _send(pool, g: _Group, deadline: _Deadline, chunk: int) -> int:
         _send_bytes(g, segments, chunk, deadline, what, [])
         votes = g.vote(0, deadline, f"{what}: the commit")
         if any(votes):
-            raise _refused(g, votes, f"{what} (at the commit)")
+            raise _commit_failed(g, votes, what)
     return version
 
 
@@ -467,8 +471,9 @@ def _prepare(cls, pool, manifest_bytes: bytes, g: _Group, deadline: _Deadline, w
         device, kind, max_consumers = new
         try:
             pool = build_replica(cls, manifest, device, kind, max_consumers)
-        except Error as e:
-            raise _Refusal(_CANNOT_BUILD, type(e)(f"{what}: could not build the replica: {e}")) from None
+        except Exception as e:  # whatever it is, the other ranks must hear of it at the vote
+            error = type(e)(f"{what}: could not build the replica: {e}") if isinstance(e, Error) else e
+            raise _Refusal(_CANNOT_BUILD, error) from None
     else:
         difference = first_difference(manifest_of(pool)[0], manifest)
         if difference is not None:
@@ -495,6 +500,8 @@ def _prepare(cls, pool, manifest_bytes: bytes, g: _Group, deadline: _Deadline, w
         pool._native.begin_update(deadline.left())
     except WaitTimeoutError as e:
         raise _Refusal(_READERS_HELD, WaitTimeoutError(f"{what}: refused, nothing was written: {e}")) from None
+    except Error as e:
+        raise _Refusal(_NO_UPDATE, type(e)(f"{what}: refused, nothing was written: {e}")) from None
     return pool
 
 
@@ -552,7 +559,7 @@ def _receive(cls, pool, g: _Group, deadline: _Deadline, device, kind, max_consum
             _send_bytes(g, segments, chunk, deadline, what, _stale_of(target))
             votes = g.vote(0, deadline, f"{what}: the commit")
             if any(votes):
-                raise _refused(g, votes, f"{what} (at the commit)")
+                raise _commit_failed(g, votes, what)
         except Error as e:
             target._native.abandon_update()
             torn = "; this replica is torn (its readers get BusyError) until a complete broadcast publishes"

@@ -178,7 +178,7 @@ impl ControlBlock {
     /// least 1, below 2^62): a replica of another pool publishes the
     /// version its source sent, so readers on every node see one number.
     pub fn publish_as(&self, event: Option<&[u8; EVENT_BYTES]>, next: u64) -> u64 {
-        debug_assert!(next >= 1 && next < 1 << 62, "version {next}");
+        debug_assert!((1..1 << 62).contains(&next), "version {next}");
         if let Some(ev) = event {
             for (i, chunk) in ev.chunks_exact(8).enumerate() {
                 self.word(EVENT_AT + i * 8).store(u64::from_ne_bytes(chunk.try_into().expect("8 bytes")), SeqCst);

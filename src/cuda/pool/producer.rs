@@ -344,7 +344,7 @@ impl Pool {
     /// tell which step it reads. The number may go back (a new source).
     pub fn publish_update_as(&self, stream: u64, version: Option<u64>) -> Result<u64> {
         self.check_same_process()?;
-        if let Some(v) = version.filter(|v| *v == 0 || *v >= 1 << 62) {
+        if let Some(v) = version.filter(|v| !(1..1 << 62).contains(v)) {
             return Err(Error::new(ErrorKind::InvalidArgument, format!("publish: version {v} is outside 1..2^62")));
         }
         let mut u = lock(&self.inner.updating);

@@ -9,7 +9,10 @@ trainer, the others stand for nodes):
                    tensors (checkpoint-engine's pattern; --bucket-mib);
   (c) pool:        pool.broadcast into each node's replica pool, whose
                    tensors the node's consumers read in place (no copy);
-  (d) floor:       one dist.broadcast of a flat buffer of the same bytes.
+  (d) floor:       one dist.broadcast of a flat buffer of the same bytes;
+  (e) floor in pool memory: the same, of a buffer that is one segment of a
+                   pool (host: shared memory, which the kernel maps in 4 KiB
+                   pages where a large private buffer may get huge pages).
 
     python python/benchmarks/pool_replica.py                   # 3 ranks, host memory
     python python/benchmarks/pool_replica.py --ranks 4 --runs 5
@@ -107,6 +110,8 @@ def rank_main(rank: int, world: int, init: str, args, out) -> None:
         pool = cuda.Pool.replica(src=0, device=device)
         manifest_bytes = 0
     flat = torch.empty(total, dtype=torch.uint8, device=device)
+    flat_pool = cuda.Pool.from_state_dict({"flat": torch.zeros(total, dtype=torch.uint8, device=device)}, segment_size=total)
+    flat_in_pool = flat_pool.state_dict()["flat"]
     bucket = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
 
     def per_tensor():
@@ -140,9 +145,23 @@ def rank_main(rank: int, world: int, init: str, args, out) -> None:
         dist.broadcast(flat, src=0)
         sync()
 
-    rows = {k: fn for k, fn in {"a": per_tensor, "b": buckets, "c": ours, "d": floor}.items() if k in args.rows}
+    def floor_in_pool():
+        dist.broadcast(flat_in_pool, src=0)
+        sync()
+
+    # Fixed costs: one collective of one element, and a round of a pool
+    # of one small tensor (header, manifest, vote, one chunk, commit).
+    one = torch.zeros(1, device=device)
+    tiny = statistics.median(timed(lambda: dist.broadcast(one, src=0)) for _ in range(30))
+    small = cuda.Pool.from_state_dict({"w": torch.zeros(1024, device=device)}) if rank == 0 else None
+    small = small if rank == 0 else cuda.Pool.replica(src=0, device=device)
+    if rank == 0:
+        small.broadcast(src=0)
+    round_cost = statistics.median(timed(lambda: small.broadcast(src=0)) for _ in range(15))
+
+    rows = {k: fn for k, fn in {"a": per_tensor, "b": buckets, "c": ours, "d": floor, "e": floor_in_pool}.items() if k in args.rows}
     times = {k: [] for k in rows}
-    for key in "abd":
+    for key in "abde":
         if key in rows:
             timed(rows[key])  # a first pass touches every page of the buffers (the pool's: at Pool.replica)
     for step in range(args.runs):
@@ -158,13 +177,13 @@ def rank_main(rank: int, world: int, init: str, args, out) -> None:
         got = pool.state_dict()
         ok = all(torch.equal(got[k], want[k]) for k in want) and pool.version == args.runs + 1
     if rank == 0:
-        out.put((total, len(sd), manifest_bytes, bucket_bytes, {k: statistics.median(v) for k, v in times.items()}, times))
+        out.put((total, len(sd), manifest_bytes, bucket_bytes, {k: statistics.median(v) for k, v in times.items()}, times, (tiny, round_cost)))
     out.put(("check", rank, ok))
     dist.destroy_process_group()
 
 
 def rows_run(args) -> str:
-    return "".join(k for k in "abcd" if k in args.rows)
+    return "".join(k for k in "abcde" if k in args.rows)
 
 
 def main() -> None:
@@ -178,7 +197,7 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=256)
     parser.add_argument("--chunk-mib", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--rows", default="abcd", help="which rows to run (tuning: --rows cd)")
+    parser.add_argument("--rows", default="abcde", help="which rows to run (tuning: --rows cd)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -196,15 +215,16 @@ def main() -> None:
                 result = item
         for p in procs:
             p.join()
-    total, count, manifest_bytes, bucket_bytes, med, times = result
+    total, count, manifest_bytes, bucket_bytes, med, times, (tiny, round_cost) = result
     assert all(ok for _, _, ok in checks), f"a replica did not end on the source's last version: {checks}"
     labels = {
         "a": "(a) one dist.broadcast per tensor",
         "b": f"(b) {bucket_bytes >> 20} MiB buckets + copy-out",
         "c": f"(c) pool.broadcast ({args.chunk_mib} MiB chunks)",
         "d": "(d) floor: one flat dist.broadcast",
+        "e": "(e) the floor, of a buffer in a pool segment",
     }
-    extra = {"a": "0", "b": f"{bucket_bytes >> 20} MiB", "c": f"{manifest_bytes / 1024:.0f} KiB (manifest)", "d": "(the weights)"}
+    extra = {"a": "0", "b": f"{bucket_bytes >> 20} MiB", "c": f"{manifest_bytes / 1024:.0f} KiB (manifest)", "d": "(the weights)", "e": "(the weights)"}
     print(f"{count} bf16 tensors, {total / 2**20:.0f} MiB, {args.ranks} gloo ranks, device {args.device}, median of {args.runs}")
     print("| way | time | GB/s | floor / time | extra memory per receiver |")
     print("|---|---|---|---|---|")
@@ -213,6 +233,7 @@ def main() -> None:
         floor = f"{med['d'] / t:.2f}" if "d" in med else "-"
         print(f"| {labels[key]} | {t * 1000:.0f} ms | {total / t / 1e9:.2f} | {floor} | {extra[key]} |")
     print("runs (s):", {k: [round(x, 3) for x in v] for k, v in times.items()})
+    print(f"one broadcast of one element: {tiny * 1e6:.0f} us; a round of a 4 KiB pool: {round_cost * 1e6:.0f} us (medians)")
 
 
 if __name__ == "__main__":

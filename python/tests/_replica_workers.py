@@ -377,3 +377,55 @@ def cuda_pair(rank: int, init: str, out) -> None:
     except BaseException:
         report["failed"] = traceback.format_exc()
     out.put((rank, report))
+
+
+def held_and_stalled(rank: int, init: str, out, events) -> None:
+    """Two ranks. Round 2: rank 1's local reader holds version 1 past the
+    timeout, so rank 1 refuses at the vote and nothing is written; round
+    3 goes through on the same group once the reader let go. Round 4:
+    rank 1 stalls (never calls), so the source's timeout runs out."""
+    from storage_sharing import cuda
+
+    report = {}
+    try:
+        join(init, rank, 2)
+        if rank == 0:
+            pool = cuda.Pool.from_state_dict(model(1), device="cpu", segment_size=8192)
+            pool.broadcast(src=0, timeout=TIMEOUT)
+            for version in (2, 3):
+                with pool.update(timeout=TIMEOUT) as tensors:
+                    write_version(tensors, version)
+                try:
+                    report[version] = pool.broadcast(src=0, timeout=TIMEOUT)
+                except Exception as e:
+                    report[version] = _error(e)
+            with pool.update(timeout=TIMEOUT) as tensors:
+                write_version(tensors, 4)
+            try:
+                pool.broadcast(src=0, timeout=1.0)
+                report[4] = "sent"
+            except Exception as e:
+                report[4] = _error(e)
+            events.put("source done")
+        else:
+            pool = cuda.Pool.replica(src=0, device="cpu", timeout=TIMEOUT)
+            w = cuda.open_weights(pool.export(), timeout=GUARD)
+            w.acquire(timeout=GUARD)
+            try:
+                pool.broadcast(src=0, timeout=0.5)
+                report[2] = "received"
+            except Exception as e:
+                report[2] = _error(e)
+            report["kept"] = (w.held, byte_equal(w, 1), pool.version, pool._native.torn)
+            w.release()
+            report[3] = pool.broadcast(src=0, timeout=TIMEOUT)
+            with w.reading(timeout=GUARD) as version:
+                report["read"] = (version, byte_equal(w, version))
+            events.get(timeout=GUARD)  # stalled through round 4
+            w.close()
+            del w
+            consumers_gone(pool)
+        leave()
+    except BaseException:
+        report["failed"] = traceback.format_exc()
+    out.put((rank, report))

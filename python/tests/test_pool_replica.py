@@ -153,6 +153,30 @@ def test_a_rank_killed_mid_transfer_leaves_survivors_typed_errors_and_torn_until
             assert report["repaired read"] == (3, True, []), (who, report["repaired read"])
 
 
+def test_a_reader_held_past_the_timeout_refuses_a_round_and_a_stalled_rank_times_it_out(tmp_path, started):
+    """A replica whose local reader holds its version past the timeout
+    votes no: both ranks raise WaitTimeoutError, nothing is written (the
+    reader still reads version 1 whole, the replica is not torn), and the
+    same group carries the next round. A rank that never calls leaves the
+    source a WaitTimeoutError when its timeout runs out."""
+    ctx = mp.get_context("fork")  # the ranks start at once, without importing torch again
+    out, events = ctx.Queue(), ctx.Queue()
+    for rank in range(2):
+        started(ctx, rw.held_and_stalled, rank, str(tmp_path / "group"), out, events)
+    got = gather(out, 2)
+    for rank, report in got.items():
+        assert "failed" not in report, f"rank {rank}:\n{report['failed']}"
+    source, replica = got[0], got[1]
+    kind, message = source[2]
+    assert kind == "WaitTimeoutError" and "rank 1: its local readers held their version past the timeout" in message, message
+    kind, message = replica[2]
+    assert kind == "WaitTimeoutError" and "nothing was written" in message, message
+    assert replica["kept"] == (1, True, 1, False)
+    assert source[3] == replica[3] == 3 and replica["read"] == (3, True)
+    kind, message = source[4]
+    assert kind == "WaitTimeoutError" and "within the timeout of 1.0 s" in message, message
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the GPU run (scripts/gpu) covers this case")
 def test_cuda_pools_replicate_over_gloo_on_one_gpu(tmp_path, started):
     """The same code with CUDA pools: two ranks on one GPU (NCCL needs a

@@ -153,10 +153,11 @@ def rank_main(rank: int, world: int, init: str, args, out) -> None:
     # of one small tensor (header, manifest, vote, one chunk, commit).
     one = torch.zeros(1, device=device)
     tiny = statistics.median(timed(lambda: dist.broadcast(one, src=0)) for _ in range(30))
-    small = cuda.Pool.from_state_dict({"w": torch.zeros(1024, device=device)}) if rank == 0 else None
-    small = small if rank == 0 else cuda.Pool.replica(src=0, device=device)
     if rank == 0:
+        small = cuda.Pool.from_state_dict({"w": torch.zeros(1024, device=device)})
         small.broadcast(src=0)
+    else:
+        small = cuda.Pool.replica(src=0, device=device)
     round_cost = statistics.median(timed(lambda: small.broadcast(src=0)) for _ in range(15))
 
     rows = {k: fn for k, fn in {"a": per_tensor, "b": buckets, "c": ours, "d": floor, "e": floor_in_pool}.items() if k in args.rows}

@@ -87,6 +87,8 @@ class _Turn:
     def taken(self, timeout: Optional[float], what: str) -> Iterator[Callable[[], Optional[float]]]:
         """Waits up to ``timeout`` seconds for the turn; yields a function
         giving the seconds left of ``timeout`` (None: no limit)."""
+        if timeout is not None and not (isinstance(timeout, (int, float)) and 0 <= timeout < float("inf")):
+            raise InvalidArgumentError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
         start = time.monotonic()
         holder = self._holder
         if holder is not None and holder[0] == threading.get_ident():
@@ -544,10 +546,13 @@ def _receive(cls, pool, g: _Group, deadline: _Deadline, device, kind, max_consum
             code, error = r.code, r.error
         try:
             votes = g.vote(code, deadline, f"{what}: the vote")
-        except BaseException:
+        except BaseException as e:
             if code == 0:
                 _end_unwritten(target, was_torn)
-            raise
+                raise
+            # Its refusal was posted (the others learn it); the local wait
+            # that led to it may have used up the time to see the vote end.
+            raise error from e
         if code:
             raise error
         if any(votes):

@@ -293,6 +293,10 @@ def test_an_update_waits_for_a_broadcast_of_the_same_pool():
     with pool.update(timeout=1) as tensors:
         tensors["w"].fill_(2)
     assert pool.version == 2
+    for bad in (-1, float("nan")):
+        with pytest.raises(ss.InvalidArgumentError, match="non-negative number of seconds"):
+            with pool.update(timeout=bad):
+                pass
 
 
 def test_broadcast_needs_an_initialized_group_and_a_member_src(tmp_path):

@@ -382,8 +382,9 @@ def cuda_pair(rank: int, init: str, out) -> None:
 def held_and_stalled(rank: int, init: str, out, events) -> None:
     """Two ranks. Round 2: rank 1's local reader holds version 1 past the
     timeout, so rank 1 refuses at the vote and nothing is written; round
-    3 goes through on the same group once the reader let go. Round 4:
-    rank 1 stalls (never calls), so the source's timeout runs out."""
+    3 goes through on the same group once the reader let go. Then the
+    source tears its pool (an update that raised) and sends nothing.
+    Round 4: rank 1 stalls (never calls), so the source's timeout runs out."""
     from storage_sharing import cuda
 
     report = {}
@@ -399,6 +400,17 @@ def held_and_stalled(rank: int, init: str, out, events) -> None:
                     report[version] = pool.broadcast(src=0, timeout=TIMEOUT)
                 except Exception as e:
                     report[version] = _error(e)
+            try:
+                with pool.update(timeout=TIMEOUT) as tensors:
+                    tensors["steps"].fill_(99)
+                    raise RuntimeError("the trainer failed mid-update")
+            except RuntimeError:
+                pass
+            try:
+                pool.broadcast(src=0, timeout=TIMEOUT)
+                report["torn"] = "sent"
+            except Exception as e:
+                report["torn"] = _error(e)
             with pool.update(timeout=TIMEOUT) as tensors:
                 write_version(tensors, 4)
             try:
@@ -421,6 +433,13 @@ def held_and_stalled(rank: int, init: str, out, events) -> None:
             report[3] = pool.broadcast(src=0, timeout=TIMEOUT)
             with w.reading(timeout=GUARD) as version:
                 report["read"] = (version, byte_equal(w, version))
+            try:
+                pool.broadcast(src=0, timeout=TIMEOUT)
+                report["torn"] = "received"
+            except Exception as e:
+                report["torn"] = _error(e)
+            with w.reading(timeout=GUARD) as version:
+                report["after torn source"] = (version, byte_equal(w, version))
             events.get(timeout=GUARD)  # stalled through round 4
             w.close()
             del w

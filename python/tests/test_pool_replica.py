@@ -157,8 +157,10 @@ def test_a_reader_held_past_the_timeout_refuses_a_round_and_a_stalled_rank_times
     """A replica whose local reader holds its version past the timeout
     votes no: both ranks raise WaitTimeoutError, nothing is written (the
     reader still reads version 1 whole, the replica is not torn), and the
-    same group carries the next round. A rank that never calls leaves the
-    source a WaitTimeoutError when its timeout runs out."""
+    same group carries the next round. A source torn by an update that
+    raised sends nothing (BusyError on both ranks; the replica keeps its
+    version). A rank that never calls leaves the source a
+    WaitTimeoutError when its timeout runs out."""
     ctx = mp.get_context("fork")  # the ranks start at once, without importing torch again
     out, events = ctx.Queue(), ctx.Queue()
     for rank in range(2):
@@ -173,6 +175,9 @@ def test_a_reader_held_past_the_timeout_refuses_a_round_and_a_stalled_rank_times
     assert kind == "WaitTimeoutError" and "nothing was written" in message, message
     assert replica["kept"] == (1, True, 1, False)
     assert source[3] == replica[3] == 3 and replica["read"] == (3, True)
+    assert source["torn"][0] == replica["torn"][0] == "BusyError", (source["torn"], replica["torn"])
+    assert "the source pool is torn" in source["torn"][1] and "the source pool is torn" in replica["torn"][1]
+    assert replica["after torn source"] == (3, True)
     kind, message = source[4]
     assert kind == "WaitTimeoutError" and "within the timeout of 1.0 s" in message, message
 

@@ -149,10 +149,12 @@ impl PyCudaPool {
     }
 
     /// Records the end of the update's writes on `stream` (0 on the host)
-    /// and bumps the version; returns the new version.
-    fn publish_update(&self, py: Python<'_>, stream: u64) -> PyResult<u64> {
+    /// and bumps the version, or sets it to `version` (a replica publishes
+    /// its source's); returns the new version.
+    #[pyo3(signature = (stream, version=None))]
+    fn publish_update(&self, py: Python<'_>, stream: u64, version: Option<u64>) -> PyResult<u64> {
         let p = self.get()?;
-        py.allow_threads(|| p.publish_update(stream)).or_raise()
+        py.allow_threads(|| p.publish_update_as(stream, version)).or_raise()
     }
 
     /// Ends the open update without publishing: the pool stays torn.
@@ -164,6 +166,12 @@ impl PyCudaPool {
     #[getter]
     fn version(&self) -> PyResult<u64> {
         Ok(self.get()?.version())
+    }
+
+    /// Whether an abandoned update left the pool torn (until the next publish).
+    #[getter]
+    fn torn(&self) -> PyResult<bool> {
+        Ok(self.get()?.torn())
     }
 
     #[getter]

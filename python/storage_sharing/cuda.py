@@ -44,7 +44,7 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from . import _native
+from . import _native, _pool_replica
 from ._errors import BusyError, ClosedError, InvalidArgumentError, NoSpaceError
 from ._pool_layout import group_by_storage
 from ._pool_tensors import bytes_at, dtype_name, dtype_named, storage_in, typed_view
@@ -108,12 +108,14 @@ _allocating: Optional["Pool"] = None
 
 
 class _Entry:
-    """Where a tensor of the manifest lies (for the stock descriptor)."""
+    """Where a tensor of the manifest lies (for the stock descriptor and
+    the manifest a broadcast sends)."""
 
-    __slots__ = ("storage_ptr", "dtype", "sizes", "strides", "storage_offset")
+    __slots__ = ("storage_ptr", "storage_nbytes", "dtype", "sizes", "strides", "storage_offset")
 
-    def __init__(self, storage_ptr: int, dtype: torch.dtype, sizes, strides, storage_offset: int) -> None:
+    def __init__(self, storage_ptr: int, storage_nbytes: int, dtype: torch.dtype, sizes, strides, storage_offset: int) -> None:
         self.storage_ptr = storage_ptr
+        self.storage_nbytes = storage_nbytes
         self.dtype = dtype
         self.sizes = tuple(sizes)
         self.strides = tuple(strides)
@@ -268,7 +270,7 @@ class Pool:
                 if i == 0 and ptr and not born_here:
                     self._native.free_block(ptr)  # nothing refers to the copy yet
                 raise
-            self._entries[m.name] = _Entry(ptr, t.dtype, t.shape, t.stride(), offset)
+            self._entries[m.name] = _Entry(ptr, g.nbytes, t.dtype, t.shape, t.stride(), offset)
             self._tensors[m.name] = views[m.name]
 
     @contextlib.contextmanager
@@ -330,13 +332,48 @@ class Pool:
         on the current stream). If the block raises, nothing is published
         and the pool stays torn: consumers' acquire fails until a later
         update publishes."""
-        self._native.begin_update(timeout)
-        try:
-            yield dict(self._tensors)
-        except BaseException:
-            self._native.abandon_update()
-            raise
-        self._native.publish_update(_current_stream(self.device))
+        # A broadcast of this pool reads it under the same turn.
+        with _pool_replica.turn_of(self).taken(timeout, "pool.update()") as left:
+            self._native.begin_update(left())
+            try:
+                yield dict(self._tensors)
+            except BaseException:
+                self._native.abandon_update()
+                raise
+            self._native.publish_update(_current_stream(self.device))
+
+    # ---- across machines ----
+
+    def broadcast(
+        self, group=None, src: int = 0, timeout: Optional[float] = None, chunk_bytes: Optional[int] = None
+    ) -> int:
+        """Every rank of ``group`` (torch.distributed; None: the default
+        group) calls this with the same ``src`` (a global rank): rank
+        ``src`` sends its pool's current version, the others receive it
+        into their replicas (made by :meth:`replica`), in chunks of
+        ``chunk_bytes`` broadcast straight into their segments. Returns
+        the version, which every replica then publishes as its own. Each
+        rank waits up to ``timeout`` seconds in all (None: the group's own
+        timeout). See docs/cuda-weights.md, "Weights across machines"."""
+        return _pool_replica.broadcast(self, group, src, timeout, chunk_bytes)
+
+    @classmethod
+    def replica(
+        cls,
+        group=None,
+        src: int = 0,
+        device: DeviceLike = "cuda",
+        kind: str = "vmm",
+        timeout: Optional[float] = None,
+        max_consumers: Optional[int] = None,
+    ) -> "Pool":
+        """A replica of the pool that rank ``src`` of ``group`` broadcasts
+        (its :meth:`broadcast` runs at the same time): built on ``device``
+        from the source's manifest, filled with the source's current
+        version and published under its number. Export it for this
+        node's consumers; later versions arrive with
+        ``replica.broadcast(group, src)``."""
+        return _pool_replica.replica(cls, group, src, _device(device), kind, timeout, max_consumers)
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """The pool's tensors, by name (the producer's views of them)."""

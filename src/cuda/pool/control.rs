@@ -193,10 +193,23 @@ impl ControlWriter {
     /// Stores the event (if any) and the next version, clearing WRITING
     /// and TORN. Returns the new version.
     pub fn publish(&self, event: Option<&[u8; EVENT_BYTES]>) -> u64 {
+        self.publish_as(event, self.version() + 1)
+    }
+
+    /// [`ControlWriter::publish`] under a version the caller names (at
+    /// least 1, below 2^62): a replica of another pool publishes the
+    /// version its source sent, so readers on every node see one number.
+    pub fn publish_as(&self, event: Option<&[u8; EVENT_BYTES]>, next: u64) -> u64 {
+        debug_assert!((1..1 << 62).contains(&next), "version {next}");
         self.change(|t| {
             t.event = event.copied();
-            t.state = ((t.state >> 2) + 1) << 2;
+            t.state = next << 2;
         }) >> 2
+    }
+
+    /// Whether an update was abandoned since the last publish.
+    pub fn torn(&self) -> bool {
+        super::lock(&self.truth).state & TORN != 0
     }
 
     /// Marks the memory torn (an update dropped without publish).
@@ -409,6 +422,23 @@ mod tests {
         // whatever a writer (before the seal existed) could have changed.
         producer.restore();
         assert_eq!(ControlReader::open(&fd, 4).unwrap().version(), 1);
+    }
+
+    #[test]
+    fn a_named_version_is_published_as_it_is() {
+        let (producer, fd) = ControlWriter::create(4).unwrap();
+        let consumer = ControlReader::open(&fd, 4).unwrap();
+        let (slot, _) = HoldSlot::create().unwrap();
+        assert_eq!(producer.publish_as(None, 41), 41);
+        assert_eq!(consumer.try_hold(&slot), Hold::Held(41));
+        slot.let_go();
+        producer.begin_writing();
+        producer.abandon();
+        assert!(producer.torn());
+        assert_eq!(producer.publish_as(None, 3), 3, "a new source may count from lower");
+        assert_eq!(consumer.try_hold(&slot), Hold::Held(3), "and the publish clears TORN");
+        assert!(!producer.torn());
+        assert_eq!(producer.publish(None), 4);
     }
 
     #[test]

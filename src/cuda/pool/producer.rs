@@ -253,13 +253,28 @@ impl Pool {
     /// Publishes the open update: records an event on `stream` (CUDA),
     /// bumps the version and lets readers in. Returns the new version.
     pub fn publish_update(&self, stream: u64) -> Result<u64> {
+        self.publish_update_as(stream, None)
+    }
+
+    /// [`Pool::publish_update`] under `version` (at least 1, below 2^62)
+    /// instead of the next one when given: a replica of a pool on another
+    /// machine publishes its source's version, so a reader anywhere can
+    /// tell which step it reads. The number may go back (a new source).
+    pub fn publish_update_as(&self, stream: u64, version: Option<u64>) -> Result<u64> {
         self.check_same_process()?;
+        if let Some(v) = version.filter(|v| !(1..1 << 62).contains(v)) {
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("publish: version {v} is outside 1..2^62")));
+        }
         let mut u = lock(&self.updating);
         if !u.open {
             return Err(Error::new(ErrorKind::InvalidArgument, "publish: no update of this pool is open (call begin_update first)"));
         }
         let event = self.inner.backend.record_event(stream)?;
-        let version = self.inner.control.publish(event.as_ref().map(|e| &e.handle));
+        let handle = event.as_ref().map(|e| &e.handle);
+        let version = match version {
+            Some(v) => self.inner.control.publish_as(handle, v),
+            None => self.inner.control.publish(handle),
+        };
         if let Some(old) = std::mem::replace(&mut u.last_event, event.map(|e| e.id)) {
             self.inner.backend.destroy_event(old);
         }
@@ -283,6 +298,13 @@ impl Pool {
     /// The version last published (0 before the first).
     pub fn version(&self) -> u64 {
         self.inner.control.version()
+    }
+
+    /// Whether an update was abandoned since the last publish (readers
+    /// are refused until the next one): a pool in this state must not be
+    /// sent to replicas as if it were a version.
+    pub fn torn(&self) -> bool {
+        self.inner.control.torn()
     }
 
     /// Consumer processes connected now.

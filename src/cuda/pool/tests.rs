@@ -219,3 +219,27 @@ fn a_pool_dropped_mid_update_tells_its_consumers_and_keeps_their_mapping() {
     // SAFETY: the consumer's mapping of the 512-byte storage.
     assert_eq!(unsafe { (w.tensors()[0].storage_ptr as *const u8).read() }, 0);
 }
+
+#[test]
+fn an_update_may_publish_a_version_of_the_callers_choosing() {
+    let pool = host(PoolKind::Vmm);
+    let p = pool.alloc(512).unwrap();
+    pool.add_tensor("w", &spec(p, 512, vec![128])).unwrap();
+    pool.export().unwrap();
+    pool.start_update(T).unwrap();
+    pool.abandon_update();
+    assert!(pool.torn());
+    pool.start_update(T).unwrap();
+    for bad in [0, 1 << 62] {
+        let e = pool.publish_update_as(0, Some(bad)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        assert!(e.message().contains(&bad.to_string()), "{e}");
+    }
+    assert_eq!(pool.publish_update_as(0, Some(17)).unwrap(), 17, "a refused version leaves the update open");
+    assert_eq!(pool.version(), 17);
+    assert!(!pool.torn(), "a publish mends a torn pool");
+    let e = pool.publish_update_as(0, Some(5)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "no update open: {e}");
+    pool.start_update(T).unwrap();
+    assert_eq!(pool.publish_update_as(0, None).unwrap(), 18);
+}

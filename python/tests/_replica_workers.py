@@ -240,6 +240,15 @@ def joiner_replica(rank: int, init1, init2: str, out) -> None:
     out.put((rank, report))
 
 
+def in_forked_rank(target, *args) -> None:
+    """Runs a rank's `target` in a child forked from the test process, with
+    one intra-op thread: a parent that ran parallel tensor ops before the
+    fork leaves the child an OpenMP pool whose threads did not come along,
+    and the child's first parallel op then never finishes."""
+    torch.set_num_threads(1)
+    target(*args)
+
+
 def kill_when_landing(tensor: torch.Tensor, version: int, pid: int) -> threading.Thread:
     """A thread that sends SIGKILL to ``pid`` as soon as the first element
     of ``tensor`` (the first bytes of the replica) shows ``version``: the

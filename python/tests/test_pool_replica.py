@@ -36,7 +36,7 @@ def started():
     procs = []
 
     def start(ctx, target, *args, daemon=True):
-        p = ctx.Process(target=target, args=args, daemon=daemon)
+        p = ctx.Process(target=rw.in_forked_rank, args=(target, *args), daemon=daemon)
         p.start()
         procs.append(p)
         return p

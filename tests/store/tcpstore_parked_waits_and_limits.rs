@@ -1,5 +1,5 @@
 //! Our TCPStore server against a client that parks many WAIT keys and one
-//! that sends over-limit requests (issue 30, A6): the parked keys are
+//! that sends over-limit requests: the parked keys are
 //! indexed, so other clients' SET/ADD still work and wake exactly the right
 //! waiters; a request over PyTorch's libuv limits (128 Ki keys, an 8 KiB
 //! key, an 8 MiB value) closes that client's connection while the server

@@ -12,6 +12,7 @@ pub mod error;
 pub mod fdpass;
 pub mod ffi;
 pub mod fork_safe;
+pub mod lock_file;
 pub mod log;
 pub mod manager;
 pub mod shm;

@@ -4,6 +4,7 @@
 //! daemon itself uses, so the two do not depend on each other).
 
 pub mod client;
+pub mod creator;
 pub mod gc;
 pub mod managed;
 pub mod protocol;

@@ -15,6 +15,7 @@ pub mod fork_safe;
 pub mod lock_file;
 pub mod log;
 pub mod manager;
+pub(crate) mod poller;
 pub mod shm;
 pub mod storage;
 pub mod store;

@@ -6,6 +6,7 @@
 pub mod client;
 pub mod creator;
 pub mod gc;
+pub mod limits;
 pub mod managed;
 pub mod protocol;
 pub mod reclaim;

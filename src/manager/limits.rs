@@ -24,7 +24,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { names_per_client: 262_144, names: 1_048_576, clients_per_pid: 32, clients: 4096 }
+        Limits { names_per_client: 262_144, names: 1_048_576, clients_per_pid: 256, clients: 4096 }
     }
 }
 

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// Opens (creating it 0600 if missing) the lock file at `path`; `what`
-/// names it in messages ("lock file of file store </x>").
+/// names it in messages (`"lock file of file store </x>"`).
 pub fn open_own(path: &Path, what: &str) -> Result<File> {
     let shown = || format!("{what} <{}>", path.display());
     let file = std::fs::OpenOptions::new()

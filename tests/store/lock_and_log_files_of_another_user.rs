@@ -186,7 +186,7 @@ fn folder_store_lock_cannot_be_held_by_another_user_and_waits_are_bounded() {
     let stranger = plant_held_lock(&theirs.join(".lock"));
     assert_eq!(stranger.result, 0, "the stranger could not plant its lock file");
     let e = within(HANG, "opening a store whose .lock a stranger holds", move || {
-        FileStore::open(&theirs).and_then(|s| s.set(b"k", b"v")).err().expect("a stranger's .lock was accepted")
+        FileStore::open(&theirs).and_then(|s| s.set(b"k", b"v")).expect_err("a stranger's .lock was accepted")
     });
     assert_eq!(e.kind(), ErrorKind::Permission, "{}", e.message());
     assert!(e.message().contains("uid 65534") && e.message().contains(".lock"), "{}", e.message());

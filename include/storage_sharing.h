@@ -2571,6 +2571,10 @@ ss_status ss_map_new_copy(const void *src, size_t nbytes, ss_map **out);
  * descriptors run out; a FIFO or device at a key's path is
  * `SS_ERR_CORRUPT`, never a hang.
  * Keys left by an earlier job stay: use a fresh folder per job.
+ * The lock file `<path>/.lock` is created mode 0600; one that another user
+ * owns, a link or a non-regular file there is `SS_ERR_PERMISSION` (or
+ * `SS_ERR_CORRUPT`). A write waits for the lock at most 300 s, then
+ * returns `SS_ERR_TIMEOUT`.
  *
  * # Safety
  * `path` is NULL or a NUL-terminated string; `out` is NULL or points to a
@@ -2592,7 +2596,9 @@ ss_status ss_store_file_open(const char *path, ss_store **out);
  * Errors: a folder at `path` or `world_size` < -1
  * `SS_ERR_INVALID_ARGUMENT`; a file that is not a valid FileStore log
  * (or was cut by a writer killed mid-record) `SS_ERR_CORRUPT`, naming the
- * offset of the bad record.
+ * offset of the bad record. A FIFO, device, symbolic link or another
+ * user's file at `path` is `SS_ERR_PERMISSION` at once (never followed,
+ * never a hang), here and in every later call.
  *
  * # Safety
  * `path` is NULL or a NUL-terminated string; `out` is NULL or writable for

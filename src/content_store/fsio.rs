@@ -150,29 +150,11 @@ pub fn file_kind(ty: std::fs::FileType) -> &'static str {
     }
 }
 
-/// Opens (creating it if missing) the store's lock file for flock: no
-/// link followed, no blocking on a FIFO, and only a regular file.
+/// Opens (creating it 0600 if missing) the store's lock file for flock:
+/// no link followed, no blocking on a FIFO, only a regular file of this
+/// user (see [`crate::lock_file::open_own`]).
 pub fn open_lock_file(path: &Path) -> Result<File> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o644)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => Error::new(ErrorKind::Permission, format!("lock file {} is a symbolic link; refused", path.display())),
-            _ => io_error(e, format!("unable to open lock file {}", path.display())),
-        })?;
-    let meta = file.metadata().map_err(|e| io_error(e, format!("unable to stat lock file {}", path.display())))?;
-    if !meta.is_file() {
-        return Err(Error::new(
-            ErrorKind::Corrupt,
-            format!("lock file {} is {}, not a regular file", path.display(), file_kind(meta.file_type())),
-        ));
-    }
-    Ok(file)
+    crate::lock_file::open_own(path, "content store lock file")
 }
 
 fn open_raw(dir: Option<&OwnedFd>, path: &Path, extra: OFlag, nofollow: bool, what: &str, shown: &str) -> Result<OwnedFd> {

@@ -1,5 +1,7 @@
 //! The store's lock file (`.ss-lock`): each writer holds a shared flock
-//! while it lives, gc an exclusive one.
+//! while it lives, gc an exclusive one. The file is 0600 and must be this
+//! user's (another user could otherwise hold it against every writer),
+//! and a writer waits for a gc's lock no longer than its lock timeout.
 //!
 //! A flock belongs to the open file, which a child forked meanwhile shares
 //! until it execs or exits (any thread's `Command::spawn` forks). Closing
@@ -13,6 +15,7 @@ use crate::error::{Error, ErrorKind, Result};
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 pub(crate) struct StoreLock {
     file: File,
@@ -20,23 +23,32 @@ pub(crate) struct StoreLock {
     op: i32,
     /// The process that took the lock on `file`.
     owner: u32,
+    /// How long taking it may wait (None: not at all).
+    wait: Option<Duration>,
 }
 
 impl StoreLock {
-    /// A shared lock on the lock file at `path`, waiting for a gc.
-    pub(crate) fn shared(path: &Path) -> Result<StoreLock> {
-        StoreLock::take(path, libc::LOCK_SH)
+    /// A shared lock on the lock file at `path`, waiting for a gc up to
+    /// `wait` (`Timeout` after it).
+    pub(crate) fn shared(path: &Path, wait: Duration) -> Result<StoreLock> {
+        StoreLock::take(path, libc::LOCK_SH, Some(wait))
     }
 
     /// An exclusive lock, or `Busy` at once while a writer holds one.
     pub(crate) fn exclusive_now(path: &Path) -> Result<StoreLock> {
-        StoreLock::take(path, libc::LOCK_EX | libc::LOCK_NB)
+        StoreLock::take(path, libc::LOCK_EX | libc::LOCK_NB, None)
     }
 
-    fn take(path: &Path, op: i32) -> Result<StoreLock> {
+    fn take(path: &Path, op: i32, wait: Option<Duration>) -> Result<StoreLock> {
         let file = fsio::open_lock_file(path)?;
-        flock(&file, op, path)?;
-        Ok(StoreLock { file, path: path.to_path_buf(), op, owner: std::process::id() })
+        match wait {
+            Some(w) => {
+                let end = Instant::now().checked_add(w);
+                crate::lock_file::flock_until(&file, op, end, &|| format!("content store lock file {}", path.display()))?
+            }
+            None => flock(&file, op, path)?,
+        }
+        Ok(StoreLock { file, path: path.to_path_buf(), op, owner: std::process::id(), wait })
     }
 
     /// In a child forked from the process that took the lock: replaces
@@ -45,7 +57,7 @@ impl StoreLock {
         if self.owner != std::process::id() {
             // The inherited descriptor closes without unlocking: the
             // parent's lock stays the parent's.
-            *self = StoreLock::take(&self.path, self.op)?;
+            *self = StoreLock::take(&self.path, self.op, self.wait)?;
         }
         Ok(())
     }

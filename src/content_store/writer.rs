@@ -17,6 +17,7 @@ use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 /// What a writer did so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -30,6 +31,10 @@ pub struct WriteStats {
     /// Storage bytes written to new files.
     pub bytes_written: u64,
 }
+
+/// How long opening a writer waits for the store's lock by default (a gc
+/// holds it while it removes unreferenced storages).
+pub const DEFAULT_LOCK_WAIT: Duration = Duration::from_secs(300);
 
 /// A writer of one store. Safe to share between threads.
 pub struct Writer {
@@ -50,8 +55,16 @@ pub struct Writer {
 
 impl Writer {
     /// Opens (creating if needed) the store at `path` in `format`. A store
-    /// already there must have the same format.
+    /// already there must have the same format. Waits for a running gc up
+    /// to [`DEFAULT_LOCK_WAIT`].
     pub fn open(path: &Path, format: Format) -> Result<Writer> {
+        Writer::open_with_lock_wait(path, format, DEFAULT_LOCK_WAIT)
+    }
+
+    /// [`open`](Self::open) waiting at most `lock_wait` for the store's
+    /// lock (held exclusively by a gc, or by anyone who can open the lock
+    /// file, which must be this user's); `Timeout` after it.
+    pub fn open_with_lock_wait(path: &Path, format: Format, lock_wait: Duration) -> Result<Writer> {
         // create_dir_all would say only "File exists".
         if std::fs::metadata(path).is_ok_and(|m| !m.is_dir()) {
             return Err(Error::new(
@@ -80,7 +93,7 @@ impl Writer {
         };
         fsio::make_dirs(path, &[layout::STORAGES])?;
         fsio::make_dirs(path, &[layout::TENSORS])?;
-        let lock = StoreLock::shared(&path.join(layout::LOCK))?;
+        let lock = StoreLock::shared(&path.join(layout::LOCK), lock_wait)?;
         Ok(Writer {
             root: path.to_path_buf(),
             format,

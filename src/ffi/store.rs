@@ -102,6 +102,10 @@ unsafe fn bytes_arg<'a>(p: *const c_void, n: usize, what: &str) -> Result<&'a [u
 /// descriptors run out; a FIFO or device at a key's path is
 /// `SS_ERR_CORRUPT`, never a hang.
 /// Keys left by an earlier job stay: use a fresh folder per job.
+/// The lock file `<path>/.lock` is created mode 0600; one that another user
+/// owns, a link or a non-regular file there is `SS_ERR_PERMISSION` (or
+/// `SS_ERR_CORRUPT`). A write waits for the lock at most 300 s, then
+/// returns `SS_ERR_TIMEOUT`.
 ///
 /// # Safety
 /// `path` is NULL or a NUL-terminated string; `out` is NULL or points to a
@@ -132,7 +136,9 @@ pub unsafe extern "C" fn ss_store_file_open(path: *const c_char, out: *mut *mut 
 /// Errors: a folder at `path` or `world_size` < -1
 /// `SS_ERR_INVALID_ARGUMENT`; a file that is not a valid FileStore log
 /// (or was cut by a writer killed mid-record) `SS_ERR_CORRUPT`, naming the
-/// offset of the bad record.
+/// offset of the bad record. A FIFO, device, symbolic link or another
+/// user's file at `path` is `SS_ERR_PERMISSION` at once (never followed,
+/// never a hang), here and in every later call.
 ///
 /// # Safety
 /// `path` is NULL or a NUL-terminated string; `out` is NULL or writable for

@@ -4,7 +4,9 @@
 //! daemon itself uses, so the two do not depend on each other).
 
 pub mod client;
+pub mod creator;
 pub mod gc;
+pub mod limits;
 pub mod managed;
 pub mod protocol;
 pub mod reclaim;

@@ -88,6 +88,17 @@ impl Reclaimer {
         self.tracked.insert(name.to_string());
     }
 
+    /// Whether `name` is tracked already (a new registration of it costs
+    /// nothing more).
+    pub fn is_tracked(&self, name: &str) -> bool {
+        self.tracked.contains(name)
+    }
+
+    /// How many names are tracked.
+    pub fn tracked_count(&self) -> usize {
+        self.tracked.len()
+    }
+
     pub fn is_watched(&self, name: &str) -> bool {
         self.watch.contains_key(name)
     }

@@ -4,7 +4,8 @@
 //! `ss_pool_<pid>_<hex>_<n>`), with what
 //! `ssctl ls` shows and `ssctl gc` decides on.
 
-use super::segment_users::{creator_alive, names_in_use, SHM_DIR};
+use super::creator::{Creator, CreatorCheck};
+use super::segment_users::{names_in_use, SHM_DIR};
 use crate::shm::HEADER_SIZE;
 use std::collections::HashSet;
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -18,8 +19,12 @@ pub struct Segment {
     pub refcount: Option<i32>,
     /// Creating pid, from the name.
     pub pid: i32,
-    /// The creator still runs (same pid, started before the segment).
+    /// The creator still runs (same pid, started before the segment), or
+    /// may: its pid may name a process of a pid namespace we cannot see
+    /// (`creator_unknown` says why).
     pub creator_alive: bool,
+    /// Set when the creator may live in another pid namespace: why.
+    pub creator_unknown: Option<String>,
     /// Some live process maps it or holds it open, or may: the scan of
     /// `/proc` could not read a process that could (never removed on doubt).
     pub in_use: bool,
@@ -84,6 +89,7 @@ pub fn scan(prefix: &str) -> Vec<Segment> {
     let prefix = prefix.trim_start_matches('/');
     let mut found = Vec::new();
     let Ok(dir) = std::fs::read_dir(SHM_DIR) else { return found };
+    let mut creators = CreatorCheck::default();
     for entry in dir.flatten() {
         let Some(file) = entry.file_name().to_str().map(str::to_string) else { continue };
         if !file.starts_with(prefix) {
@@ -95,13 +101,18 @@ pub fn scan(prefix: &str) -> Vec<Segment> {
             continue;
         }
         let created = meta.mtime() as f64 + meta.mtime_nsec() as f64 * 1e-9;
+        let creator = creators.judge(&entry.path(), pid, created);
         found.push(Segment {
             name: format!("/{file}"),
             size: meta.len(),
             // Arena and pool segments hold data at offset 0, not a count.
             refcount: if file.starts_with("torch_") { read_refcount(&entry.path(), meta.len()) } else { None },
             pid,
-            creator_alive: creator_alive(pid, created),
+            creator_alive: creator != Creator::Dead,
+            creator_unknown: match creator {
+                Creator::Unknown(why) => Some(why),
+                _ => None,
+            },
             in_use: false,
             created,
         });

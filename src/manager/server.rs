@@ -12,13 +12,15 @@
 //! every tracked segment gets the same decision; the daemon exits after
 //! 2 s idle once nothing it tracks is still in use or in flight.
 
+use super::limits::Limits;
 use super::protocol::{AllocInfo, ALLOC_INFO_SIZE, OK_REPLY};
 use super::reclaim::{Reclaimer, IN_FLIGHT_GRACE};
 use super::reglog::{recv_with_fds, RegLog, ATTACH_NAME, DRAIN_FLAG, LOG_REPLY};
 use super::segment_users::shm_path;
 use crate::error::{Error, ErrorKind, Result};
+use crate::poller::{Poller, READABLE};
 use crate::shm::names::validate_shm_name;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
 use std::io::{ErrorKind as IoKind, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -30,6 +32,13 @@ use std::time::{Duration, Instant};
 pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_millis(2000);
 /// The shortest sleep between timed rechecks, so that none can spin.
 const MIN_WAIT: Duration = Duration::from_millis(10);
+/// Event tokens: the listener, the stop signal, then session id + FIRST_SESSION.
+const LISTENER: u64 = 0;
+const STOP: u64 = 1;
+const FIRST_SESSION: u64 = 2;
+/// A client dropped with more names than this gives its memory back to
+/// the system at once (malloc_trim).
+const TRIM_AFTER: usize = 4096;
 
 /// The socket folder, created with mkdtemp (mode 0700) under the first of
 /// TMPDIR, TMP, TEMP, TEMPDIR that is set, else /tmp.
@@ -149,6 +158,12 @@ pub struct Server {
     listener: UnixListener,
     sessions: HashMap<u64, Session>,
     next_id: u64,
+    /// Sessions with a registration log (drained before each decision).
+    with_log: HashSet<u64>,
+    /// Open sessions per peer pid.
+    per_pid: HashMap<i32, usize>,
+    limits: Limits,
+    poller: Poller,
     reclaim: Reclaimer,
     /// Since when no client has been connected.
     idle_since: Option<Instant>,
@@ -171,6 +186,14 @@ impl Server {
                 return Err(Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not bind <{}>", socket.display())));
             }
         };
+        let poller = match Poller::new() {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = std::fs::remove_file(&socket);
+                let _ = std::fs::remove_dir(&dir);
+                return Err(Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), "could not create an epoll instance"));
+            }
+        };
         // std listens with a backlog of 128 (libshm: 10): many clients may
         // connect at once.
         let server = Server {
@@ -179,6 +202,10 @@ impl Server {
             listener,
             sessions: HashMap::new(),
             next_id: 0,
+            with_log: HashSet::new(),
+            per_pid: HashMap::new(),
+            limits: Limits::from_env(),
+            poller,
             reclaim: Reclaimer::default(),
             idle_since: Some(Instant::now()),
             due: None,
@@ -189,6 +216,9 @@ impl Server {
         // On failure dropping `server` removes the socket and its folder.
         server.listener.set_nonblocking(true).map_err(|e| {
             Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not make <{}> non-blocking", server.socket.display()))
+        })?;
+        server.poller.add(server.listener.as_raw_fd(), READABLE, LISTENER).map_err(|e| {
+            Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), format!("could not watch <{}>", server.socket.display()))
         })?;
         Ok(server)
     }
@@ -203,50 +233,47 @@ impl Server {
         }
     }
 
-    /// Serves until idle (or SIGTERM/SIGINT/SIGHUP), then cleans up.
+    /// Serves until idle (or SIGTERM/SIGINT/SIGHUP), then cleans up. One
+    /// epoll wait per round: an idle connection costs nothing per event.
     pub fn run(&mut self) -> Result<()> {
         let stop = stop_signal_fd();
-        let stop_fd = stop.as_ref().map_or(-1, |f| f.as_raw_fd());
+        if let Some(f) = &stop {
+            // Without it, stop requests end the process instead of a clean stop.
+            let _ = self.poller.add(f.as_raw_fd(), READABLE, STOP);
+        }
+        let mut events: Vec<libc::epoll_event> = Vec::with_capacity(256);
         loop {
             // The earlier of the pending deadline and a new one: events
             // arriving faster than a deadline must not keep pushing it back.
             let now = Instant::now();
             let wake = self.next_wakeup().map(|d| now + d.max(MIN_WAIT));
             self.due = [self.due, wake].into_iter().flatten().min();
-            let timeout = self.due.map_or(-1, |t| t.saturating_duration_since(now).as_millis().min(i32::MAX as u128) as libc::c_int);
-            let ids: Vec<u64> = self.sessions.keys().copied().collect();
-            let mut fds = Vec::with_capacity(ids.len() + 2);
-            fds.push(libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-            // A negative fd is skipped by poll: no signalfd, no stop requests.
-            fds.push(libc::pollfd { fd: stop_fd, events: libc::POLLIN, revents: 0 });
-            for id in &ids {
-                fds.push(libc::pollfd { fd: self.sessions[id].stream.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            let timeout = self.due.map(|t| t.saturating_duration_since(now));
+            if let Err(e) = self.poller.wait(&mut events, timeout) {
+                return Err(Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), "epoll_wait failed in the shared memory manager"));
             }
-            // SAFETY: fds is a valid array of pollfd of the given length.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
-            if n < 0 {
-                let errno = crate::error::errno();
-                if errno == libc::EINTR {
-                    continue;
-                }
-                return Err(Error::from_errno(errno, "poll failed in the shared memory manager"));
-            }
-            if fds[1].revents & libc::POLLIN != 0 {
+            let ready: Vec<(u64, u32)> = events.iter().map(|ev| (ev.u64, ev.events)).collect();
+            if ready.iter().any(|(token, _)| *token == STOP) {
                 self.note("stop signal");
                 break;
             }
             // What clients wrote to their logs counts before anything is
             // decided below.
             self.drain_all_logs();
-            for (i, id) in ids.iter().enumerate() {
-                let rev = fds[i + 2].revents;
-                if rev & libc::POLLIN != 0 {
-                    self.read_session(*id);
-                } else if rev & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
-                    self.drop_session(*id, "connection error");
+            let mut accept = false;
+            for (token, bits) in ready {
+                if token == LISTENER {
+                    accept = true;
+                    continue;
+                }
+                let id = token - FIRST_SESSION;
+                if bits & libc::EPOLLIN as u32 != 0 {
+                    self.read_session(id);
+                } else if bits & (libc::EPOLLERR | libc::EPOLLHUP) as u32 != 0 {
+                    self.drop_session(id, "connection error");
                 }
             }
-            if fds[0].revents & libc::POLLIN != 0 {
+            if accept {
                 self.accept_all();
             }
             // Checked after the events too, so busy clients cannot starve it.
@@ -330,9 +357,24 @@ impl Server {
                         ));
                         continue;
                     }
+                    let of_pid = self.per_pid.get(&peer_pid).copied().unwrap_or(0);
+                    if self.sessions.len() >= self.limits.clients || of_pid >= self.limits.clients_per_pid {
+                        self.note(format!(
+                            "refused a client (pid {peer_pid}): {} connections open, {of_pid} of them from that pid (limits {} and {} per pid)",
+                            self.sessions.len(),
+                            self.limits.clients,
+                            self.limits.clients_per_pid
+                        ));
+                        continue;
+                    }
                     let id = self.next_id;
                     self.next_id += 1;
+                    if self.poller.add(stream.as_raw_fd(), READABLE, id + FIRST_SESSION).is_err() {
+                        self.note(format!("refused a client (pid {peer_pid}): cannot watch its connection"));
+                        continue;
+                    }
                     self.note(format!("client {id} connected (pid {peer_pid})"));
+                    *self.per_pid.entry(peer_pid).or_default() += 1;
                     self.idle_since = None;
                     self.reclaim.trust_counts();
                     let session =
@@ -403,6 +445,7 @@ impl Server {
                 let fd = s.fds.remove(0);
                 s.log = Some(RegLog::adopt(&fd)?);
                 s.fds.clear();
+                self.with_log.insert(id);
                 if let Err(e) = self.reply(id, LOG_REPLY) {
                     reply_failed.get_or_insert(e);
                 }
@@ -417,8 +460,11 @@ impl Server {
             }
             if msg.free {
                 self.on_free(id, &msg.filename);
-            } else if let Err(e) = self.on_register(id, &msg.filename) {
-                reply_failed.get_or_insert(e);
+            } else {
+                self.check_room(id, &msg.filename)?;
+                if let Err(e) = self.on_register(id, &msg.filename) {
+                    reply_failed.get_or_insert(e);
+                }
             }
         }
     }
@@ -463,15 +509,42 @@ impl Server {
             if msg.free {
                 self.on_free(id, &msg.filename);
             } else {
+                self.check_room(id, &msg.filename)?;
                 self.count_registration(id, &msg.filename);
             }
         }
         Ok(())
     }
 
+    /// Whether `id` may register `name`: a name it holds already always
+    /// may; a new one must fit its own bound and the daemon's. Over them,
+    /// the client is dropped (the error says which bound).
+    fn check_room(&self, id: u64, name: &str) -> Result<()> {
+        let s = &self.sessions[&id];
+        if s.held.contains_key(name) {
+            return Ok(());
+        }
+        if s.held.len() >= self.limits.names_per_client {
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                format!("registers more than {} names, the most one client may hold", self.limits.names_per_client),
+            ));
+        }
+        if !self.reclaim.is_tracked(name) && self.reclaim.tracked_count() >= self.limits.names {
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                format!("registers a name while the daemon tracks {} names, the most it keeps", self.limits.names),
+            ));
+        }
+        Ok(())
+    }
+
     /// Every session's log; a session whose log is broken is dropped.
     fn drain_all_logs(&mut self) {
-        let ids: Vec<u64> = self.sessions.iter().filter(|(_, s)| s.log.is_some()).map(|(id, _)| *id).collect();
+        if self.with_log.is_empty() {
+            return;
+        }
+        let ids: Vec<u64> = self.with_log.iter().copied().collect();
         for id in ids {
             if let Err(e) = self.drain_log(id) {
                 self.drop_session(id, e.message());
@@ -529,7 +602,15 @@ impl Server {
         // a broken log ends at its first bad record.
         let _ = self.drain_log(id);
         let Some(s) = self.sessions.remove(&id) else { return };
+        self.with_log.remove(&id);
+        if let Some(n) = self.per_pid.get_mut(&s.peer_pid) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_pid.remove(&s.peer_pid);
+            }
+        }
         self.note(format!("client {id} (pid {}) gone: {why}; {} names held", s.peer_pid, s.held.len()));
+        let many = s.held.len() > TRIM_AFTER;
         // Its references stay in the headers for good: each name it held
         // is watched until only such references are left in it and no live
         // process uses it, even if other clients hold it now.
@@ -547,6 +628,19 @@ impl Server {
             self.reclaim.recheck(abandoned, |n| held_by_anyone(sessions, n))
         };
         self.noted_removals(&removed);
+        if many {
+            give_back_memory();
+        }
+    }
+}
+
+/// Returns freed heap memory to the system (glibc keeps it otherwise, and
+/// a client dropped with many names would leave the daemon that big).
+fn give_back_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases free memory of the allocator.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 

@@ -376,7 +376,13 @@ impl Opened {
             let mode = if shared { "read-write" } else { "read-only" };
             Err(Error::last_os_error(format!("unable to open {what} <{name}> in {mode} mode")))
         };
-        let made = |fd| Ok(Opened { fd, owned: true, made_here: true, name_gone: false, c_name: c_name.clone(), flags });
+        let made = |fd| {
+            if in_shm_namespace(flags) {
+                // Says in which pid namespace the pid in the name lives.
+                super::creator_record::stamp(fd);
+            }
+            Ok(Opened { fd, owned: true, made_here: true, name_gone: false, c_name: c_name.clone(), flags })
+        };
         let found = |fd| Ok(Opened { fd, owned: true, made_here: false, name_gone: false, c_name: c_name.clone(), flags });
         if oflags & libc::O_CREAT == 0 || oflags & libc::O_EXCL != 0 {
             let fd = open_raw(c_name, oflags, flags);

@@ -1,5 +1,6 @@
 //! Shared-memory allocators with ATen's names, flags and layouts.
 
+pub mod creator_record;
 pub mod flags;
 pub mod map;
 pub mod mapping;

@@ -8,6 +8,9 @@
 //! never half a value. `set` and `add` serialise their final step on an
 //! `flock` of `.lock`, so an add's read-modify-write is never interleaved
 //! with another write; the kernel drops the lock of a killed process.
+//! `.lock` is created 0600 and refused when another user owns it (see
+//! [`crate::lock_file`]), and a write waits for it no longer than the
+//! store's lock timeout.
 //! A wait sleeps on an inotify watch of the folder, so it wakes as soon
 //! as a key file is renamed into place. All waits on a store share one
 //! watch, closed soon after the last wait ends ([`SharedWatch`]). Where
@@ -30,12 +33,12 @@ use super::deadline::{deadline, expired, remaining, timeout_error, Backoff};
 use super::file_key::{file_name, is_key_file};
 use super::shared_watch::{SharedWatch, Waiter};
 use super::show_key;
+use super::torch_file_lock::{lock, Mode};
 use super::{Store, Timeout};
 use crate::error::{Error, ErrorKind, Result};
 use std::fs::FileType;
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind as IoKind, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,6 +46,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const LOCK_FILE: &str = ".lock";
+/// How long a write waits for the folder's lock unless told otherwise
+/// (c10d's default store timeout). Our own holders keep it for one rename.
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(300);
 const TMP_PREFIX: &str = ".tmp.";
 const POLL_START: Duration = Duration::from_micros(50);
 const POLL_CAP: Duration = Duration::from_millis(5);
@@ -55,6 +61,8 @@ pub struct FileStore {
     dir: PathBuf,
     lock: File,
     tmp_seq: AtomicU64,
+    /// The longest wait for `.lock` (held by a slow or stuck writer).
+    lock_timeout: Timeout,
     /// The inotify watch of the folder that waits share.
     watch: Arc<SharedWatch>,
 }
@@ -104,8 +112,16 @@ fn type_name(t: FileType) -> &'static str {
 }
 
 impl FileStore {
-    /// Opens (creating if needed) the store in folder `path`.
+    /// Opens (creating if needed) the store in folder `path`; writes wait
+    /// for the folder's lock up to [`DEFAULT_LOCK_TIMEOUT`].
     pub fn open(path: impl AsRef<Path>) -> Result<FileStore> {
+        FileStore::open_with_lock_timeout(path, Some(DEFAULT_LOCK_TIMEOUT))
+    }
+
+    /// [`open`](Self::open) with the longest wait of `set`, `add`,
+    /// `compare_set` and `delete_key` for the folder's lock (`None`: no
+    /// limit); expiry is `Timeout` naming the store.
+    pub fn open_with_lock_timeout(path: impl AsRef<Path>, lock_timeout: Timeout) -> Result<FileStore> {
         let dir = path.as_ref().to_path_buf();
         if dir.as_os_str().is_empty() {
             return Err(Error::new(ErrorKind::InvalidArgument, "file store path is empty"));
@@ -123,15 +139,9 @@ impl FileStore {
             Err(e) => return Err(io_error(e, format_args!("unable to open file store <{}>", dir.display()))),
         }
         let lock_path = dir.join(LOCK_FILE);
-        let lock = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&lock_path)
-            .map_err(|e| io_error(e, format_args!("unable to open <{}>", lock_path.display())))?;
+        let lock = crate::lock_file::open_own(&lock_path, &format!("lock file of file store <{}>", dir.display()))?;
         let watch = SharedWatch::new(dir.clone());
-        let store = FileStore { dir, lock, tmp_seq: AtomicU64::new(0), watch };
+        let store = FileStore { dir, lock, tmp_seq: AtomicU64::new(0), lock_timeout, watch };
         store.sweep_dead_temps();
         Ok(store)
     }
@@ -267,35 +277,11 @@ impl FileStore {
         })
     }
 
-    /// Runs `f` holding the folder's exclusive lock.
+    /// Runs `f` holding the folder's exclusive lock, waiting for it no
+    /// longer than the store's lock timeout.
     fn locked<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        let _guard = FlockGuard::lock(&self.lock).map_err(|e| e.context(format!("unable to lock {}", self.describe())))?;
+        let _held = lock(&self.lock, Mode::Exclusive, deadline(self.lock_timeout), &|| self.describe())?;
         f()
-    }
-}
-
-/// An exclusive `flock`, released on drop (or by the kernel if we die).
-struct FlockGuard<'a>(&'a File);
-
-impl<'a> FlockGuard<'a> {
-    fn lock(file: &'a File) -> Result<FlockGuard<'a>> {
-        loop {
-            // SAFETY: flock on a descriptor we own; no memory is involved.
-            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
-                return Ok(FlockGuard(file));
-            }
-            let errno = crate::error::errno();
-            if errno != libc::EINTR {
-                return Err(Error::from_errno(errno, "flock"));
-            }
-        }
-    }
-}
-
-impl Drop for FlockGuard<'_> {
-    fn drop(&mut self) {
-        // SAFETY: as in `lock`.
-        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
     }
 }
 

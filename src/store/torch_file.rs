@@ -105,17 +105,33 @@ impl Member {
     }
 
     /// Opens the path: for writing (created if missing, `create`), or for
-    /// reading. `None` when it does not exist.
+    /// reading. `None` when it does not exist. Never blocks (a FIFO planted
+    /// there would hold `open` until a writer came) nor follows a symbolic
+    /// link (a dangling one would make us create the file where its maker
+    /// chose), and the file must be a regular file we may trust
+    /// ([`trusted_log`]).
     fn open_file(&self, write: bool, create: bool) -> Result<Option<File>> {
         let mut options = OpenOptions::new();
-        options.read(true);
+        options.read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_NOCTTY | libc::O_CLOEXEC);
         if write {
             options.append(true).create(create).mode(0o644);
         }
         match options.open(&self.path) {
-            Ok(f) => Ok(Some(f)),
+            Ok(f) => trusted_log(f, &self.describe()).map(Some),
             Err(e) if e.kind() == IoKind::NotFound => Ok(None),
-            Err(e) => Err(io_error(e, format_args!("unable to open {}", self.describe()))),
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => Err(Error::new(
+                ErrorKind::Permission,
+                format!("{} is a symbolic link; refused (another user may have planted it to redirect our writes)", self.describe()),
+            )),
+            Err(e) => {
+                // A socket cannot be opened at all: name what is there.
+                if let Ok(meta) = std::fs::symlink_metadata(&self.path) {
+                    if !meta.is_file() {
+                        return Err(not_regular(&self.describe(), meta.file_type()));
+                    }
+                }
+                Err(io_error(e, format_args!("unable to open {}", self.describe())))
+            }
         }
     }
 
@@ -299,6 +315,41 @@ fn user_key(key: &[u8]) -> Vec<u8> {
 /// A counter (decimal text, optional sign, surrounding blanks allowed).
 fn parse_counter(bytes: &[u8]) -> Option<i64> {
     std::str::from_utf8(bytes).ok()?.trim().parse().ok()
+}
+
+/// The log file `f` if it is a regular file owned by this user (or by
+/// root): a FIFO or device is no log, and a file another user owns is one
+/// they can rewrite, truncate or grow under us.
+fn trusted_log(f: File, describe: &str) -> Result<File> {
+    let meta = f.metadata().map_err(|e| io_error(e, format_args!("unable to stat {describe}")))?;
+    if !meta.is_file() {
+        return Err(not_regular(describe, meta.file_type()));
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me && meta.uid() != 0 {
+        return Err(Error::new(
+            ErrorKind::Permission,
+            format!("{describe} belongs to uid {}, not to this user (uid {me}); refused: its owner could rewrite it under us", meta.uid()),
+        ));
+    }
+    Ok(f)
+}
+
+fn not_regular(describe: &str, t: std::fs::FileType) -> Error {
+    use std::os::unix::fs::FileTypeExt;
+    let kind = if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() || t.is_block_device() {
+        "a device"
+    } else if t.is_dir() {
+        "a folder"
+    } else {
+        "not a regular file"
+    };
+    Error::new(ErrorKind::Permission, format!("{describe} is {kind}, not a regular file; refused (a FileStore is one regular file)"))
 }
 
 fn io_error(e: std::io::Error, context: std::fmt::Arguments) -> Error {

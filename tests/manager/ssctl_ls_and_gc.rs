@@ -1,5 +1,6 @@
 //! `ssctl ls` and `ssctl gc`: what they show, what gc removes, and that a
-//! live creator's segment is never removed (also when its pid was reused).
+//! live creator's segment is never removed (also when its pid was reused,
+//! and when the creator runs in another pid namespace).
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -37,6 +38,8 @@ fn create_raw(name: &str) {
         let fd = libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600);
         assert!(fd >= 0);
         assert_eq!(libc::ftruncate(fd, 4096), 0);
+        // As the library's own segments: the pid in the name is of our namespace.
+        storage_sharing::shm::creator_record::stamp(fd);
         libc::close(fd);
     }
 }
@@ -194,4 +197,149 @@ fn demo_symm_refuses_bad_sizes() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unexpected argument \"extra\""));
     let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// A process of another pid namespace (here a child namespace made with
+/// unshare(CLONE_NEWPID), as a container sharing /dev/shm has) whose pid
+/// there names no process here: the segments it made and left unmapped
+/// (one with our creator record, one without, as PyTorch's) are kept while
+/// it lives. Once it is gone they are removed where gc can see every
+/// namespace (the initial one), else kept. Needs root for unshare.
+#[test]
+fn creator_in_another_pid_namespace_is_not_called_dead() {
+    // SAFETY: geteuid has no side effects.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIPPED creator_in_another_pid_namespace_is_not_called_dead: unshare(CLONE_NEWPID) needs root");
+        return;
+    }
+    // A pid free here: the creator gets it inside its own namespace.
+    let inner = (20_000..30_000).find(|p| std::fs::metadata(format!("/proc/{p}")).is_err()).unwrap();
+    let tag = std::process::id();
+    let stamped = format!("/torch_{inner}_{tag}_1");
+    let bare = format!("/torch_{inner}_{tag}_2");
+    let names = [CString::new(stamped.as_str()).unwrap(), CString::new(bare.as_str()).unwrap()];
+    let last_pid = CString::new((inner - 1).to_string()).unwrap();
+    let mut fds = [0; 2];
+    // SAFETY: a two-int array for pipe(2).
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: the children make only async-signal-safe calls on memory
+    // prepared before the fork, and end in pause or _exit.
+    let holder = unsafe { libc::fork() };
+    assert!(holder >= 0);
+    if holder == 0 {
+        unsafe {
+            let report = |code: i32| {
+                libc::write(fds[1], (&code as *const i32).cast(), 4);
+                libc::_exit(0)
+            };
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            if libc::unshare(libc::CLONE_NEWPID) != 0 {
+                report(-*libc::__errno_location());
+            }
+            // The first child is pid 1 of the new namespace; it sets the
+            // namespace's last pid so that its own child gets `inner`.
+            if libc::fork() == 0 {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                let f = libc::open(c"/proc/sys/kernel/ns_last_pid".as_ptr(), libc::O_WRONLY);
+                if f < 0 || libc::write(f, last_pid.as_ptr().cast(), last_pid.as_bytes().len()) < 0 {
+                    report(-1000 - *libc::__errno_location());
+                }
+                libc::close(f);
+                if libc::fork() == 0 {
+                    if libc::getpid() != inner {
+                        report(-2000 - libc::getpid());
+                    }
+                    for (i, n) in names.iter().enumerate() {
+                        let fd = libc::shm_open(n.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600);
+                        if fd < 0 || libc::ftruncate(fd, 4096) != 0 {
+                            report(-3000 - *libc::__errno_location());
+                        }
+                        if i == 0 {
+                            // The record our library writes: this namespace's inode.
+                            let mut st: libc::stat = std::mem::zeroed();
+                            if libc::stat(c"/proc/self/ns/pid".as_ptr(), &mut st) == 0 {
+                                let mut text = [0u8; 24];
+                                let mut v = st.st_ino;
+                                let mut at = text.len();
+                                loop {
+                                    at -= 1;
+                                    text[at] = b'0' + (v % 10) as u8;
+                                    v /= 10;
+                                    if v == 0 {
+                                        break;
+                                    }
+                                }
+                                libc::fsetxattr(fd, c"user.ss.pidns".as_ptr(), text[at..].as_ptr().cast(), text.len() - at, 0);
+                            }
+                        }
+                        libc::close(fd);
+                    }
+                    let code = 0i32;
+                    libc::write(fds[1], (&code as *const i32).cast(), 4);
+                    loop {
+                        libc::pause();
+                    }
+                }
+                loop {
+                    libc::pause();
+                }
+            }
+            loop {
+                libc::pause();
+            }
+        }
+    }
+    // SAFETY: our copy of the write end; then one report from the children.
+    unsafe { libc::close(fds[1]) };
+    let mut code = i32::MIN;
+    // SAFETY: reads 4 bytes into `code`.
+    unsafe { libc::read(fds[0], (&mut code as *mut i32).cast(), 4) };
+    // SAFETY: our read end.
+    unsafe { libc::close(fds[0]) };
+    let stop = || {
+        // SAFETY: our child, killed and reaped once; its namespace dies with it.
+        unsafe {
+            libc::kill(holder, libc::SIGKILL);
+            libc::waitpid(holder, std::ptr::null_mut(), 0);
+        }
+    };
+    if code == -libc::EPERM || code == -libc::EINVAL || code == -libc::ENOSYS {
+        stop();
+        eprintln!("SKIPPED creator_in_another_pid_namespace_is_not_called_dead: unshare(CLONE_NEWPID) refused here ({code})");
+        return;
+    }
+    assert_eq!(code, 0, "the creator in the new pid namespace failed (report {code})");
+    let prefix = format!("torch_{inner}_{tag}_");
+    let r = gc::collect(&prefix, false);
+    let removed: Vec<&str> = r.removed.iter().map(|s| s.name.as_str()).collect();
+    let kept_alive = shm_exists(&stamped) && shm_exists(&bare);
+    stop();
+    if !kept_alive {
+        unlink(&stamped);
+        unlink(&bare);
+    }
+    assert!(kept_alive, "gc removed {removed:?}, segments of a live creator (pid {inner} of another pid namespace)");
+    assert!(r.kept.iter().all(|s| s.creator_alive && !s.in_use), "{:?}", r.kept);
+
+    // Gone: wait until no process has `inner` in a nested namespace any more.
+    let nested_gone = || {
+        std::fs::read_dir("/proc").unwrap().flatten().all(|e| {
+            let status = std::fs::read_to_string(e.path().join("status")).unwrap_or_default();
+            let nspid = status.lines().find_map(|l| l.strip_prefix("NSpid:")).unwrap_or("");
+            !nspid.split_whitespace().skip(1).any(|p| p == inner.to_string())
+        })
+    };
+    assert!(common::wait_until(std::time::Duration::from_secs(10), nested_gone), "the creator did not go");
+    let in_init_ns = std::fs::metadata("/proc/self/ns/pid").map(|m| std::os::unix::fs::MetadataExt::ino(&m)).ok()
+        == Some(storage_sharing::manager::creator::INIT_PID_NS);
+    let r = gc::collect(&prefix, false);
+    let mut removed: Vec<&str> = r.removed.iter().map(|s| s.name.as_str()).collect();
+    removed.sort();
+    unlink(&stamped);
+    unlink(&bare);
+    if in_init_ns {
+        assert_eq!(removed, vec![stamped.as_str(), bare.as_str()], "from the initial namespace every creator can be seen");
+    } else {
+        assert!(removed.is_empty(), "removed {removed:?} although the creator's namespace cannot be seen from here");
+    }
 }

@@ -365,9 +365,9 @@ fn unknown_child_role_fails() {
     assert!(!out.status.success());
 }
 
-/// Regression (issue 30, A5, the same pattern as the FileStore log): a key's
-/// file grown sparse to 8 TiB by another process was read whole; now it is
-/// read within its size in chunks, and a hole (this store writes every byte
+/// Guards against a key's file grown sparse to 8 TiB by another process
+/// (the same attack as on the PyTorch FileStore log) being read whole: it
+/// is read within its size in chunks, and a hole (this store writes every byte
 /// of a value) is `Corrupt` naming the key, file and size, through the Rust
 /// API and the C API. Where the file system reports no holes, the size
 /// cannot be allocated: `NoSpace`, still no abort.

@@ -584,7 +584,7 @@ fn a_lock_held_by_a_stalled_peer_times_out() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-// ------------------------------------------- huge lengths (issue 30, A5)
+// ------------------------------------------- huge lengths a hostile writer declares
 
 /// The size a hostile or broken process grows the file to (sparse).
 const HUGE: u64 = 8 << 40;

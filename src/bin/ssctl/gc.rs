@@ -1,6 +1,8 @@
 //! `ssctl gc [--dry-run] [--prefix P]`: removes the segments whose creator
 //! is dead (or whose pid now belongs to a newer process) and that no live
-//! process maps or holds open, then says what it removed.
+//! process maps or holds open, then says what it removed. A creator whose
+//! pid may name a process of another pid namespace is never called dead
+//! (see `manager::creator`).
 
 use storage_sharing::manager::gc::collect;
 
@@ -16,7 +18,7 @@ pub fn run(args: &[String]) -> i32 {
                 None => return usage("--prefix needs a value"),
             },
             "-h" | "--help" => {
-                println!("usage: ssctl gc [--dry-run] [--prefix NAME_PREFIX]\nRemoves /dev/shm segments named like ours or PyTorch's whose creating process\nis gone and that no live process maps or holds open.");
+                println!("usage: ssctl gc [--dry-run] [--prefix NAME_PREFIX]\nRemoves /dev/shm segments named like ours or PyTorch's whose creating process\nis gone and that no live process maps or holds open. A creator that may live in another pid\nnamespace (a container sharing /dev/shm) counts as alive.");
                 return 0;
             }
             other => return usage(&format!("unknown argument {other}")),
@@ -32,6 +34,11 @@ pub fn run(args: &[String]) -> i32 {
             s.refcount.map_or("-".into(), |r| r.to_string()),
             s.pid
         );
+    }
+    for s in report.kept.iter().filter(|s| !s.in_use) {
+        if let Some(why) = &s.creator_unknown {
+            println!("kept {}: {why}", s.name);
+        }
     }
     for (s, e) in &report.failed {
         eprintln!("failed {}: {e}", s.name);

@@ -9,7 +9,11 @@ pub fn render(segments: &[Segment]) -> String {
     let mut out = format!("{:<40} {:>12} {:>8} {:>8} {:>7} {:>6} {:>8}\n", "NAME", "SIZE", "REFCOUNT", "PID", "CREATOR", "IN_USE", "AGE_S");
     for s in segments {
         let rc = s.refcount.map_or("-".to_string(), |r| r.to_string());
-        let alive = if s.creator_alive { "alive" } else { "dead" };
+        let alive = match (&s.creator_unknown, s.creator_alive) {
+            (Some(_), _) => "unknown",
+            (None, true) => "alive",
+            (None, false) => "dead",
+        };
         let used = if s.in_use { "yes" } else { "no" };
         out +=
             &format!("{:<40} {:>12} {:>8} {:>8} {:>7} {:>6} {:>8.0}\n", s.name, s.size, rc, s.pid, alive, used, (now - s.created).max(0.0));
@@ -28,7 +32,7 @@ pub fn run(args: &[String]) -> i32 {
                 None => return usage("--prefix needs a value"),
             },
             "-h" | "--help" => {
-                println!("usage: ssctl ls [--prefix NAME_PREFIX]\nLists /dev/shm segments named like ours or PyTorch's (torch_<pid>_..., ss_arena_<pid>_..., ss_pool_<pid>_...):\nsize, header refcount, creating pid and whether it is alive, whether a live process maps it.");
+                println!("usage: ssctl ls [--prefix NAME_PREFIX]\nLists /dev/shm segments named like ours or PyTorch's (torch_<pid>_..., ss_arena_<pid>_..., ss_pool_<pid>_...):\nsize, header refcount, creating pid and whether it is alive (unknown: it may live in a pid namespace\nthis one cannot see), whether a live process maps it.");
                 return 0;
             }
             other => return usage(&format!("unknown argument {other}")),

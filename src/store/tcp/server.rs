@@ -5,12 +5,14 @@
 //! request sets their last key.
 
 mod event_loop;
-mod poller;
+mod limits;
 mod state;
 
+pub use limits::{ServerLimits, SMALL_REQUEST};
+
 use crate::error::{Error, ErrorKind, Result};
+use crate::poller::Bell;
 use event_loop::EventLoop;
-use poller::Bell;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -23,9 +25,16 @@ pub struct TcpServer {
 }
 
 impl TcpServer {
-    /// Listens on `host:port` (port 0: any free port, see [`Self::port`]).
-    /// A port already in use is `ErrorKind::Busy`.
+    /// Listens on `host:port` (port 0: any free port, see [`Self::port`])
+    /// with the default [`ServerLimits`]. A port already in use is
+    /// `ErrorKind::Busy`.
     pub fn start(host: &str, port: u16) -> Result<TcpServer> {
+        TcpServer::start_with_limits(host, port, ServerLimits::default())
+    }
+
+    /// [`start`](Self::start) with other bounds on connections and on the
+    /// bytes of unfinished requests.
+    pub fn start_with_limits(host: &str, port: u16, limits: ServerLimits) -> Result<TcpServer> {
         let name = format!("{host}:{port}");
         let addrs: Vec<SocketAddr> = (host, port)
             .to_socket_addrs()
@@ -55,7 +64,7 @@ impl TcpServer {
         let addr = listener.local_addr().map_err(|e| Error::new(ErrorKind::Io, format!("{name}: {e}")))?;
         let io = |e: std::io::Error| Error::new(ErrorKind::Io, format!("cannot start the TCPStore server on {name}: {e}"));
         let bell = Arc::new(Bell::new().map_err(io)?);
-        let event_loop = EventLoop::new(listener, bell.clone()).map_err(io)?;
+        let event_loop = EventLoop::new(listener, bell.clone(), limits).map_err(io)?;
         let thread = std::thread::Builder::new()
             .name("ss-tcpstore".into())
             .spawn(move || event_loop.run())

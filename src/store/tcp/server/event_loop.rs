@@ -17,12 +17,20 @@
 //!   `SET`/`ADD` costs the same however many keys are waited on.
 //! - running out of descriptors: the listener is left alone for
 //!   [`ACCEPT_RETRY`] instead of failing accept in a spin.
+//! - many connections: past [`ServerLimits`]' bound per peer address or in
+//!   all (at most half the descriptor limit), a new connection is closed
+//!   as soon as it is accepted; the others go on.
+//! - big unfinished requests: one connection's may not pass its bound, and
+//!   past the bound of all of them together, a connection whose unfinished
+//!   request is over [`SMALL_REQUEST`] is closed.
 
-use super::poller::{Bell, Poller, READABLE, WRITABLE};
+use super::limits::{ServerLimits, SMALL_REQUEST};
 use super::state::{ConnId, State};
+use crate::poller::{Bell, Poller, READABLE, WRITABLE};
 use crate::store::tcp::protocol::{parse_request, Request, RequestScanner, VALIDATION_MAGIC, WAIT_STOP_WAITING};
+use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,6 +54,7 @@ const FIRST_CONN: u64 = 2;
 
 struct Conn {
     stream: TcpStream,
+    peer: IpAddr,
     /// The start of a request that has not fully arrived.
     input: Vec<u8>,
     scanner: RequestScanner,
@@ -86,10 +95,16 @@ pub struct EventLoop {
     /// Connections watched for writability (replies waiting).
     writers: usize,
     next_sweep: Instant,
+    limits: ServerLimits,
+    /// Open connections, in all and per peer address.
+    open: usize,
+    per_peer: HashMap<IpAddr, usize>,
+    /// Bytes of unfinished requests held in all connections' `input`.
+    buffered: usize,
 }
 
 impl EventLoop {
-    pub fn new(listener: TcpListener, bell: Arc<Bell>) -> std::io::Result<EventLoop> {
+    pub fn new(listener: TcpListener, bell: Arc<Bell>, limits: ServerLimits) -> std::io::Result<EventLoop> {
         listener.set_nonblocking(true)?;
         let poller = Poller::new()?;
         poller.add(listener.as_raw_fd(), READABLE, LISTENER)?;
@@ -108,6 +123,10 @@ impl EventLoop {
             dirty: Vec::new(),
             writers: 0,
             next_sweep: Instant::now(),
+            limits,
+            open: 0,
+            per_peer: HashMap::new(),
+            buffered: 0,
         })
     }
 
@@ -173,7 +192,7 @@ impl EventLoop {
     fn accept(&mut self) {
         loop {
             match self.listener.accept() {
-                Ok((stream, _)) => self.admit(stream),
+                Ok((stream, addr)) => self.admit(stream, addr.ip()),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted || e.kind() == ErrorKind::ConnectionAborted => {}
                 Err(_) => {
@@ -188,7 +207,14 @@ impl EventLoop {
         }
     }
 
-    fn admit(&mut self, stream: TcpStream) {
+    fn admit(&mut self, stream: TcpStream, peer: IpAddr) {
+        let of_peer = self.per_peer.get(&peer).copied().unwrap_or(0);
+        if self.open >= self.limits.connections_now() || of_peer >= self.limits.connections_per_peer {
+            // Over a bound: closed at once (dropping the stream), so the
+            // peer sees the refusal instead of a connection never served.
+            let _ = stream.shutdown(Shutdown::Both);
+            return;
+        }
         if stream.set_nonblocking(true).is_err() {
             return;
         }
@@ -201,8 +227,11 @@ impl EventLoop {
             self.free.push(id);
             return;
         }
+        self.open += 1;
+        *self.per_peer.entry(peer).or_default() += 1;
         self.conns[id] = Some(Conn {
             stream,
+            peer,
             input: Vec::new(),
             scanner: RequestScanner::new(),
             out: Vec::new(),
@@ -223,8 +252,20 @@ impl EventLoop {
                 // End of stream: answer what came, then close.
                 Ok(0) => conn.closing = true,
                 Ok(n) => {
+                    let before = conn.input.len();
                     take_requests(&mut self.state, conn, id, &self.scratch[..n], &mut self.woken);
+                    let after = conn.input.len();
+                    if after == 0 && conn.input.capacity() > READ_CHUNK {
+                        // A big request's room is given back once answered.
+                        conn.input = Vec::new();
+                    }
+                    self.buffered = self.buffered - before + after;
                     self.deliver_woken(id);
+                    let over_own = after > self.limits.request_bytes_per_connection;
+                    let over_all = self.buffered > self.limits.request_bytes && after > SMALL_REQUEST;
+                    if over_own || over_all {
+                        return self.close(id);
+                    }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => return,
                 Err(_) => return self.close(id),
@@ -279,6 +320,7 @@ impl EventLoop {
                 let used = answer(&mut self.state, conn, id, &input, &mut self.woken);
                 conn.input = input;
                 conn.input.drain(..used);
+                self.buffered -= used;
                 self.deliver_woken(id);
                 continue;
             }
@@ -304,6 +346,14 @@ impl EventLoop {
         let Some(conn) = self.conns[id].take() else { return };
         if conn.interest & WRITABLE != 0 {
             self.writers -= 1;
+        }
+        self.buffered -= conn.input.len();
+        self.open -= 1;
+        if let Some(n) = self.per_peer.get_mut(&conn.peer) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_peer.remove(&conn.peer);
+            }
         }
         self.state.drop_conn(id);
         let _ = conn.stream.shutdown(Shutdown::Both);

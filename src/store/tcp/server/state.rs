@@ -373,9 +373,9 @@ mod tests {
         Request::Set { key: k.into(), value: b"v".to_vec() }
     }
 
-    /// Regression (issue 30, A6): every SET/ADD looked at every parked
-    /// waiter. Now a write looks only at the waiters of its own key, and
-    /// wakes exactly those that are complete.
+    /// Guards against a client that parks many WAIT keys slowing everyone
+    /// down: a write looks only at the waiters of its own key (not at every
+    /// parked waiter), and wakes exactly those that are complete.
     #[test]
     fn a_write_looks_only_at_the_waiters_of_its_key() {
         let mut st = State::default();

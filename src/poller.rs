@@ -1,4 +1,5 @@
-//! The few epoll and eventfd calls the event loop needs, as safe functions.
+//! The few epoll and eventfd calls the daemons' event loops need (the
+//! TCPStore server's and the shared-memory manager's), as safe functions.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

@@ -14,6 +14,7 @@ pub mod ffi;
 pub mod fork_safe;
 pub mod log;
 pub mod manager;
+pub mod proc_identity;
 pub mod shm;
 pub mod storage;
 pub mod store;

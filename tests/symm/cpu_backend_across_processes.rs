@@ -315,13 +315,15 @@ fn role_broadcast(me: Rank) {
     me.join("bcast");
     let info = group::get_group_info("bcast").unwrap();
     let channel = IpcChannel::open().unwrap();
-    let mine = format!("{} {}", std::process::id(), channel.name());
+    let mine = format!("{} {} {}", std::process::id(), storage_sharing::proc_identity::me().1, channel.name());
     let peers: Vec<PeerSocket> = exchange::all_gather(&info, "bcast", mine.as_bytes(), t(20_000))
         .unwrap()
         .iter()
         .map(|b| {
-            let (pid, name) = std::str::from_utf8(b).unwrap().split_once(' ').unwrap();
-            PeerSocket { pid: pid.parse().unwrap(), name: name.to_string() }
+            let mut words = std::str::from_utf8(b).unwrap().splitn(3, ' ');
+            let mut next = || words.next().unwrap();
+            let (pid, start, name) = (next().parse().unwrap(), next().parse().unwrap(), next().to_string());
+            PeerSocket { pid, start, name }
         })
         .collect();
     let deadline = Some(Instant::now() + Duration::from_secs(20));

@@ -158,7 +158,7 @@ impl IpcChannel {
                 ErrorKind::Permission,
                 format!(
                     "{}: the socket belongs to pid {pid} (uid {uid}, started at clock tick {}), not to rank {to_rank}'s process {} \
-                     of uid {} started at tick {}; its block descriptor was not sent",
+                     of uid {} started at tick {} (a pid reused after that rank exited, or another process); its block descriptor was not sent",
                     reach(),
                     start_text(pid),
                     to.pid,

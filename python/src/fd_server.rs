@@ -213,7 +213,9 @@ fn answer(conn: &UnixStream, arena: &SharedArena) -> std::io::Result<()> {
 pub fn fetch(name: &str, producer_pid: i32, producer_start: u64, segment_id: u64, timeout: Duration) -> Result<OwnedFd> {
     let producer = Producer { name, pid: producer_pid, start: producer_start };
     ask(&producer, timeout, |conn, left, what| {
-        (&*conn).write_all(&segment_id.to_le_bytes()).map_err(|e| io_err(e, what))?;
+        if let Err(e) = (&*conn).write_all(&segment_id.to_le_bytes()) {
+            return if hung_up(&e) { Ok(None) } else { Err(io_err(e, what)) };
+        }
         let mut pfd = libc::pollfd { fd: conn.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
         // SAFETY: one valid pollfd.
@@ -231,6 +233,12 @@ pub fn fetch(name: &str, producer_pid: i32, producer_start: u64, segment_id: u64
             _ => Err(Error::new(ErrorKind::NotFound, format!("{what}: segment {segment_id}: {}", String::from_utf8_lossy(&buf[1..n])))),
         }
     })
+}
+
+/// Whether a write failed because the server closed the connection (it
+/// had no room for it: the `BUSY` byte was its last word).
+pub fn hung_up(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EPIPE) | Some(libc::ECONNRESET))
 }
 
 /// The process whose fd server a consumer asks, as its handle names it.

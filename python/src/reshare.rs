@@ -57,7 +57,9 @@ pub fn request(name: &str, held: &ArenaHandle, timeout: Duration) -> Result<Aren
         let mut req = Vec::with_capacity(8 + WIRE_SIZE);
         req.extend_from_slice(&REQUEST.to_le_bytes());
         req.extend_from_slice(&held.encode());
-        (&*conn).write_all(&req).map_err(io)?;
+        if let Err(e) = (&*conn).write_all(&req) {
+            return if fd_server::hung_up(&e) { Ok(None) } else { Err(io(e)) };
+        }
         let mut buf = Vec::new();
         (&*conn).take(MAX_ANSWER as u64).read_to_end(&mut buf).map_err(|e| match e.kind() {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {

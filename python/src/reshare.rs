@@ -61,7 +61,7 @@ pub fn request(name: &str, held: &ArenaHandle, timeout: Duration) -> Result<Aren
             return if fd_server::hung_up(&e) { Ok(None) } else { Err(io(e)) };
         }
         let mut buf = Vec::new();
-        (&*conn).take(MAX_ANSWER as u64).read_to_end(&mut buf).map_err(|e| match e.kind() {
+        conn.take(MAX_ANSWER as u64).read_to_end(&mut buf).map_err(|e| match e.kind() {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
                 Error::new(ErrorKind::Timeout, format!("{what}: no answer to a reshare in {timeout:?}"))
             }

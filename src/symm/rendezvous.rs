@@ -42,7 +42,8 @@ pub fn run(block: &dyn SymmBlock, backend: &str, group: &GroupInfo, timeout: Tim
     block.check_requests(&requests, &group.name)?;
 
     let own = block.export()?;
-    let peers: Vec<PeerSocket> = requests.iter().zip(sides).map(|(r, s)| PeerSocket { pid: r.pid, start: s.start, name: s.socket }).collect();
+    let peers: Vec<PeerSocket> =
+        requests.iter().zip(sides).map(|(r, s)| PeerSocket { pid: r.pid, start: s.start, name: s.socket }).collect();
     let fds = channel
         .all_gather(own.as_raw_fd(), group.rank, &peers, deadline)
         .map_err(|e| e.context(format!("rendezvous of group {} on rank {}", group.name, group.rank)))?;

@@ -136,7 +136,10 @@ fn a_sealed_hugetlb_descriptor_is_refused_before_it_is_mapped() {
     // SAFETY: memfd_create with a NUL-terminated name.
     let raw = unsafe { libc::memfd_create(c"forged-huge".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | libc::MFD_HUGETLB) };
     if raw < 0 {
-        println!("a_sealed_hugetlb_descriptor_is_refused_before_it_is_mapped: skipped: no hugetlbfs memfd here ({})", std::io::Error::last_os_error());
+        println!(
+            "a_sealed_hugetlb_descriptor_is_refused_before_it_is_mapped: skipped: no hugetlbfs memfd here ({})",
+            std::io::Error::last_os_error()
+        );
         return;
     }
     // SAFETY: a descriptor memfd_create just gave us.

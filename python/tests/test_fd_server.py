@@ -62,11 +62,26 @@ def _gone_producer():
     return ss.Handle.from_bytes(raw), address, segment
 
 
-def _fork_at(pid):
+def _producer_start(h):
+    """The producer's start tick a handle records (bytes 16..24)."""
+    return int.from_bytes(bytes(h)[16:24], "little")
+
+
+def _now_tick():
+    with open("/proc/uptime") as f:
+        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
+def _fork_at(pid, after_tick):
     """os.fork() with the child at `pid` (free now), steering the kernel's
     next pid through /proc/sys/kernel/ns_last_pid (root only); other
-    processes fork too, so it tries again until the child has it. Returns
-    what os.fork() does, or skips the test where the pid cannot be chosen."""
+    processes fork too, so it tries again until the child has it. Waits
+    first until the clock passed `after_tick` (the start tick of the pid's
+    last process: start times count 10 ms ticks, and an attacker without
+    root needs far longer to get a pid again). Returns what os.fork()
+    does, or skips the test where the pid cannot be chosen."""
+    while _now_tick() <= after_tick + 1:
+        time.sleep(0.005)
     for _ in range(2000):
         try:
             with open("/proc/sys/kernel/ns_last_pid", "w") as f:
@@ -92,14 +107,14 @@ def _send_forged_segment(conn, forged):
     socket.send_fds(conn, [b"\0"], [mfd])
 
 
-def _stranger(address, forged, as_nobody, at_pid=None, answer=None):
+def _stranger(address, forged, as_nobody, at_pid=None, answer=None, after_tick=0):
     """A forked child that binds `address` (as uid 65534 if `as_nobody`,
     as process `at_pid` if given) and answers a request with `answer(conn)`,
     by default a memfd of its own holding `forged`, sealed against
     shrinking (so only the peer check can refuse it). Returns its pid once
     it listens."""
     r, w = os.pipe()
-    pid = os.fork() if at_pid is None else _fork_at(at_pid)
+    pid = os.fork() if at_pid is None else _fork_at(at_pid, after_tick)
     if pid == 0:
         code = 1
         try:
@@ -140,7 +155,7 @@ def _forged_answer_is_refused(as_nobody, at_producers_pid=False):
     forged = bytearray(segment)
     forged[h.offset : h.offset + len(FORGED)] = FORGED
     at_pid = h.producer_pid if at_producers_pid else None
-    stranger = _stranger(address, bytes(forged), as_nobody, at_pid)
+    stranger = _stranger(address, bytes(forged), as_nobody, at_pid, after_tick=_producer_start(h))
     cached = ss.remote_cache_size()
     try:
         with pytest.raises(PermissionError) as e:
@@ -219,7 +234,7 @@ def test_reshare_refuses_a_process_that_got_the_producers_pid():
             request += conn.recv(8 + len(raw) - len(request))
         conn.sendall(b"\0" + request[8:])
 
-    stranger = _stranger(address, b"", False, at_pid=h.producer_pid, answer=echo_the_held_handle)
+    stranger = _stranger(address, b"", False, at_pid=h.producer_pid, answer=echo_the_held_handle, after_tick=_producer_start(h))
     try:
         with pytest.raises(PermissionError) as e:
             made = _native.reshare(h, address, 30.0)

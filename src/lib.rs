@@ -16,6 +16,7 @@ pub mod lock_file;
 pub mod log;
 pub mod manager;
 pub(crate) mod poller;
+pub mod proc_identity;
 pub mod shm;
 pub mod storage;
 pub mod store;

@@ -374,7 +374,8 @@ pub fn open_shared(py: Python<'_>, handle: &Handle, address: &str, timeout: f64)
         // Mapped and opened under one lock: a large block's segment goes
         // with its last view, which another thread may drop meanwhile.
         let fetch_and_open = || {
-            let fd = fd_server::fetch(&address, h.key.producer_pid, h.key.segment_id, Duration::from_secs_f64(timeout))?;
+            let fd =
+                fd_server::fetch(&address, h.key.producer_pid, h.key.producer_start, h.key.segment_id, Duration::from_secs_f64(timeout))?;
             arena::remote::open_with_fd(&h, fd)
         };
         if h.strategy == Strategy::Fd && !arena::remote::has_segment(&h) {

@@ -9,14 +9,12 @@
 //! new handle, or 1 and a message.
 
 use crate::arena::SharedArena;
+use crate::fd_server::{self, Producer};
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 use storage_sharing::arena::handle::WIRE_SIZE;
 use storage_sharing::arena::ArenaHandle;
-use storage_sharing::fdpass::peer;
 use storage_sharing::{Error, ErrorKind, Result};
 
 /// The request word that asks for a reshare instead of a segment's fd.
@@ -49,34 +47,33 @@ pub fn answer(conn: &UnixStream, arena: &SharedArena) -> std::io::Result<()> {
 
 /// The consumer's side: asks the producer's fd server `name` for a new
 /// share of the block `held` (a handle this process opened and holds).
+/// Only the producer itself may answer (the process of the handle's pid
+/// and start time): one that took over the name, or the pid, after the
+/// producer went could hand out a handle of its own.
 pub fn request(name: &str, held: &ArenaHandle, timeout: Duration) -> Result<ArenaHandle> {
-    let what = format!("arena fd server <@{name}>");
-    let io = |e: std::io::Error| Error::new(ErrorKind::Io, format!("{what}: sharing on a received block: {e}"));
-    let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(io)?;
-    let conn = UnixStream::connect_addr(&addr).map_err(|e| {
-        Error::new(ErrorKind::PeerGone, format!("{what}: {e} (the process that made the block is gone or closed its arena)"))
-    })?;
-    // Only the producer itself may answer: a process that took over the
-    // name after the producer went could hand out a handle of its own.
-    peer::expect_process(conn.as_raw_fd(), held.key.producer_pid, &what)?;
-    conn.set_write_timeout(Some(timeout)).map_err(io)?;
-    conn.set_read_timeout(Some(timeout)).map_err(io)?;
-    let mut req = Vec::with_capacity(8 + WIRE_SIZE);
-    req.extend_from_slice(&REQUEST.to_le_bytes());
-    req.extend_from_slice(&held.encode());
-    (&conn).write_all(&req).map_err(io)?;
-    let mut buf = Vec::new();
-    (&conn).take(MAX_ANSWER as u64).read_to_end(&mut buf).map_err(|e| match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            Error::new(ErrorKind::Timeout, format!("{what}: no answer to a reshare in {timeout:?}"))
+    let producer = Producer { name, pid: held.key.producer_pid, start: held.key.producer_start };
+    fd_server::ask(&producer, timeout, |conn, _, what| {
+        let io = |e: std::io::Error| Error::new(ErrorKind::Io, format!("{what}: sharing on a received block: {e}"));
+        let mut req = Vec::with_capacity(8 + WIRE_SIZE);
+        req.extend_from_slice(&REQUEST.to_le_bytes());
+        req.extend_from_slice(&held.encode());
+        if let Err(e) = (&*conn).write_all(&req) {
+            return if fd_server::hung_up(&e) { Ok(None) } else { Err(io(e)) };
         }
-        _ => io(e),
-    })?;
-    match buf.split_first() {
-        Some((0, h)) => ArenaHandle::decode(h),
-        Some((_, why)) => {
-            Err(Error::new(ErrorKind::InvalidArgument, format!("{what} refused to share the block on: {}", String::from_utf8_lossy(why))))
+        let mut buf = Vec::new();
+        conn.take(MAX_ANSWER as u64).read_to_end(&mut buf).map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                Error::new(ErrorKind::Timeout, format!("{what}: no answer to a reshare in {timeout:?}"))
+            }
+            _ => io(e),
+        })?;
+        match buf.split_first() {
+            None | Some((&fd_server::BUSY, _)) => Ok(None),
+            Some((0, h)) => ArenaHandle::decode(h).map(Some),
+            Some((_, why)) => Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("{what} refused to share the block on: {}", String::from_utf8_lossy(why)),
+            )),
         }
-        None => Err(Error::new(ErrorKind::PeerGone, format!("{what} closed the connection without an answer"))),
-    }
+    })
 }

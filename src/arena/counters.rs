@@ -114,41 +114,10 @@ impl HoldSlot {
     }
 }
 
-/// `(pid, start time in clock ticks)` of this process, looked up once per
-/// process (a forked child looks again).
-pub fn me() -> (i32, u64) {
-    use crate::fork_safe::ForkSafeMutex;
-    static CACHE: ForkSafeMutex<(i32, u64)> = ForkSafeMutex::new((0, 0));
-    let pid = std::process::id() as i32;
-    let mut c = CACHE.lock_static();
-    if c.0 != pid {
-        *c = (pid, start_ticks(pid).map(|(s, _)| s).unwrap_or(0));
-    }
-    *c
-}
-
-/// Start time (clock ticks since boot, field 22 of /proc/<pid>/stat) and
-/// state letter of `pid`, or None when there is no such process.
-fn start_ticks(pid: i32) -> Option<(u64, char)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) is in parentheses and may hold spaces.
-    let rest = stat.get(stat.rfind(')')? + 2..)?;
-    let mut fields = rest.split_whitespace();
-    let state = fields.next()?.chars().next()?;
-    Some((fields.nth(18)?.parse().ok()?, state))
-}
-
-/// Whether the process that recorded `(pid, start)` still runs: it exists,
-/// is not a zombie, and started at that time (not a reused pid).
-pub fn alive(pid: i32, start: u64) -> bool {
-    if pid <= 0 {
-        return false;
-    }
-    match start_ticks(pid) {
-        Some((s, state)) => s == start && state != 'Z' && state != 'X',
-        None => false,
-    }
-}
+/// `(pid, start time in clock ticks)` of this process, and whether a
+/// recorded `(pid, start)` still runs (not a reused pid): see
+/// [`crate::proc_identity`].
+pub use crate::proc_identity::{alive, me};
 
 /// A cheap first look (one kill(pid, 0), no /proc read): false only when
 /// `pid` surely is gone. A reused pid reads as alive here; callers that

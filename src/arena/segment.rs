@@ -8,7 +8,7 @@
 use super::counters::{HoldSlot, SLOT_SIZE};
 use super::handle::Strategy;
 use crate::error::{errno, Error, ErrorKind, Result};
-use crate::fdpass::seals::{check_received, file_size, seal_against_shrinking, sealable_memfd};
+use crate::fdpass::seals::{check_named, check_received, seal_against_shrinking, sealable_memfd};
 use crate::shm::reserve::reserve;
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -178,7 +178,9 @@ impl Segment {
     /// `data_size` describe. A received descriptor must be sealed against
     /// shrinking (as `create` seals every memfd segment) and cover the
     /// data and header: one that its sender could truncate would crash
-    /// this process with SIGBUS, so it is refused unmapped.
+    /// this process with SIGBUS, so it is refused unmapped. A file opened
+    /// by name must be this user's and written by nobody else (another
+    /// user may have taken the name after the producer exited).
     pub fn open(key: SegmentKey, strategy: Strategy, data_size: usize, fd: Option<OwnedFd>, name: Option<&str>) -> Result<Segment> {
         let what = name.map(str::to_string).unwrap_or_else(|| format!("arena segment {} of pid {}", key.segment_id, key.producer_pid));
         let least = data_size.saturating_add(HEADER_SIZE);
@@ -189,7 +191,9 @@ impl Segment {
             }
             (None, Some(n)) => {
                 let fd = shm_open_existing(n)?;
-                let total = file_size(fd.as_raw_fd(), &format!("<{what}>"))?;
+                // A name can be taken by another user once the producer
+                // gave it up: map only a file of this user nobody else writes.
+                let total = check_named(fd.as_raw_fd(), least, &format!("<{what}>"))?;
                 (fd, total)
             }
             (None, None) => return Err(Error::new(ErrorKind::InvalidArgument, "a segment needs an fd or a name")),
@@ -364,7 +368,7 @@ fn shm_open_existing(name: &str) -> Result<OwnedFd> {
     crate::shm::names::validate_shm_name(name)?;
     let c = CString::new(name).map_err(|_| Error::new(ErrorKind::InvalidArgument, "NUL in segment name"))?;
     // SAFETY: as above.
-    let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+    let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK, 0) };
     if fd < 0 {
         let e = errno();
         let mut err = Error::from_errno(e, format!("unable to open arena segment <{name}>"));

@@ -2,7 +2,9 @@
 //! no file permissions, so whoever binds it first (any user) answers
 //! there; before trusting a descriptor or sending one, a side checks the
 //! kernel's record of the peer (`SO_PEERCRED`: the process that connected,
-//! or the one that listened).
+//! or the one that listened). A pid is checked with the start time the
+//! caller recorded for it ([`crate::proc_identity`]): a process that got
+//! the pid of an exited one passes for it by pid and uid alone.
 
 use crate::error::{Error, ErrorKind, Result};
 use std::io;
@@ -48,6 +50,26 @@ pub fn expect_process(sock: RawFd, want: i32, what: &str) -> Result<()> {
     ))
 }
 
+/// [`expect_process`] for the process that started at `want_start` (clock
+/// ticks since boot, as [`crate::proc_identity::start_ticks`] reads it):
+/// a process that got pid `want` after the one the caller means exited is
+/// refused (`Permission`). A peer that is gone by the time its start time
+/// is read cannot be told apart and is `PeerGone`.
+pub fn expect_process_started(sock: RawFd, want: i32, want_start: u64, what: &str) -> Result<()> {
+    expect_process(sock, want, what)?;
+    match crate::proc_identity::start_and_state(want) {
+        Some((start, state)) if start == want_start && state != 'Z' && state != 'X' => Ok(()),
+        Some((start, _)) if start != want_start => Err(Error::new(
+            ErrorKind::Permission,
+            format!(
+                "{what}: the socket belongs to pid {want}, but to a process that started at clock tick {start}, not to the one of tick {want_start} \
+                 expected there (the pid was reused after that process exited); refused"
+            ),
+        )),
+        _ => Err(Error::new(ErrorKind::PeerGone, format!("{what}: process {want} exited while it was being checked"))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -63,5 +85,10 @@ mod tests {
         let e = expect_process(a.as_raw_fd(), me + 1, "test").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Permission, "{e}");
         assert!(e.message().contains(&format!("pid {me}")), "{e}");
+        let start = crate::proc_identity::me().1;
+        expect_process_started(a.as_raw_fd(), me, start, "test").unwrap();
+        let e = expect_process_started(a.as_raw_fd(), me, start + 1, "test").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Permission, "{e}");
+        assert!(e.message().contains("reused"), "{e}");
     }
 }

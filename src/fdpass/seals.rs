@@ -4,7 +4,14 @@
 //! symmetric-memory blocks) are sealed against shrinking when made, and a
 //! descriptor received for mapping is accepted only with that seal and a
 //! size that covers the mapping: the sender can then neither shrink it
-//! nor, having sealed it, unseal it.
+//! nor, having sealed it, unseal it. Sealed or not, a hugetlbfs file can
+//! have holes punched in it, and a hole that finds no free huge page is a
+//! SIGBUS too: such descriptors are refused.
+//!
+//! A file opened by name (a by-name arena segment) cannot be sealed; it is
+//! mapped only when this user owns it and nobody else may write it
+//! ([`check_named`]): then no other user can shrink it. (A process of the
+//! same user could, but it could as well signal this one.)
 
 use crate::error::{Error, ErrorKind, Result};
 use std::ffi::CStr;
@@ -74,11 +81,81 @@ pub fn check_received(fd: RawFd, need: usize, what: &str) -> Result<usize> {
             ),
         ));
     }
+    refuse_hugetlbfs(fd, what)?;
     let size = file_size(fd, what)?;
     if size < need {
         return Err(Error::new(
             ErrorKind::SizeMismatch,
             format!("{what}: refused, the descriptor holds {size} bytes, fewer than the {need} to be mapped; nothing was mapped"),
+        ));
+    }
+    Ok(size)
+}
+
+/// hugetlbfs's `f_type` (linux/magic.h).
+const HUGETLBFS_MAGIC: u64 = 0x9584_58f6;
+
+/// Refuses a descriptor on hugetlbfs (a `MFD_HUGETLB` memfd): the seal
+/// against shrinking does not stop its sender from punching holes
+/// (`fallocate`), and touching a hole when no huge page is free is SIGBUS.
+fn refuse_hugetlbfs(fd: RawFd, what: &str) -> Result<()> {
+    // SAFETY: plain data filled by fstatfs.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: st is valid for the call; a bad descriptor gives EBADF.
+    if unsafe { libc::fstatfs(fd, &mut st) } != 0 {
+        return Err(Error::last_os_error(format!("fstatfs of {what}")));
+    }
+    if st.f_type as u64 & 0xffff_ffff == HUGETLBFS_MAGIC {
+        return Err(Error::new(
+            ErrorKind::Permission,
+            format!(
+                "{what}: refused, the descriptor is a hugetlbfs file (a MFD_HUGETLB memfd): its sender can punch holes in it despite the seal, \
+                 and a hole with no free huge page crashes this process with SIGBUS; nothing was mapped"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a file opened by name before it is mapped: a regular file that
+/// this process's user owns and that neither group nor others may write,
+/// of at least `need` bytes. Returns its size. Anything else is refused
+/// unmapped (`Permission`, or `SizeMismatch` when too small): a file of
+/// another user at a name the producer gave up, that user could truncate
+/// under the mapping (SIGBUS) or fill with bytes of its choosing.
+pub fn check_named(fd: RawFd, need: usize, what: &str) -> Result<usize> {
+    // SAFETY: plain data filled by fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: st is valid for the call; a bad descriptor gives EBADF.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(Error::last_os_error(format!("fstat of {what}")));
+    }
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let mode = st.st_mode & 0o7777;
+    let why = if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        Some("it is not a regular file".to_string())
+    } else if st.st_uid != me {
+        Some(format!("it belongs to uid {} (mode {mode:04o}), not to this process's uid {me}", st.st_uid))
+    } else if mode & 0o022 != 0 {
+        Some(format!("its mode {mode:04o} lets other users write it"))
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        return Err(Error::new(
+            ErrorKind::Permission,
+            format!(
+                "{what}: refused, {why}: another user could have put it at the producer's name, and could truncate it under the mapping \
+                 (SIGBUS); nothing was mapped"
+            ),
+        ));
+    }
+    let size = st.st_size.max(0) as usize;
+    if size < need {
+        return Err(Error::new(
+            ErrorKind::SizeMismatch,
+            format!("{what}: refused, the file holds {size} bytes, fewer than the {need} to be mapped; nothing was mapped"),
         ));
     }
     Ok(size)
@@ -123,5 +200,44 @@ mod tests {
         // A file that is no memfd has no seals at all.
         let f = std::fs::File::open("/proc/self/stat").unwrap();
         assert_eq!(check_received(f.as_raw_fd(), 0, "a proc file").unwrap_err().kind(), ErrorKind::Permission);
+    }
+
+    #[test]
+    fn a_sealed_hugetlb_memfd_is_refused() {
+        let raw = crate::syscalls::memfd_create(c"ss-huge-test", libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | libc::MFD_HUGETLB);
+        if raw < 0 {
+            println!("skipped: no hugetlbfs memfd here ({})", std::io::Error::last_os_error());
+            return;
+        }
+        // SAFETY: a fresh descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        sized(&fd, 2 << 20);
+        seal_against_shrinking(fd.as_raw_fd(), "a hugetlb memfd").unwrap();
+        let e = check_received(fd.as_raw_fd(), 4096, "huge").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Permission, "{e}");
+        assert!(e.message().contains("hugetlbfs"), "{e}");
+    }
+
+    #[test]
+    fn a_named_file_must_be_ours_and_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("ss-check-named-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f");
+        let f = std::fs::File::create(&path).unwrap();
+        f.set_len(8192).unwrap();
+        f.set_permissions(std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(check_named(f.as_raw_fd(), 8192, "ours").unwrap(), 8192);
+        assert_eq!(check_named(f.as_raw_fd(), 8193, "ours").unwrap_err().kind(), ErrorKind::SizeMismatch);
+        for mode in [0o620, 0o602, 0o666] {
+            f.set_permissions(std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = check_named(f.as_raw_fd(), 0, "writable").unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Permission, "{e}");
+            assert!(e.message().contains(&format!("{mode:04o}")), "{e}");
+        }
+        let d = std::fs::File::open(&dir).unwrap();
+        assert_eq!(check_named(d.as_raw_fd(), 0, "a folder").unwrap_err().kind(), ErrorKind::Permission);
+        drop(f);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -6,8 +6,9 @@
 //! after it listens. Every message is one short connection: the sender
 //! checks that the listener is the peer's process, the receiver that the
 //! connecting process is the peer it waits for (pid from the peer's
-//! rendezvous request, same user), so neither hands a descriptor to, nor
-//! maps one from, a stranger.
+//! rendezvous request and start time from its side details, same user),
+//! so neither hands a descriptor to, nor maps one from, a stranger, nor a
+//! process that got the pid of a peer that exited.
 //!
 //! The all-gather is a ring: at step k (1..ws) each rank sends the
 //! descriptor it holds to rank+1 and receives the one of rank-k from rank-1,
@@ -22,11 +23,21 @@ use crate::fdpass::{recv_fds, send_fds};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
-/// Where a rank listens: its process and its socket's name.
+/// Where a rank listens: its process (pid and start time, see
+/// [`crate::proc_identity`]) and its socket's name.
 #[derive(Clone, Debug)]
 pub struct PeerSocket {
     pub pid: i32,
+    pub start: u64,
     pub name: String,
+}
+
+impl PeerSocket {
+    /// Whether (`pid`, `uid`) of a socket is this peer's process, running
+    /// as this user (and not a process that got its pid after it exited).
+    fn is(&self, pid: i32, uid: u32) -> bool {
+        is_expected(pid, uid, self.pid) && crate::proc_identity::start_ticks(pid) == Some(self.start)
+    }
 }
 
 /// This process's listening socket for one rendezvous; it is gone (with
@@ -132,7 +143,7 @@ impl IpcChannel {
             if !not_yet {
                 return Err(io_error(e, reach()));
             }
-            if !process_alive(to.pid) {
+            if !crate::proc_identity::alive(to.pid, to.start) {
                 return Err(Error::new(ErrorKind::PeerGone, format!("{}: the process exited", reach())));
             }
             if deadline.is_some_and(|d| Instant::now() + pause > d) {
@@ -142,15 +153,17 @@ impl IpcChannel {
             pause = (pause * 2).min(Duration::from_millis(5));
         };
         let (pid, uid) = abstract_socket::peer(conn.as_raw_fd()).map_err(|e| io_error(e, reach()))?;
-        if !is_expected(pid, uid, to.pid) {
+        if !to.is(pid, uid) {
             return Err(Error::new(
                 ErrorKind::Permission,
                 format!(
-                    "{}: the socket belongs to pid {pid} (uid {uid}), not to rank {to_rank}'s process {} of uid {}; \
-                     its block descriptor was not sent",
+                    "{}: the socket belongs to pid {pid} (uid {uid}, started at clock tick {}), not to rank {to_rank}'s process {} \
+                     of uid {} started at tick {} (a pid reused after that rank exited, or another process); its block descriptor was not sent",
                     reach(),
+                    start_text(pid),
                     to.pid,
-                    my_uid()
+                    my_uid(),
+                    to.start
                 ),
             ));
         }
@@ -172,7 +185,7 @@ impl IpcChannel {
         let waiting = || format!("waiting for a block descriptor from rank {from_rank} (pid {})", from.pid);
         let mut refused: Option<(i32, u32)> = None;
         let conn = loop {
-            match wait_readable(self.listener.as_raw_fd(), deadline, from.pid) {
+            match wait_readable(self.listener.as_raw_fd(), deadline, from) {
                 Ok(()) => {}
                 Err(e) => {
                     let e = e.context(waiting());
@@ -188,12 +201,12 @@ impl IpcChannel {
                 Err(e) => return Err(io_error(e, format!("accept on @{}", self.name))),
             };
             let (pid, uid) = abstract_socket::peer(conn.as_raw_fd()).map_err(|e| io_error(e, waiting()))?;
-            if is_expected(pid, uid, from.pid) {
+            if from.is(pid, uid) {
                 break conn;
             }
             refused = Some((pid, uid));
         };
-        wait_readable(conn.as_raw_fd(), deadline, from.pid).map_err(|e| e.context(waiting()))?;
+        wait_readable(conn.as_raw_fd(), deadline, from).map_err(|e| e.context(waiting()))?;
         let mut buf = [0u8; 4];
         let (n, mut fds) = recv_fds(conn.as_raw_fd(), &mut buf, 1)?;
         if n != 4 || fds.len() > 1 {
@@ -206,10 +219,9 @@ impl IpcChannel {
     }
 }
 
-/// Whether process `pid` exists (EPERM: it does, owned by someone else).
-fn process_alive(pid: i32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists.
-    unsafe { libc::kill(pid, 0) == 0 || crate::error::errno() == libc::EPERM }
+/// The start time of `pid` for a message ("?" when it is gone).
+fn start_text(pid: i32) -> String {
+    crate::proc_identity::start_ticks(pid).map_or_else(|| "?".to_string(), |s| s.to_string())
 }
 
 fn io_error(e: std::io::Error, what: String) -> Error {
@@ -217,8 +229,8 @@ fn io_error(e: std::io::Error, what: String) -> Error {
 }
 
 /// Polls `fd` for input until `deadline` (None: forever); gives up early
-/// with `PeerGone` once process `peer` has exited.
-fn wait_readable(fd: RawFd, deadline: Option<Instant>, peer: i32) -> Result<()> {
+/// with `PeerGone` once the process of `peer` has exited.
+fn wait_readable(fd: RawFd, deadline: Option<Instant>, peer: &PeerSocket) -> Result<()> {
     loop {
         let slice = match deadline {
             None => LIVENESS_CHECK,
@@ -240,8 +252,8 @@ fn wait_readable(fd: RawFd, deadline: Option<Instant>, peer: i32) -> Result<()> 
         if rc < 0 && crate::error::errno() != libc::EINTR {
             return Err(Error::last_os_error("poll"));
         }
-        if rc == 0 && !process_alive(peer) {
-            return Err(Error::new(ErrorKind::PeerGone, format!("process {peer} exited")));
+        if rc == 0 && !crate::proc_identity::alive(peer.pid, peer.start) {
+            return Err(Error::new(ErrorKind::PeerGone, format!("process {} exited", peer.pid)));
         }
     }
 }

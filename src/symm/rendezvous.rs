@@ -27,7 +27,11 @@ pub fn run(block: &dyn SymmBlock, backend: &str, group: &GroupInfo, timeout: Tim
     // reaches this process. The socket vanishes with the process, so a
     // rank killed while it waits for the others leaves nothing behind.
     let channel = IpcChannel::open()?;
-    let side = SideInfo { signal_pad_size: layout.signal_pad_size as u64, socket: channel.name().to_string() };
+    let side = SideInfo {
+        signal_pad_size: layout.signal_pad_size as u64,
+        start: crate::proc_identity::me().1,
+        socket: channel.name().to_string(),
+    };
     let (gathered, sides) = exchange::all_gather_with_side(group, &prefix, &mine.to_bytes(), &side.to_bytes(), timeout)?;
     let context = |e: Error| e.context(format!("rendezvous of group {}", group.name));
     let requests =
@@ -38,7 +42,8 @@ pub fn run(block: &dyn SymmBlock, backend: &str, group: &GroupInfo, timeout: Tim
     block.check_requests(&requests, &group.name)?;
 
     let own = block.export()?;
-    let peers: Vec<PeerSocket> = requests.iter().zip(sides).map(|(r, s)| PeerSocket { pid: r.pid, name: s.socket }).collect();
+    let peers: Vec<PeerSocket> =
+        requests.iter().zip(sides).map(|(r, s)| PeerSocket { pid: r.pid, start: s.start, name: s.socket }).collect();
     let fds = channel
         .all_gather(own.as_raw_fd(), group.rank, &peers, deadline)
         .map_err(|e| e.context(format!("rendezvous of group {} on rank {}", group.name, group.rank)))?;
@@ -52,31 +57,36 @@ pub fn run(block: &dyn SymmBlock, backend: &str, group: &GroupInfo, timeout: Tim
 
 /// What this library's ranks publish next to PyTorch's request: the
 /// signal pad size (which the request does not carry: pads of 9216 and
-/// 12288 bytes give blocks of one size) and the name of the descriptor
-/// socket. Bytes: the pad size as a little-endian u64, then the name.
+/// 12288 bytes give blocks of one size), the rank's process start time
+/// (the request has its pid, which another process may get once the rank
+/// exits) and the name of the descriptor socket. Bytes: the pad size and
+/// the start time as little-endian u64s, then the name.
 struct SideInfo {
     signal_pad_size: u64,
+    start: u64,
     socket: String,
 }
 
 impl SideInfo {
     fn to_bytes(&self) -> Vec<u8> {
         let mut b = self.signal_pad_size.to_le_bytes().to_vec();
+        b.extend_from_slice(&self.start.to_le_bytes());
         b.extend_from_slice(self.socket.as_bytes());
         b
     }
 
     fn from_bytes(b: &[u8], rank: usize) -> Result<SideInfo> {
         let bad = |why: &str| Error::new(ErrorKind::Protocol, format!("rendezvous details of rank {rank}: {why}"));
-        if b.len() <= 8 || b.len() > 8 + abstract_socket::MAX_NAME {
-            return Err(bad(&format!("{} bytes, expected 9 to {}", b.len(), 8 + abstract_socket::MAX_NAME)));
+        if b.len() <= 16 || b.len() > 16 + abstract_socket::MAX_NAME {
+            return Err(bad(&format!("{} bytes, expected 17 to {}", b.len(), 16 + abstract_socket::MAX_NAME)));
         }
         let signal_pad_size = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
-        let socket = std::str::from_utf8(&b[8..])
+        let start = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
+        let socket = std::str::from_utf8(&b[16..])
             .ok()
             .filter(|n| n.starts_with("symm_mem-") && n.bytes().all(|c| c.is_ascii_graphic()))
             .ok_or_else(|| bad("the socket name is not symm_mem-<...> in plain ASCII"))?;
-        Ok(SideInfo { signal_pad_size, socket: socket.to_string() })
+        Ok(SideInfo { signal_pad_size, start, socket: socket.to_string() })
     }
 }
 

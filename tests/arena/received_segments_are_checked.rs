@@ -124,3 +124,34 @@ fn recv_block_refuses_an_unsealed_segment_descriptor() {
     assert_eq!(e.kind(), ErrorKind::Permission, "{e}");
     assert!(!has_segment(&h), "the refused descriptor was mapped");
 }
+
+#[test]
+fn a_sealed_hugetlb_descriptor_is_refused_before_it_is_mapped() {
+    // A hugetlbfs memfd sealed against shrinking can still have holes
+    // punched in it by its sender; a hole with no free huge page left is
+    // SIGBUS for whoever maps it. So it is refused unmapped, whatever the
+    // huge page pool holds.
+    let arena = fd_arena();
+    let (h, fd) = shared_block(&arena, 4000);
+    // SAFETY: memfd_create with a NUL-terminated name.
+    let raw = unsafe { libc::memfd_create(c"forged-huge".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | libc::MFD_HUGETLB) };
+    if raw < 0 {
+        println!(
+            "a_sealed_hugetlb_descriptor_is_refused_before_it_is_mapped: skipped: no hugetlbfs memfd here ({})",
+            std::io::Error::last_os_error()
+        );
+        return;
+    }
+    // SAFETY: a descriptor memfd_create just gave us.
+    let huge = unsafe { OwnedFd::from_raw_fd(raw) };
+    let len = size_of(fd).div_ceil(1 << 30) << 30;
+    // SAFETY: ftruncate and fcntl on our memfd.
+    unsafe {
+        assert_eq!(libc::ftruncate(huge.as_raw_fd(), len as libc::off_t), 0, "{}", std::io::Error::last_os_error());
+        assert_eq!(libc::fcntl(huge.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+    }
+    let e = import_segment_fd(&h, huge).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Permission, "{e}");
+    assert!(e.message().contains("hugetlbfs"), "{e}");
+    assert!(!has_segment(&h), "the refused descriptor was mapped");
+}

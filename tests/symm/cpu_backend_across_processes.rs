@@ -315,13 +315,15 @@ fn role_broadcast(me: Rank) {
     me.join("bcast");
     let info = group::get_group_info("bcast").unwrap();
     let channel = IpcChannel::open().unwrap();
-    let mine = format!("{} {}", std::process::id(), channel.name());
+    let mine = format!("{} {} {}", std::process::id(), storage_sharing::proc_identity::me().1, channel.name());
     let peers: Vec<PeerSocket> = exchange::all_gather(&info, "bcast", mine.as_bytes(), t(20_000))
         .unwrap()
         .iter()
         .map(|b| {
-            let (pid, name) = std::str::from_utf8(b).unwrap().split_once(' ').unwrap();
-            PeerSocket { pid: pid.parse().unwrap(), name: name.to_string() }
+            let mut words = std::str::from_utf8(b).unwrap().splitn(3, ' ');
+            let mut next = || words.next().unwrap();
+            let (pid, start, name) = (next().parse().unwrap(), next().parse().unwrap(), next().to_string());
+            PeerSocket { pid, start, name }
         })
         .collect();
     let deadline = Some(Instant::now() + Duration::from_secs(20));
@@ -913,7 +915,9 @@ fn publish_rank1(store: &FileStore, pid: u32, socket: &str) {
     let layout = storage_sharing::symm::cpu_backend::layout_for(64, registry::DEFAULT_SIGNAL_PAD_SIZE).unwrap();
     let mut req = storage_sharing::symm::request::RendezvousRequest::new(0, &layout);
     req.pid = pid as i32;
+    // The side details: pad size, the process's start time, socket name.
     let mut side = (registry::DEFAULT_SIGNAL_PAD_SIZE as u64).to_le_bytes().to_vec();
+    side.extend_from_slice(&storage_sharing::proc_identity::start_ticks(pid as i32).unwrap().to_le_bytes());
     side.extend_from_slice(socket.as_bytes());
     let key = "symmetric_memory-world/CPUSymmetricMemory/0/1";
     store.set(format!("{key}/side").as_bytes(), &side).unwrap();
@@ -950,7 +954,7 @@ fn a_stranger_connection_is_not_taken_for_a_peer() {
     assert_eq!((u32::from_ne_bytes(origin), fds.len()), (0, 1));
     // Rank 0 now waits for rank 1: a stranger comes first.
     let side = store.get(b"symmetric_memory-world/CPUSymmetricMemory/0/0/side", Some(Duration::from_secs(30))).unwrap();
-    let socket0 = String::from_utf8(side[8..].to_vec()).unwrap();
+    let socket0 = String::from_utf8(side[16..].to_vec()).unwrap();
     let d = dir.to_str().unwrap().to_string();
     common::run_ok(child_command("stranger", &[d.as_str(), "9", "2", socket0.as_str()]));
     let honest = memfd_block(b"honest");
@@ -988,7 +992,7 @@ fn an_unsealed_block_from_the_true_peer_is_refused() {
     assert!(seals >= 0 && seals & libc::F_SEAL_SHRINK != 0, "rank 0's block is not sealed: {seals:#x}");
     // We are rank 1's process, but our block could shrink.
     let side = store.get(b"symmetric_memory-world/CPUSymmetricMemory/0/0/side", Some(Duration::from_secs(30))).unwrap();
-    let socket0 = String::from_utf8(side[8..].to_vec()).unwrap();
+    let socket0 = String::from_utf8(side[16..].to_vec()).unwrap();
     let unsealed = unsealed_memfd_block(b"unsealed");
     let out = abstract_socket::connect(&socket0).unwrap();
     storage_sharing::storage::send_fds(out.as_raw_fd(), &1u32.to_ne_bytes(), &[unsealed.as_raw_fd()]).unwrap();

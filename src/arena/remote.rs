@@ -18,6 +18,31 @@ struct Entry {
     /// which its producer never reuses, so the mapping goes with the last
     /// view (a later share of the same block maps it again).
     whole: bool,
+    /// The producer carves no more blocks in the segment (retired or
+    /// dead) and its pages that no hold covers were given back: from now
+    /// on each view gives back its block's pages when it goes.
+    released: bool,
+}
+
+impl Entry {
+    fn new(seg: Segment) -> Entry {
+        Entry { seg: Arc::new(seg), views: 0, whole: false, released: false }
+    }
+
+    /// Gives back the pages of a segment whose producer is done with it
+    /// that no hold covers (the blocks still viewed keep theirs), once;
+    /// later calls give back only `[from, to)`, a view's block that went.
+    fn release_unheld(&mut self, from: usize, to: usize) {
+        if self.whole {
+            return;
+        }
+        if self.released {
+            self.seg.release_unheld_pages(from, to);
+        } else {
+            self.seg.release_unheld_pages(0, self.seg.data_size());
+            self.released = true;
+        }
+    }
 }
 
 static CACHE: ForkSafeMutex<Option<HashMap<SegmentKey, Entry>>> = ForkSafeMutex::new(None);
@@ -78,8 +103,13 @@ impl Drop for RemoteView {
         // than the rest of the release. A dead producer whose pid was reused
         // or that is an unreaped zombie is left to `trim_cache`, which runs
         // whenever another segment is mapped.
-        if e.views == 0 && (e.whole || e.seg.retired() || !counters::maybe_alive(key.producer_pid)) {
+        let producer_done = e.released || e.seg.retired() || !counters::maybe_alive(key.producer_pid);
+        if e.views == 0 && (e.whole || producer_done) {
             forget(map, key);
+        } else if producer_done {
+            // Other blocks of a segment nobody carves from any more are
+            // still viewed: only their pages need to stay.
+            e.release_unheld(self.offset, self.offset + self.size);
         }
     }
 }
@@ -130,7 +160,7 @@ fn insert_fd(map: &mut HashMap<SegmentKey, Entry>, h: &ArenaHandle, fd: OwnedFd)
     // (a DataLoader's workers of the previous epoch, say).
     trim_map(map);
     let seg = Segment::open(h.key, Strategy::Fd, h.segment_data_size as usize, Some(fd), None)?;
-    map.insert(h.key, Entry { seg: Arc::new(seg), views: 0, whole: false });
+    map.insert(h.key, Entry::new(seg));
     Ok(())
 }
 
@@ -166,7 +196,7 @@ fn open_in(map: &mut HashMap<SegmentKey, Entry>, h: &ArenaHandle) -> Result<Remo
                 ))
             }
         };
-        map.insert(h.key, Entry { seg: Arc::new(seg), views: 0, whole: false });
+        map.insert(h.key, Entry::new(seg));
     }
     let e = map.get_mut(&h.key).expect("inserted above");
     if e.seg.data_size() as u64 != h.segment_data_size {
@@ -222,18 +252,27 @@ pub fn covers_whole_segment(h: &ArenaHandle) -> bool {
 }
 
 /// Unmaps cached segments no view uses whose producer retired them or
-/// died; returns how many went. (Views release theirs on drop already.)
+/// died, and gives back the pages no hold covers of those still viewed;
+/// returns how many segments went. (Views release theirs on drop already.)
 pub fn trim_cache() -> usize {
     let mut c = cache();
     c.as_mut().map_or(0, trim_map)
 }
 
 fn trim_map(map: &mut HashMap<SegmentKey, Entry>) -> usize {
-    let idle: Vec<SegmentKey> = map
-        .iter()
-        .filter(|(k, e)| e.views == 0 && (e.seg.retired() || !counters::alive(k.producer_pid, k.producer_start)))
-        .map(|(k, _)| *k)
-        .collect();
+    let mut idle = Vec::new();
+    for (k, e) in map.iter_mut() {
+        if !(e.released || e.seg.retired() || !counters::alive(k.producer_pid, k.producer_start)) {
+            continue;
+        }
+        if e.views == 0 {
+            idle.push(*k);
+        } else if !e.released {
+            // A dead worker's segment kept for a few small tensors holds
+            // their pages only, not the whole segment.
+            e.release_unheld(0, 0);
+        }
+    }
     for k in &idle {
         forget(map, *k);
     }

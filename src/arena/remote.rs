@@ -40,6 +40,7 @@ impl Entry {
             self.seg.release_unheld_pages(from, to);
         } else {
             self.seg.release_unheld_pages(0, self.seg.data_size());
+            self.seg.release_unused_slot_pages();
             self.released = true;
         }
     }

@@ -365,6 +365,45 @@ impl Segment {
         released
     }
 
+    /// Gives back the pages of the hold-slot area that hold no slot in use
+    /// (same precondition as [`Segment::release_unheld_pages`]: nobody
+    /// claims slots any more). A slot page reads as free slots afterwards.
+    pub fn release_unused_slot_pages(&self) -> usize {
+        let page = page_size();
+        let slots_at = self.data_size + HEADER_SIZE;
+        let first_page = round_up(slots_at, page).unwrap_or(self.total);
+        let end = slots_at + self.nslots * SLOT_SIZE;
+        let last_page = round_up(end, page).unwrap_or(self.total).min(self.total);
+        if first_page >= last_page {
+            return 0;
+        }
+        let mut kept = vec![false; (last_page - first_page) / page];
+        for i in 0..self.nslots {
+            if self.slot(i).load().1 != super::counters::FREE {
+                let (a, b) = (slots_at + i * SLOT_SIZE, slots_at + (i + 1) * SLOT_SIZE - 1);
+                for p in (a.max(first_page) - first_page) / page..=(b.max(first_page) - first_page) / page {
+                    if let Some(k) = kept.get_mut(p) {
+                        *k = true;
+                    }
+                }
+            }
+        }
+        let mut released = 0;
+        let mut p = 0;
+        while p < kept.len() {
+            let run = kept[p..].iter().take_while(|k| !**k).count();
+            if run > 0 {
+                // SAFETY: whole pages of our shared, writable mapping of the
+                // slot area that no slot in use touches.
+                if unsafe { libc::madvise(self.base.add(first_page + p * page).cast(), run * page, libc::MADV_REMOVE) } == 0 {
+                    released += run * page;
+                }
+            }
+            p += run + 1;
+        }
+        released
+    }
+
     pub fn slot(&self, i: usize) -> &HoldSlot {
         assert!(i < self.nslots, "slot {i} out of {}", self.nslots);
         // SAFETY: slot i lies inside the trailer (checked at open/create),

@@ -695,16 +695,23 @@ mod tests {
         let reserved = a.stats().unwrap().reserved_bytes;
         assert!((10 << 20..=12 << 20).contains(&reserved), "reserved {reserved} for ~10 MiB carved");
         assert!(allocated(fd.as_raw_fd()) <= reserved + (64 << 10));
+        let big = a.alloc(256 << 10, 64).unwrap();
+        let hb = a.share(big).unwrap();
         crate::arena::import_segment_fd(&h, dup(fd.as_raw_fd())).unwrap();
         let v = open_remote(&h).unwrap();
+        let vb = open_remote(&hb).unwrap();
         // SAFETY: the 64 bytes of the view.
         unsafe { std::ptr::write_bytes(v.data(), 9, 64) };
         // The producer gives the segment up (as a worker that exits): the
-        // consumer keeps 64 bytes, and the pages around them only.
+        // consumer keeps two blocks, and the pages under them only.
         drop(a);
         crate::arena::trim_cache();
         let left = allocated(fd.as_raw_fd());
-        // One data page, the header and one page of hold slots (of 41).
+        // One data page, the header, one page of hold slots (of 41), and
+        // the 256 KiB block's pages.
+        assert!(left <= 4 * page_size() + (256 << 10), "{left} bytes kept for 64 bytes and 256 KiB of a given-up segment");
+        drop(vb);
+        let left = allocated(fd.as_raw_fd());
         assert!(left <= 3 * page_size(), "{left} bytes kept for one 64-byte block of a given-up segment");
         // SAFETY: the view's bytes, still mapped.
         assert!(unsafe { std::slice::from_raw_parts(v.data(), 64) }.iter().all(|b| *b == 9), "the held block keeps its bytes");

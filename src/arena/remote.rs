@@ -18,30 +18,47 @@ struct Entry {
     /// which its producer never reuses, so the mapping goes with the last
     /// view (a later share of the same block maps it again).
     whole: bool,
-    /// The producer carves no more blocks in the segment (retired or
-    /// dead) and its pages that no hold covers were given back: from now
-    /// on each view gives back its block's pages when it goes.
-    released: bool,
+    /// Set once the producer carves no more blocks in the segment (it
+    /// retired it, or died) and its pages that no hold covered were given
+    /// back: the blocks held then, by any process. No hold can be added
+    /// after, so the list covers every block still in use; each view that
+    /// goes takes its block off and gives back the pages no other listed
+    /// block touches (without reading the slots again, whose pages were
+    /// given back too).
+    held_when_released: Option<Vec<(usize, usize)>>,
 }
 
 impl Entry {
     fn new(seg: Segment) -> Entry {
-        Entry { seg: Arc::new(seg), views: 0, whole: false, released: false }
+        Entry { seg: Arc::new(seg), views: 0, whole: false, held_when_released: None }
     }
 
-    /// Gives back the pages of a segment whose producer is done with it
-    /// that no hold covers (the blocks still viewed keep theirs), once;
-    /// later calls give back only `[from, to)`, a view's block that went.
-    fn release_unheld(&mut self, from: usize, to: usize) {
+    fn released(&self) -> bool {
+        self.held_when_released.is_some()
+    }
+
+    /// For a segment its producer is done with: the first time, gives back
+    /// every page of data and hold slots that no hold covers; after that,
+    /// the pages of `gone` (a view's block that went) no other held block
+    /// touches.
+    fn release_unheld(&mut self, gone: Option<(usize, usize)>) {
         if self.whole {
             return;
         }
-        if self.released {
-            self.seg.release_unheld_pages(from, to);
-        } else {
-            self.seg.release_unheld_pages(0, self.seg.data_size());
-            self.seg.release_unused_slot_pages();
-            self.released = true;
+        match &mut self.held_when_released {
+            None => {
+                let held = self.seg.held_blocks();
+                self.seg.release_pages_outside(0, self.seg.data_size(), &held);
+                self.seg.release_unused_slot_pages();
+                self.held_when_released = Some(held);
+            }
+            Some(held) => {
+                let Some((offset, size)) = gone else { return };
+                if let Some(i) = held.iter().position(|&b| b == (offset, size)) {
+                    held.remove(i);
+                }
+                self.seg.release_pages_outside(offset, offset + size, held);
+            }
         }
     }
 }
@@ -104,13 +121,13 @@ impl Drop for RemoteView {
         // than the rest of the release. A dead producer whose pid was reused
         // or that is an unreaped zombie is left to `trim_cache`, which runs
         // whenever another segment is mapped.
-        let producer_done = e.released || e.seg.retired() || !counters::maybe_alive(key.producer_pid);
+        let producer_done = e.released() || e.seg.retired() || !counters::maybe_alive(key.producer_pid);
         if e.views == 0 && (e.whole || producer_done) {
             forget(map, key);
         } else if producer_done {
             // Other blocks of a segment nobody carves from any more are
             // still viewed: only their pages need to stay.
-            e.release_unheld(self.offset, self.offset + self.size);
+            e.release_unheld(Some((self.offset, self.size)));
         }
     }
 }
@@ -263,15 +280,15 @@ pub fn trim_cache() -> usize {
 fn trim_map(map: &mut HashMap<SegmentKey, Entry>) -> usize {
     let mut idle = Vec::new();
     for (k, e) in map.iter_mut() {
-        if !(e.released || e.seg.retired() || !counters::alive(k.producer_pid, k.producer_start)) {
+        if !(e.released() || e.seg.retired() || !counters::alive(k.producer_pid, k.producer_start)) {
             continue;
         }
         if e.views == 0 {
             idle.push(*k);
-        } else if !e.released {
+        } else if !e.released() {
             // A dead worker's segment kept for a few small tensors holds
             // their pages only, not the whole segment.
-            e.release_unheld(0, 0);
+            e.release_unheld(None);
         }
     }
     for k in &idle {

@@ -320,8 +320,9 @@ impl Segment {
     }
 
     /// Blocks (offset, size) that a hold slot covers now: shares in flight,
-    /// being adopted, or held.
-    fn held_blocks(&self) -> Vec<(usize, usize)> {
+    /// being adopted, or held; sorted. Reads every slot (a slot page given
+    /// back is faulted in again: call it once per segment given up).
+    pub fn held_blocks(&self) -> Vec<(usize, usize)> {
         let mut held: Vec<(usize, usize)> = (0..self.nslots)
             .filter_map(|i| {
                 let s = self.slot(i);
@@ -334,18 +335,19 @@ impl Segment {
         held
     }
 
-    /// Gives back the pages of data in `[from, to)` that no hold covers,
-    /// for a segment whose producer will carve no more blocks in it (it
-    /// retired it, or died): only the holds' blocks are used there. The
-    /// range is widened to whole pages; a page shared with a held block
-    /// stays. Returns the bytes released (including pages that were
-    /// released already).
-    pub fn release_unheld_pages(&self, from: usize, to: usize) -> usize {
+    /// Gives back the pages of data in `[from, to)` that none of the
+    /// blocks `held` (sorted, as [`Segment::held_blocks`] gives them)
+    /// touches, for a segment whose producer will carve no more blocks in
+    /// it (it retired it, or died): only held blocks are used there, and
+    /// no new hold can appear. The range is widened to whole pages; a page
+    /// shared with a held block stays. Returns the bytes released
+    /// (including pages that were released already).
+    pub fn release_pages_outside(&self, from: usize, to: usize, held: &[(usize, usize)]) -> usize {
         let page = page_size();
         let to = round_up(to.min(self.data_size), page).unwrap_or(self.data_size).min(self.data_size);
         let mut at = from / page * page;
         let mut released = 0;
-        for (o, n) in self.held_blocks().into_iter().chain(std::iter::once((to, 0))) {
+        for &(o, n) in held.iter().chain(std::iter::once(&(to, 0))) {
             let keep_from = o / page * page;
             let keep_to = round_up(o.saturating_add(n), page).unwrap_or(usize::MAX);
             let end = keep_from.min(to);
@@ -366,7 +368,7 @@ impl Segment {
     }
 
     /// Gives back the pages of the hold-slot area that hold no slot in use
-    /// (same precondition as [`Segment::release_unheld_pages`]: nobody
+    /// (same precondition as [`Segment::release_pages_outside`]: nobody
     /// claims slots any more). A slot page reads as free slots afterwards.
     pub fn release_unused_slot_pages(&self) -> usize {
         let page = page_size();

@@ -77,10 +77,10 @@ def test_kept_labels_keep_their_pages_not_their_dead_workers_segments(torch_enab
     base = lw.arena_shm_bytes()
     history, held = [], []
     for _ in range(6):
-        for _, labels in loader:
+        for x, labels in loader:
             pass
         history.append(labels)
-        del labels
+        del x, labels
         held.append(held_now(base))
     assert all(torch.equal(h, torch.arange(32, 64)) for h in history), "the kept tensors keep their values"
     # Before: 256 MiB more per epoch (the dead worker's whole segment).

@@ -2,6 +2,16 @@
 strategies against storage_sharing's arena, side by side.
 
     python python/benchmarks/dataloader.py [--batches N] [--cases a,b,c]
+    python python/benchmarks/dataloader.py --new-user [--repeats N] [--shapes s1,s2]
+
+--new-user: the shapes a new user tries first (small items with PyTorch's
+default non-persistent workers over 5 epochs, an early break with a new
+iterator, persistent workers, 4 workers, an IterableDataset, pin_memory,
+large batches), stock PyTorch against enable(), each run a fresh spawned
+process, the two alternating, medians of --repeats runs. Columns: seconds
+for the whole run, stock / enable() (above 1: enable() is faster), peak
+shared memory (growth of Shmem in /proc/meminfo: the whole machine's, so
+other work on it shows up) and peak fds of the main process.
 
 Cases: (a) 64 x 3x224x224 uint8, (b) the same float32, (c) 256 tiny tensors
 per batch. Columns: batches/s, peak fds of the main process, peak RSS+shm
@@ -101,11 +111,131 @@ def measure(case, strategy, batches):
     return rate, fds, mem, max(shm_used() - before, 0)
 
 
+class SmallItems(Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((4,), float(i)), i
+
+
+class SmallStream(torch.utils.data.IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(start, self.n, step):
+            yield torch.full((4,), float(i)), i
+
+
+class LargeItems(Dataset):
+    def __init__(self, n):
+        self.item = torch.randint(0, 255, (3, 224, 224), dtype=torch.uint8)
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.item
+
+
+# name: (dataset, items, batch_size, loader options, epochs, iterators broken early)
+SHAPES = {
+    "small, 2 workers, 5 epochs": ("small", 256, 32, {}, 5, 0),
+    "small, early break x20": ("small", 4096, 32, {}, 0, 20),
+    "small, persistent, 5 epochs": ("small", 256, 32, {"persistent_workers": True}, 5, 0),
+    "small, 4 workers, 5 epochs": ("small", 256, 32, {"num_workers": 4}, 5, 0),
+    "IterableDataset, 5 epochs": ("stream", 256, 32, {}, 5, 0),
+    "small, pin_memory, 5 epochs": ("small", 256, 32, {"pin_memory": True}, 5, 0),
+    "small, prefetch 8, 5 epochs": ("small", 256, 32, {"prefetch_factor": 8}, 5, 0),
+    "9.6 MB batches, 2 epochs": ("large", 1280, 64, {}, 2, 0),
+    "9.6 MB batches, persistent": ("large", 1280, 64, {"persistent_workers": True}, 2, 0),
+}
+DATASETS = {"small": SmallItems, "stream": SmallStream, "large": LargeItems}
+
+
+def shmem():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_shape(name, arena, out):
+    """In a fresh child process: the shape's whole run, timed."""
+    if arena:
+        import storage_sharing.torch as st
+
+        st.enable()
+    kind, items, batch, opts, epochs, breaks = SHAPES[name]
+    kw = {"num_workers": 2, **opts}
+    loader = DataLoader(DATASETS[kind](items), batch_size=batch, **kw)
+    base = shmem()
+    peak_shm = peak_fds = 0
+
+    def sample():
+        nonlocal peak_shm, peak_fds
+        peak_shm = max(peak_shm, shmem() - base)
+        peak_fds = max(peak_fds, len(os.listdir("/proc/self/fd")))
+
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for i, b in enumerate(loader):
+            if i % 4 == 0:
+                sample()
+    for _ in range(breaks):
+        for b in loader:
+            sample()
+            break
+    elapsed = time.perf_counter() - start
+    out.put((elapsed, peak_shm, peak_fds))
+
+
+def measure_shape(name, arena):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=run_shape, args=(name, arena, out))
+    p.start()
+    result = out.get(timeout=600)
+    p.join(60)
+    return result
+
+
+def new_user_table(shapes, repeats):
+    import statistics
+
+    print(f"{'shape':30} {'stock s':>8} {'enable s':>9} {'stock/enable':>12} {'peak shm stock':>15} {'enable':>8} {'fds stock':>10} {'enable':>7}")
+    for name in shapes:
+        runs = {False: [], True: []}
+        for r in range(repeats):
+            for arena in ((False, True) if r % 2 == 0 else (True, False)):
+                runs[arena].append(measure_shape(name, arena))
+        med = {a: [statistics.median(x[k] for x in runs[a]) for k in range(3)] for a in runs}
+        (ts, ms, fs), (te, me, fe) = med[False], med[True]
+        print(
+            f"{name:30} {ts:8.2f} {te:9.2f} {ts / te:11.2f}x {ms / 2**20:13.1f}Mi {me / 2**20:6.1f}Mi {fs:10.0f} {fe:7.0f}",
+            flush=True,
+        )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=50)
     ap.add_argument("--cases", default="a,b,c")
+    ap.add_argument("--new-user", action="store_true", help="stock PyTorch against enable() on the shapes a new user tries")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
+    if args.new_user:
+        new_user_table(args.shapes.split(","), args.repeats)
+        return
     print(f"{'case':24} {'strategy':16} {'batches/s':>10} {'peak fds':>9} {'peak RSS+shm':>13} {'shm left':>9}")
     for case in args.cases.split(","):
         for strategy in ("file_descriptor", "file_system", "arena"):

@@ -128,6 +128,7 @@ impl PyArena {
         d.set_item("live_blocks", s.live_blocks)?;
         d.set_item("deferred_blocks", s.deferred_blocks)?;
         d.set_item("segment_bytes", s.segment_bytes)?;
+        d.set_item("reserved_bytes", s.reserved_bytes)?;
         Ok(d)
     }
 

@@ -43,6 +43,7 @@ raises :class:`UnsupportedTorchError` naming each problem.
 """
 
 import inspect
+import operator
 import os
 import threading
 import weakref
@@ -163,20 +164,39 @@ def in_arena(obj) -> bool:
         return False
 
 
-# Storages of this process's arena that were sent, by address (one entry
-# per live storage however often it is sent): one received back in this
-# process is the storage that was sent (as PyTorch's own shared-storage
-# cache makes it), not a second mapping.
-_sent: "weakref.WeakValueDictionary[int, torch.UntypedStorage]" = weakref.WeakValueDictionary()
+# Storages of this process's arena that were sent, by block (segment id,
+# offset), one entry per live storage however often it is sent: a share of
+# that block that comes back to this process, straight or through other
+# processes, is the storage that was sent (as PyTorch's own shared-storage
+# cache makes it), not a second mapping of this process's own segment.
+_sent: "weakref.WeakValueDictionary[tuple, torch.UntypedStorage]" = weakref.WeakValueDictionary()
+
+
+def _sent_storage(handle: Handle, nbytes: int) -> Optional[torch.UntypedStorage]:
+    """The storage of this process's arena that a share coming back is of,
+    its hold given back (the storage itself keeps the block); None when the
+    share is another process's block or the storage is gone."""
+    if handle.producer_pid != os.getpid() or _arena is None or _arena_pid != os.getpid():
+        return None
+    sent = _sent.get((handle.segment_id, handle.offset))
+    if sent is None or sent.nbytes() != nbytes:
+        return None
+    try:
+        # Checks the share is one of this arena's (pid, start time, slot,
+        # generation): a stale or foreign handle opens as any other.
+        _arena.unshare(handle)
+    except Error:
+        return None
+    return sent
 
 
 def _rebuild_storage(handle: bytes, address: str, nbytes: int, sender_ptr: int = 0) -> torch.UntypedStorage:
-    sent = _sent.get(sender_ptr) if sender_ptr and _arena_pid == os.getpid() else None
-    if sent is not None and sent.data_ptr() == sender_ptr and sent.nbytes() == nbytes:
-        # The share's hold is not needed: the storage itself keeps the block.
-        _arena.unshare(Handle.from_bytes(handle))
+    # `sender_ptr` is accepted from older senders; the handle says which block.
+    h = Handle.from_bytes(handle)
+    sent = _sent_storage(h, nbytes)
+    if sent is not None:
         return sent
-    view = open_shared(Handle.from_bytes(handle), address)
+    view = open_shared(h, address)
     storage = _marked(torch.frombuffer(view, dtype=torch.uint8, count=nbytes).untyped_storage())
     setattr(storage, _RECEIVED, (handle, address))
     return storage
@@ -207,8 +227,8 @@ def _reduce_own(storage):
     except Error:
         return None  # not a block of ours
     if handle.size >= storage.nbytes():
-        _sent[storage.data_ptr()] = storage
-        return (_rebuild_storage, (bytes(handle), arena.fd_server_address(), storage.nbytes(), storage.data_ptr()))
+        _sent[(handle.segment_id, handle.offset)] = storage
+        return (_rebuild_storage, (bytes(handle), arena.fd_server_address(), storage.nbytes()))
     arena.unshare(handle)
     return None
 
@@ -327,6 +347,46 @@ def _trimming_shutdown(original):
     return _shutdown_workers
 
 
+# The smallest large threshold the arena takes (its smallest size class).
+_MIN_LARGE_THRESHOLD = 64
+
+
+def _machine_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _checked_options(segment_size, large_threshold):
+    """The options as ints, each checked against its range, or an error
+    naming the option (here, not later inside a DataLoader worker)."""
+
+    def whole_bytes(name, value):
+        if isinstance(value, bool):
+            raise TypeError(f"storage_sharing.torch.enable(): {name} must be a number of bytes (int), got {value!r}")
+        try:
+            return operator.index(value)
+        except TypeError:
+            raise TypeError(f"storage_sharing.torch.enable(): {name} must be a number of bytes (int), got {value!r}") from None
+
+    segment_size = whole_bytes("segment_size", segment_size)
+    large_threshold = whole_bytes("large_threshold", large_threshold)
+    page, memory = os.sysconf("SC_PAGE_SIZE"), _machine_memory()
+    if segment_size < page:
+        raise ValueError(f"storage_sharing.torch.enable(): segment_size must be at least one page ({page} bytes), got {segment_size}")
+    if segment_size > memory:
+        raise ValueError(
+            f"storage_sharing.torch.enable(): segment_size {segment_size} is more than this machine's memory ({memory} bytes)"
+        )
+    if large_threshold < _MIN_LARGE_THRESHOLD:
+        raise ValueError(
+            f"storage_sharing.torch.enable(): large_threshold must be at least {_MIN_LARGE_THRESHOLD} bytes, got {large_threshold}"
+        )
+    if large_threshold > segment_size // 4:
+        raise ValueError(
+            f"storage_sharing.torch.enable(): large_threshold {large_threshold} must be at most a quarter of segment_size ({segment_size})"
+        )
+    return segment_size, large_threshold
+
+
 def is_enabled() -> bool:
     return bool(_saved)
 
@@ -336,10 +396,16 @@ def enable(segment_size: int = DEFAULT_SEGMENT_SIZE, large_threshold: int = DEFA
     batches on the arena (see the module's doc). Calling it again with the
     same options does nothing.
 
-    ``segment_size``: bytes of each shared segment blocks are carved from;
-    blocks above ``large_threshold`` (at most a quarter of it) get a
-    segment of their own. The defaults keep batches up to 64 MiB in
-    reused segments: after the first batches, no new mapping is made.
+    ``segment_size``: the most bytes of data a shared segment that blocks
+    are carved from may grow to (from one page up to this machine's
+    memory). A segment costs what has been carved from it: its pages are
+    reserved 1 MiB at a time as blocks reach them, so a worker that sends
+    small batches holds about 1 MiB, not ``segment_size``. Blocks above
+    ``large_threshold`` (64 bytes up to a quarter of ``segment_size``) get
+    a segment of their own, sized to them. The defaults keep batches up to
+    64 MiB in reused segments: after the first batches, no new mapping is
+    made. Each option is checked here: ``TypeError`` or ``ValueError``
+    naming it.
 
     The options are fixed while enabled and once this process has made its
     arena: other options then raise ValueError (rather than being ignored
@@ -349,9 +415,7 @@ def enable(segment_size: int = DEFAULT_SEGMENT_SIZE, large_threshold: int = DEFA
     part of PyTorch this relies on is missing or changed, or on a release
     outside ``TESTED_RANGE`` (unless ``STORAGE_SHARING_TORCH_ALLOW_UNTESTED=1``).
     """
-    segment_size, large_threshold = int(segment_size), int(large_threshold)
-    if large_threshold > segment_size // 4:
-        raise ValueError(f"large_threshold {large_threshold} must be at most a quarter of segment_size {segment_size}")
+    segment_size, large_threshold = _checked_options(segment_size, large_threshold)
     wanted = {"segment_size": segment_size, "large_threshold": large_threshold}
     with _lock:
         fixed = _saved or (_arena is not None and _arena_pid == os.getpid())

@@ -79,3 +79,59 @@ def add_100_then_done(queue, done):
     t = queue.get()
     t.add_(100)
     done.set()
+
+
+def arena_shm_bytes():
+    """Bytes of memory behind the arena segments this process maps now:
+    the segments are the arena mappings of /proc/self/maps (by inode),
+    their memory the allocated blocks of the descriptor this process holds
+    for each (by fd) or of its /dev/shm name (by name)."""
+    mapped = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and "ss_arena_" in fields[5]:
+                mapped[int(fields[4])] = fields[5].strip()
+    held = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "ss_arena_" in os.readlink(f"/proc/self/fd/{fd}"):
+                s = os.stat(f"/proc/self/fd/{fd}")
+                held[s.st_ino] = s.st_blocks * 512
+        except OSError:
+            pass  # the listing's own descriptor, or one closed meanwhile
+    total = 0
+    for inode, path in mapped.items():
+        if inode in held:
+            total += held[inode]
+        elif path.startswith("/dev/shm/"):
+            total += os.stat(path).st_blocks * 512
+        else:
+            raise AssertionError(f"arena mapping {path} (inode {inode}) has no descriptor here to count its memory by")
+    return total
+
+
+class SmallItems(torch.utils.data.Dataset):
+    """What most DataLoaders move: a few small tensors and a label per item."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((4,), float(i)), i
+
+
+def send_one_tiny_tensor(queue, segment_size, done):
+    """Enables with `segment_size`, sends one 64-byte tensor, reports the
+    memory behind its own arena, then waits."""
+    import storage_sharing.torch as st
+
+    st.disable()
+    st.enable(segment_size=segment_size)
+    t = st.empty(16).fill_(3)
+    queue.put(t)
+    queue.put((arena_shm_bytes(), st.process_arena().stats()["reserved_bytes"]))
+    done.wait(120)

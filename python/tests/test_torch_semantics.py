@@ -105,6 +105,28 @@ def test_a_storage_received_in_its_own_process_is_the_storage_sent(torch_enabled
         assert torch_enabled.in_arena(x), "a fresh storage moves into the arena under file_descriptor"
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_storage_back_from_another_process_is_the_storage_sent(torch_enabled, method):
+    # Stock PyTorch: parent -> child -> parent gives back the very storage
+    # (same _cdata, same data_ptr). Before: a second mapping of the
+    # parent's own segment, at another address.
+    st = torch_enabled
+    ctx = mp.get_context(method)
+    to_b, to_a, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    x = st.empty(8).fill_(2)
+    p = ctx.Process(target=rw.send_back, args=(to_b, to_a, done), daemon=True)
+    p.start()
+    try:
+        to_b.put(x)
+        y = to_a.get(timeout=WAIT)
+    finally:
+        done.set()
+        p.join(WAIT)
+    assert p.exitcode == 0
+    assert y.untyped_storage()._cdata == x.untyped_storage()._cdata
+    assert y.data_ptr() == x.data_ptr() and torch.equal(y, x)
+
+
 def test_fresh_storages_keep_pytorchs_segments_under_file_system(torch_enabled):
     st = torch_enabled
     before = mp.get_sharing_strategy()

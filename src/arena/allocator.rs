@@ -38,6 +38,13 @@ const AUTO_LARGE_THRESHOLD: usize = 1 << 20;
 /// Hold slots of a segment that holds one large block.
 const LARGE_SEGMENT_SLOTS: usize = 256;
 
+/// A small-block segment's pages are reserved in steps of this many bytes
+/// as blocks are carved, not all at creation: a new segment costs about
+/// what its first blocks need (a DataLoader worker that sends small
+/// batches, one per epoch, reserves 1 MiB, not its `segment_size`), and
+/// what is reserved but not carved yet is at most one step.
+pub const RESERVE_STEP: usize = 1 << 20;
+
 impl ArenaOptions {
     /// The options with an automatic `large_threshold` made concrete.
     fn resolved(mut self) -> ArenaOptions {
@@ -74,6 +81,9 @@ pub struct ArenaStats {
     pub deferred_blocks: usize,
     /// Bytes of segment data mapped.
     pub segment_bytes: usize,
+    /// Bytes of segment data reserved (backed by memory): what has been
+    /// carved, rounded up to the reservation step, plus large blocks.
+    pub reserved_bytes: usize,
 }
 
 /// What [`Arena::collect`] did.
@@ -90,6 +100,8 @@ struct SegState {
     seg: Arc<Segment>,
     /// Next unused byte of a small-block segment.
     bump: usize,
+    /// Data bytes `[0, reserved)` have their pages reserved.
+    reserved: usize,
     /// Slots never claimed yet start at `next_slot`.
     next_slot: usize,
     free_slots: Vec<u32>,
@@ -399,6 +411,7 @@ impl Arena {
             live_blocks: st.live.len(),
             deferred_blocks: st.deferred.len(),
             segment_bytes: st.segments.values().map(|s| s.seg.data_size()).sum(),
+            reserved_bytes: st.segments.values().map(|s| s.reserved).sum(),
         })
     }
 
@@ -484,16 +497,19 @@ impl State {
             let s = self.segments.get_mut(&id).expect("current segment exists");
             let at = round_up(s.bump, align).expect("bump is within the segment");
             if at + size <= s.seg.data_size() {
+                s.reserve_up_to(at + size)?;
                 s.bump = at + size;
                 return Ok((id, at));
             }
         }
-        let seg = Segment::create(self.opts.strategy, self.opts.segment_size, self.opts.max_holds)?;
+        let first = reservation_for(size, self.opts.segment_size);
+        let seg = Segment::create(self.opts.strategy, self.opts.segment_size, self.opts.max_holds, first)?;
         let id = seg.key().segment_id;
-        self.segments.insert(id, SegState::new(seg, false));
-        self.current = Some(id);
-        let s = self.segments.get_mut(&id).expect("just inserted");
+        let mut s = SegState::new(seg, false);
+        s.reserved = first.min(s.seg.data_size());
         s.bump = size;
+        self.segments.insert(id, s);
+        self.current = Some(id);
         Ok((id, 0))
     }
 
@@ -501,9 +517,11 @@ impl State {
         // Freed large blocks whose consumers are done give their segments
         // (memory, descriptor, mapping) back now, not at the next collect.
         self.reap_deferred();
-        let seg = Segment::create(self.opts.strategy, size, LARGE_SEGMENT_SLOTS)?;
+        let seg = Segment::create(self.opts.strategy, size, LARGE_SEGMENT_SLOTS, size)?;
         let id = seg.key().segment_id;
-        self.segments.insert(id, SegState::new(seg, true));
+        let mut s = SegState::new(seg, true);
+        s.reserved = s.seg.data_size();
+        self.segments.insert(id, s);
         Ok(self.make_live(Block { seg_id: id, offset: 0, size, class: None, holds: Vec::new() }))
     }
 
@@ -574,9 +592,28 @@ impl State {
     }
 }
 
+/// How far a small-block segment of `segment_size` bytes reserves so that
+/// data up to byte `end` is covered: whole reservation steps, at most the
+/// segment.
+fn reservation_for(end: usize, segment_size: usize) -> usize {
+    round_up(end, RESERVE_STEP).unwrap_or(usize::MAX).min(segment_size)
+}
+
 impl SegState {
     fn new(seg: Segment, large: bool) -> SegState {
-        SegState { seg: Arc::new(seg), bump: 0, next_slot: 0, free_slots: Vec::new(), large }
+        SegState { seg: Arc::new(seg), bump: 0, reserved: 0, next_slot: 0, free_slots: Vec::new(), large }
+    }
+
+    /// Reserves the pages up to data byte `end` (and up to the next
+    /// reservation step) before a block there is handed out.
+    fn reserve_up_to(&mut self, end: usize) -> Result<()> {
+        if end <= self.reserved {
+            return Ok(());
+        }
+        let to = reservation_for(end, self.seg.data_size());
+        self.seg.reserve_data(self.reserved, to)?;
+        self.reserved = to;
+        Ok(())
     }
 }
 
@@ -623,6 +660,62 @@ mod tests {
             // SAFETY: inside the block, not its start.
             assert!(a.free(unsafe { q.add(8) }).unwrap_err().message().contains("not the start"));
         }
+    }
+
+    /// Bytes of memory behind a file (its allocated blocks).
+    fn allocated(fd: RawFd) -> usize {
+        // SAFETY: plain data filled by fstat.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is open; st is valid.
+        assert_eq!(unsafe { libc::fstat(fd, &mut st) }, 0);
+        st.st_blocks as usize * 512
+    }
+
+    fn dup(fd: RawFd) -> std::os::fd::OwnedFd {
+        // SAFETY: a duplicate of an open descriptor, owned from here.
+        unsafe { std::os::fd::OwnedFd::from_raw_fd(libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0)) }
+    }
+
+    #[test]
+    fn pages_are_reserved_as_blocks_are_carved_and_given_back_when_the_producer_is_done() {
+        use std::os::fd::AsRawFd;
+        let a =
+            Arena::new(ArenaOptions { segment_size: 64 << 20, strategy: Strategy::Fd, max_holds: 8, large_threshold: 1 << 20 }).unwrap();
+        let kept = a.alloc(64, 8).unwrap();
+        assert_eq!(a.stats().unwrap().reserved_bytes, RESERVE_STEP, "a first small block reserves one step, not the segment");
+        let h = a.share(kept).unwrap();
+        let fd = dup(a.segment_fd(h.key.segment_id).unwrap());
+        // Before: the whole 64 MiB segment was reserved at creation.
+        assert!(allocated(fd.as_raw_fd()) < 2 << 20, "{} bytes behind a segment holding 64 bytes", allocated(fd.as_raw_fd()));
+        for _ in 0..20 {
+            let p = a.alloc(512 << 10, 64).unwrap();
+            // SAFETY: a live block of 512 KiB.
+            unsafe { std::ptr::write_bytes(p, 1, 512 << 10) };
+        }
+        let reserved = a.stats().unwrap().reserved_bytes;
+        assert!((10 << 20..=12 << 20).contains(&reserved), "reserved {reserved} for ~10 MiB carved");
+        assert!(allocated(fd.as_raw_fd()) <= reserved + (64 << 10));
+        let big = a.alloc(256 << 10, 64).unwrap();
+        let hb = a.share(big).unwrap();
+        crate::arena::import_segment_fd(&h, dup(fd.as_raw_fd())).unwrap();
+        let v = open_remote(&h).unwrap();
+        let vb = open_remote(&hb).unwrap();
+        // SAFETY: the 64 bytes of the view.
+        unsafe { std::ptr::write_bytes(v.data(), 9, 64) };
+        // The producer gives the segment up (as a worker that exits): the
+        // consumer keeps two blocks, and the pages under them only.
+        drop(a);
+        crate::arena::trim_cache();
+        let left = allocated(fd.as_raw_fd());
+        // One data page, the header, one page of hold slots (of 41), and
+        // the 256 KiB block's pages.
+        assert!(left <= 4 * page_size() + (256 << 10), "{left} bytes kept for 64 bytes and 256 KiB of a given-up segment");
+        drop(vb);
+        let left = allocated(fd.as_raw_fd());
+        assert!(left <= 3 * page_size(), "{left} bytes kept for one 64-byte block of a given-up segment");
+        // SAFETY: the view's bytes, still mapped.
+        assert!(unsafe { std::slice::from_raw_parts(v.data(), 64) }.iter().all(|b| *b == 9), "the held block keeps its bytes");
+        drop(v);
     }
 
     #[test]

@@ -18,6 +18,49 @@ struct Entry {
     /// which its producer never reuses, so the mapping goes with the last
     /// view (a later share of the same block maps it again).
     whole: bool,
+    /// Set once the producer carves no more blocks in the segment (it
+    /// retired it, or died) and its pages that no hold covered were given
+    /// back: the blocks held then, by any process. No hold can be added
+    /// after, so the list covers every block still in use; each view that
+    /// goes takes its block off and gives back the pages no other listed
+    /// block touches (without reading the slots again, whose pages were
+    /// given back too).
+    held_when_released: Option<Vec<(usize, usize)>>,
+}
+
+impl Entry {
+    fn new(seg: Segment) -> Entry {
+        Entry { seg: Arc::new(seg), views: 0, whole: false, held_when_released: None }
+    }
+
+    fn released(&self) -> bool {
+        self.held_when_released.is_some()
+    }
+
+    /// For a segment its producer is done with: the first time, gives back
+    /// every page of data and hold slots that no hold covers; after that,
+    /// the pages of `gone` (a view's block that went) no other held block
+    /// touches.
+    fn release_unheld(&mut self, gone: Option<(usize, usize)>) {
+        if self.whole {
+            return;
+        }
+        match &mut self.held_when_released {
+            None => {
+                let held = self.seg.held_blocks();
+                self.seg.release_pages_outside(0, self.seg.data_size(), &held);
+                self.seg.release_unused_slot_pages();
+                self.held_when_released = Some(held);
+            }
+            Some(held) => {
+                let Some((offset, size)) = gone else { return };
+                if let Some(i) = held.iter().position(|&b| b == (offset, size)) {
+                    held.remove(i);
+                }
+                self.seg.release_pages_outside(offset, offset + size, held);
+            }
+        }
+    }
 }
 
 static CACHE: ForkSafeMutex<Option<HashMap<SegmentKey, Entry>>> = ForkSafeMutex::new(None);
@@ -78,8 +121,13 @@ impl Drop for RemoteView {
         // than the rest of the release. A dead producer whose pid was reused
         // or that is an unreaped zombie is left to `trim_cache`, which runs
         // whenever another segment is mapped.
-        if e.views == 0 && (e.whole || e.seg.retired() || !counters::maybe_alive(key.producer_pid)) {
+        let producer_done = e.released() || e.seg.retired() || !counters::maybe_alive(key.producer_pid);
+        if e.views == 0 && (e.whole || producer_done) {
             forget(map, key);
+        } else if producer_done {
+            // Other blocks of a segment nobody carves from any more are
+            // still viewed: only their pages need to stay.
+            e.release_unheld(Some((self.offset, self.size)));
         }
     }
 }
@@ -130,7 +178,7 @@ fn insert_fd(map: &mut HashMap<SegmentKey, Entry>, h: &ArenaHandle, fd: OwnedFd)
     // (a DataLoader's workers of the previous epoch, say).
     trim_map(map);
     let seg = Segment::open(h.key, Strategy::Fd, h.segment_data_size as usize, Some(fd), None)?;
-    map.insert(h.key, Entry { seg: Arc::new(seg), views: 0, whole: false });
+    map.insert(h.key, Entry::new(seg));
     Ok(())
 }
 
@@ -166,7 +214,7 @@ fn open_in(map: &mut HashMap<SegmentKey, Entry>, h: &ArenaHandle) -> Result<Remo
                 ))
             }
         };
-        map.insert(h.key, Entry { seg: Arc::new(seg), views: 0, whole: false });
+        map.insert(h.key, Entry::new(seg));
     }
     let e = map.get_mut(&h.key).expect("inserted above");
     if e.seg.data_size() as u64 != h.segment_data_size {
@@ -222,18 +270,27 @@ pub fn covers_whole_segment(h: &ArenaHandle) -> bool {
 }
 
 /// Unmaps cached segments no view uses whose producer retired them or
-/// died; returns how many went. (Views release theirs on drop already.)
+/// died, and gives back the pages no hold covers of those still viewed;
+/// returns how many segments went. (Views release theirs on drop already.)
 pub fn trim_cache() -> usize {
     let mut c = cache();
     c.as_mut().map_or(0, trim_map)
 }
 
 fn trim_map(map: &mut HashMap<SegmentKey, Entry>) -> usize {
-    let idle: Vec<SegmentKey> = map
-        .iter()
-        .filter(|(k, e)| e.views == 0 && (e.seg.retired() || !counters::alive(k.producer_pid, k.producer_start)))
-        .map(|(k, _)| *k)
-        .collect();
+    let mut idle = Vec::new();
+    for (k, e) in map.iter_mut() {
+        if !(e.released() || e.seg.retired() || !counters::alive(k.producer_pid, k.producer_start)) {
+            continue;
+        }
+        if e.views == 0 {
+            idle.push(*k);
+        } else if !e.released() {
+            // A dead worker's segment kept for a few small tensors holds
+            // their pages only, not the whole segment.
+            e.release_unheld(None);
+        }
+    }
     for k in &idle {
         forget(map, *k);
     }

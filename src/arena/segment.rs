@@ -1,5 +1,11 @@
-//! One arena segment: a memfd or a named POSIX shm object, pages reserved
-//! at creation (a full file system is `NoSpace`, never a SIGBUS later).
+//! One arena segment: a memfd or a named POSIX shm object. Its size is
+//! fixed at creation, but its data pages are reserved as the producer
+//! carves blocks (`reserve_data`), each before any block over it is handed
+//! out (a full file system is `NoSpace` then, never a SIGBUS later); a
+//! segment costs the memory of what was carved, not of its size. Pages no
+//! hold covers in a segment its producer gave up are given back
+//! (`release_unheld_pages`), so a small block a consumer keeps does not
+//! keep the whole segment.
 //!
 //! Layout: the data first, at offset 0 (so a block that owns its whole
 //! segment is, by fd, exactly what PyTorch maps: bytes `[0, size)`), then
@@ -85,8 +91,10 @@ static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new
 
 impl Segment {
     /// A new segment with `data_size` bytes of data (rounded up to pages)
-    /// and `nslots` hold slots, every page reserved.
-    pub fn create(strategy: Strategy, data_size: usize, nslots: usize) -> Result<Segment> {
+    /// and `nslots` hold slots; the trailer and the first `reserved_data`
+    /// bytes of data (rounded up to pages) are reserved now, the rest by
+    /// [`Segment::reserve_data`] when blocks reach it.
+    pub fn create(strategy: Strategy, data_size: usize, nslots: usize, reserved_data: usize) -> Result<Segment> {
         let data_size = round_up(data_size.max(1), page_size())
             .ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("segment of {data_size} bytes is too large")))?;
         let total = data_size
@@ -123,7 +131,10 @@ impl Segment {
                 seal_against_shrinking(fd.as_raw_fd(), &what)?;
             }
             let base = map(fd.as_raw_fd(), total, &what)?;
-            if let Err(e) = reserve(fd.as_raw_fd(), base, 0, total, false, &what) {
+            let first = round_up(reserved_data.min(data_size), page_size()).unwrap_or(data_size);
+            let reserved = reserve(fd.as_raw_fd(), base, data_size, total - data_size, false, &what)
+                .and_then(|()| reserve(fd.as_raw_fd(), base, 0, first, false, &what));
+            if let Err(e) = reserved {
                 // SAFETY: the mapping we just made, not used by anyone.
                 unsafe { libc::munmap(base.cast(), total) };
                 return Err(e);
@@ -278,6 +289,125 @@ impl Segment {
     /// Whether `p` points into the data of this segment.
     pub fn contains(&self, p: usize) -> bool {
         p >= self.base as usize && p < self.base as usize + self.data_size
+    }
+
+    /// Reserves the data pages of `[from, to)` (the producer, before it
+    /// carves blocks there). Memory-backed: posix_fallocate on the
+    /// descriptor, or (by name, whose descriptor is closed) over the mapping.
+    pub fn reserve_data(&self, from: usize, to: usize) -> Result<()> {
+        let to = to.min(self.data_size);
+        if from >= to {
+            return Ok(());
+        }
+        let what = self.name.clone().unwrap_or_else(|| format!("arena memfd segment {}", self.key.segment_id));
+        match &self.fd {
+            Some(fd) => reserve(fd.as_raw_fd(), self.base, from, to - from, false, &what),
+            None => {
+                let fd = self.reopen_for_reserve(&what)?;
+                reserve(fd.as_raw_fd(), self.base, from, to - from, false, &what)
+            }
+        }
+    }
+
+    /// A by-name segment's descriptor, opened again to reserve pages (the
+    /// creator keeps no descriptor per segment).
+    fn reopen_for_reserve(&self, what: &str) -> Result<OwnedFd> {
+        let n = self.name.as_deref().ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("<{what}> has neither fd nor name")))?;
+        let c = CString::new(n).map_err(|_| Error::new(ErrorKind::InvalidArgument, "NUL in segment name"))?;
+        // SAFETY: shm_open reads the NUL-terminated name.
+        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(Error::last_os_error(format!("unable to open <{what}> to reserve pages")));
+        }
+        // SAFETY: a fresh descriptor we own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Blocks (offset, size) that a hold slot covers now: shares in flight,
+    /// being adopted, or held; sorted. Reads every slot (a slot page given
+    /// back is faulted in again: call it once per segment given up).
+    pub fn held_blocks(&self) -> Vec<(usize, usize)> {
+        let mut held: Vec<(usize, usize)> = (0..self.nslots)
+            .filter_map(|i| {
+                let s = self.slot(i);
+                (s.load().1 != super::counters::FREE).then(|| s.block())
+            })
+            .map(|(o, n)| (o as usize, n as usize))
+            .filter(|&(o, n)| o < self.data_size && n > 0)
+            .collect();
+        held.sort_unstable();
+        held
+    }
+
+    /// Gives back the pages of data in `[from, to)` that none of the
+    /// blocks `held` (sorted, as [`Segment::held_blocks`] gives them)
+    /// touches, for a segment whose producer will carve no more blocks in
+    /// it (it retired it, or died): only held blocks are used there, and
+    /// no new hold can appear. The range is widened to whole pages; a page
+    /// shared with a held block stays. Returns the bytes released
+    /// (including pages that were released already).
+    pub fn release_pages_outside(&self, from: usize, to: usize, held: &[(usize, usize)]) -> usize {
+        let page = page_size();
+        let to = round_up(to.min(self.data_size), page).unwrap_or(self.data_size).min(self.data_size);
+        let mut at = from / page * page;
+        let mut released = 0;
+        for &(o, n) in held.iter().chain(std::iter::once(&(to, 0))) {
+            let keep_from = o / page * page;
+            let keep_to = round_up(o.saturating_add(n), page).unwrap_or(usize::MAX);
+            let end = keep_from.min(to);
+            if end > at {
+                // SAFETY: [at, end) is page aligned and inside our shared,
+                // writable mapping of the data; no block there is in use
+                // (no hold covers it and its producer carves no more).
+                if unsafe { libc::madvise(self.base.add(at).cast(), end - at, libc::MADV_REMOVE) } == 0 {
+                    released += end - at;
+                }
+            }
+            at = at.max(keep_to);
+            if at >= to {
+                break;
+            }
+        }
+        released
+    }
+
+    /// Gives back the pages of the hold-slot area that hold no slot in use
+    /// (same precondition as [`Segment::release_pages_outside`]: nobody
+    /// claims slots any more). A slot page reads as free slots afterwards.
+    pub fn release_unused_slot_pages(&self) -> usize {
+        let page = page_size();
+        let slots_at = self.data_size + HEADER_SIZE;
+        let first_page = round_up(slots_at, page).unwrap_or(self.total);
+        let end = slots_at + self.nslots * SLOT_SIZE;
+        let last_page = round_up(end, page).unwrap_or(self.total).min(self.total);
+        if first_page >= last_page {
+            return 0;
+        }
+        let mut kept = vec![false; (last_page - first_page) / page];
+        for i in 0..self.nslots {
+            if self.slot(i).load().1 != super::counters::FREE {
+                let (a, b) = (slots_at + i * SLOT_SIZE, slots_at + (i + 1) * SLOT_SIZE - 1);
+                for p in (a.max(first_page) - first_page) / page..=(b.max(first_page) - first_page) / page {
+                    if let Some(k) = kept.get_mut(p) {
+                        *k = true;
+                    }
+                }
+            }
+        }
+        let mut released = 0;
+        let mut p = 0;
+        while p < kept.len() {
+            let run = kept[p..].iter().take_while(|k| !**k).count();
+            if run > 0 {
+                // SAFETY: whole pages of our shared, writable mapping of the
+                // slot area that no slot in use touches.
+                if unsafe { libc::madvise(self.base.add(first_page + p * page).cast(), run * page, libc::MADV_REMOVE) } == 0 {
+                    released += run * page;
+                }
+            }
+            p += run + 1;
+        }
+        released
     }
 
     pub fn slot(&self, i: usize) -> &HoldSlot {

@@ -54,7 +54,8 @@ mod tests {
 
     #[test]
     fn names_the_device_of_a_handle_and_refuses_junk() {
-        let handle = |device| PoolHandle { socket_name: "ss_pool-1-ab".into(), producer_pid: 1, device, kind: PoolKind::Vmm };
+        let handle =
+            |device| PoolHandle { socket_name: "ss_pool-1-ab".into(), producer_pid: 1, producer_start: 1, device, kind: PoolKind::Vmm };
         assert_eq!(device_of(&handle(PoolDevice::Host).to_bytes()), (ss_status::SS_OK, 1, 0));
         assert_eq!(device_of(&handle(PoolDevice::Cuda(3)).to_bytes()), (ss_status::SS_OK, 0, 3));
         let bytes = handle(PoolDevice::Cuda(3)).to_bytes();

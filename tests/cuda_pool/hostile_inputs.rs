@@ -24,6 +24,11 @@ use storage_sharing::ErrorKind;
 const T: Option<Duration> = Some(Duration::from_secs(20));
 const SEG: usize = 64 << 10;
 
+/// This process's start time, as a handle of its own carries it.
+fn me_started() -> u64 {
+    storage_sharing::proc_identity::me().1
+}
+
 fn pool_mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains("ss-pool") || l.contains("forged")).count()
 }
@@ -98,7 +103,13 @@ fn open_forged(f: Forgery) -> storage_sharing::Error {
         // What was open before the consumer started stays open until counted.
         (listener, f.fds)
     });
-    let h = PoolHandle { socket_name: name, producer_pid: std::process::id() as i32, device: PoolDevice::Host, kind: PoolKind::Vmm };
+    let h = PoolHandle {
+        socket_name: name,
+        producer_pid: std::process::id() as i32,
+        producer_start: me_started(),
+        device: PoolDevice::Host,
+        kind: PoolKind::Vmm,
+    };
     let (fds, maps) = (open_fds(), pool_mappings());
     let e = Weights::open(&h, T).err().expect("a forged pool must be refused");
     let kept = server.join().unwrap();
@@ -138,7 +149,13 @@ fn a_well_formed_forgery_opens() {
         send_fds(conn.as_raw_fd(), &f.manifest, &[]).unwrap();
         conn
     });
-    let h = PoolHandle { socket_name: name, producer_pid: std::process::id() as i32, device: PoolDevice::Host, kind: PoolKind::Vmm };
+    let h = PoolHandle {
+        socket_name: name,
+        producer_pid: std::process::id() as i32,
+        producer_start: me_started(),
+        device: PoolDevice::Host,
+        kind: PoolKind::Vmm,
+    };
     let w = Weights::open(&h, T).unwrap();
     let _conn = server.join().unwrap();
     assert_eq!(w.tensors()[0].name, "w");
@@ -236,7 +253,13 @@ fn malformed_hellos_and_descriptors_are_refused() {
         send_fds(conn.as_raw_fd(), &bytes, &[]).unwrap();
         conn
     });
-    let h = PoolHandle { socket_name: name, producer_pid: std::process::id() as i32, device: PoolDevice::Host, kind: PoolKind::Vmm };
+    let h = PoolHandle {
+        socket_name: name,
+        producer_pid: std::process::id() as i32,
+        producer_start: me_started(),
+        device: PoolDevice::Host,
+        kind: PoolKind::Vmm,
+    };
     let e = Weights::open(&h, T).err().unwrap();
     drop(server.join().unwrap());
     assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
@@ -248,15 +271,41 @@ fn forged_handles_are_refused_before_or_at_the_socket() {
     let e = PoolHandle::from_bytes(b"SSPH\x01\x00").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
     // Nobody listens at that name.
-    let h = PoolHandle { socket_name: "ss_pool-1-nobody".into(), producer_pid: 1, device: PoolDevice::Host, kind: PoolKind::Vmm };
+    let h = PoolHandle {
+        socket_name: "ss_pool-1-nobody".into(),
+        producer_pid: 1,
+        producer_start: 1,
+        device: PoolDevice::Host,
+        kind: PoolKind::Vmm,
+    };
     assert_eq!(Weights::open(&h, T).err().unwrap().kind(), ErrorKind::PeerGone);
     // Someone listens, but not the pid the handle names.
     let name = abstract_socket::unique_name_with("ss_pool_test");
     let _listener = abstract_socket::listen(&name).unwrap();
-    let h = PoolHandle { socket_name: name, producer_pid: std::process::id() as i32 + 1, device: PoolDevice::Host, kind: PoolKind::Vmm };
+    let h = PoolHandle {
+        socket_name: name,
+        producer_pid: std::process::id() as i32 + 1,
+        producer_start: me_started(),
+        device: PoolDevice::Host,
+        kind: PoolKind::Vmm,
+    };
     let e = Weights::open(&h, T).err().unwrap();
     assert_eq!(e.kind(), ErrorKind::Permission, "{e}");
     assert!(e.message().contains("refused"), "{e}");
+    // The pid the handle names, but a process that started at another time:
+    // the producer exited and its pid went to this one.
+    let name = abstract_socket::unique_name_with("ss_pool_test");
+    let _listener = abstract_socket::listen(&name).unwrap();
+    let h = PoolHandle {
+        socket_name: name,
+        producer_pid: std::process::id() as i32,
+        producer_start: me_started() + 1,
+        device: PoolDevice::Host,
+        kind: PoolKind::Vmm,
+    };
+    let e = Weights::open(&h, T).err().unwrap();
+    assert_eq!(e.kind(), ErrorKind::Permission, "{e}");
+    assert!(e.message().contains("reused"), "{e}");
 }
 
 /// The stranger's side: binds the name in its argument and answers with a

@@ -1,6 +1,7 @@
 //! The handle a producer gives out: a few dozen bytes naming the socket
-//! its server listens on, its pid (checked with `SO_PEERCRED` on connect),
-//! the device and the kind. It holds no memory handle itself, so it is
+//! its server listens on, its pid and start time (checked with
+//! `SO_PEERCRED` and /proc on connect, so a process that got the pid after
+//! the producer exited is refused), the device and the kind. It holds no memory handle itself, so it is
 //! safe to pickle, log or send through any channel; a forged one can only
 //! point at a socket whose owner is then checked.
 
@@ -9,14 +10,17 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::fdpass::abstract_socket::MAX_NAME;
 
 const MAGIC: &[u8; 4] = b"SSPH";
-const FORMAT: u8 = 1;
-/// magic, format, kind, device type, device, pid, name length.
-const FIXED: usize = 4 + 1 + 1 + 4 + 4 + 4 + 1;
+/// 2: the producer's start time follows its pid.
+const FORMAT: u8 = 2;
+/// magic, format, kind, device type, device, pid, start time, name length.
+const FIXED: usize = 4 + 1 + 1 + 4 + 4 + 4 + 8 + 1;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PoolHandle {
     pub socket_name: String,
     pub producer_pid: i32,
+    /// The producer's start time, clock ticks since boot (`proc_identity`).
+    pub producer_start: u64,
     pub device: PoolDevice,
     pub kind: PoolKind,
 }
@@ -46,6 +50,7 @@ impl PoolHandle {
         out.extend_from_slice(&device_type.to_le_bytes());
         out.extend_from_slice(&device.to_le_bytes());
         out.extend_from_slice(&self.producer_pid.to_le_bytes());
+        out.extend_from_slice(&self.producer_start.to_le_bytes());
         out.push(self.socket_name.len() as u8);
         out.extend_from_slice(self.socket_name.as_bytes());
         out
@@ -70,13 +75,14 @@ impl PoolHandle {
         if producer_pid <= 0 {
             return Err(bad(format!("producer pid {producer_pid}")));
         }
-        let len = b[18] as usize;
+        let producer_start = u64::from_le_bytes(b[18..26].try_into().expect("8 bytes"));
+        let len = b[26] as usize;
         if b.len() != FIXED + len {
             return Err(bad(format!("{} bytes, but its socket name says {}", b.len(), FIXED + len)));
         }
         let socket_name = std::str::from_utf8(&b[FIXED..]).map_err(|_| bad("socket name is not UTF-8".into()))?.to_string();
         check_name(&socket_name).map_err(bad)?;
-        Ok(PoolHandle { socket_name, producer_pid, device, kind })
+        Ok(PoolHandle { socket_name, producer_pid, producer_start, device, kind })
     }
 }
 
@@ -86,7 +92,13 @@ mod tests {
 
     #[test]
     fn round_trip_and_forgeries() {
-        let h = PoolHandle { socket_name: "ss_pool-12-00ff".into(), producer_pid: 12, device: PoolDevice::Host, kind: PoolKind::Legacy };
+        let h = PoolHandle {
+            socket_name: "ss_pool-12-00ff".into(),
+            producer_pid: 12,
+            producer_start: 7,
+            device: PoolDevice::Host,
+            kind: PoolKind::Legacy,
+        };
         let b = h.to_bytes();
         assert_eq!(PoolHandle::from_bytes(&b).unwrap(), h);
         let cases: Vec<(Vec<u8>, &str)> = vec![

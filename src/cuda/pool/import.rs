@@ -214,7 +214,7 @@ impl Weights {
         let conn = connect(h, &deadline)?;
         let generation = crate::fork_safe::fork_generation();
         let conn = ParentOnlyFd::new(conn);
-        peer::expect_process(conn.as_raw_fd(), h.producer_pid, &format!("pool socket {}", h.socket_name))?;
+        peer::expect_process_started(conn.as_raw_fd(), h.producer_pid, h.producer_start, &format!("pool socket {}", h.socket_name))?;
         let mut buf = [0u8; HELLO_BYTES + 512];
         let (n, mut fds) = receive(conn.as_raw_fd(), &mut buf, 2 + MAX_SEGMENTS, &deadline, h, "waiting for the pool")?;
         let hello = Hello::decode(&buf[..n])?;

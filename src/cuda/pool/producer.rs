@@ -191,6 +191,7 @@ impl Pool {
         PoolHandle {
             socket_name: socket_name.to_string(),
             producer_pid: std::process::id() as i32,
+            producer_start: crate::proc_identity::me().1,
             device: self.inner.opts.device,
             kind: self.inner.opts.kind,
         }

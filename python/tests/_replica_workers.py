@@ -162,6 +162,16 @@ def _error(e: BaseException) -> tuple:
     return (type(e).__name__, str(e))
 
 
+def outcome(call, done=None):
+    """What a rank reports of `call()`: `done` (or, without one, what the
+    call returned), or the error it raised as (type name, message)."""
+    try:
+        result = call()
+    except Exception as e:
+        return _error(e)
+    return result if done is None else done
+
+
 def joiner_source(init1: str, init2: str, out, phase) -> None:
     """The source of the late-joiner test: two versions to rank 1 alone,
     then (on a new group that rank 2 joins) a third to both; then a pool
@@ -184,11 +194,7 @@ def joiner_source(init1: str, init2: str, out, phase) -> None:
             write_version(tensors, 3)
         report["third"] = pool.broadcast(src=0, timeout=TIMEOUT, chunk_bytes=CHUNK)
         other = cuda.Pool.from_state_dict(model(1, layer_dtype=torch.float16), device="cpu")
-        try:
-            other.broadcast(src=0, timeout=TIMEOUT)
-            report["other"] = "sent"
-        except Exception as e:
-            report["other"] = _error(e)
+        report["other"] = outcome(lambda: other.broadcast(src=0, timeout=TIMEOUT), "sent")
         with pool.update(timeout=TIMEOUT) as tensors:
             write_version(tensors, 4)
         report["fourth"] = pool.broadcast(src=0, timeout=TIMEOUT, chunk_bytes=CHUNK)
@@ -221,11 +227,7 @@ def joiner_replica(rank: int, init1, init2: str, out) -> None:
         w = cuda.open_weights(pool.export(), timeout=GUARD)
         with w.reading(timeout=GUARD) as version:
             report["third read"] = (version, byte_equal(w, version))
-        try:
-            pool.broadcast(src=0, timeout=TIMEOUT)
-            report["other"] = "received"
-        except Exception as e:
-            report["other"] = _error(e)
+        report["other"] = outcome(lambda: pool.broadcast(src=0, timeout=TIMEOUT), "received")
         with w.reading(timeout=GUARD) as version:
             report["after refusal"] = (version, byte_equal(w, 3), pool.version)
         report["fourth"] = pool.broadcast(src=0, timeout=TIMEOUT)
@@ -301,17 +303,9 @@ def kill_rank(rank: int, init1: str, init2: str, victim: str, pids, out) -> None
                 kill_when_landing(first, 2, os.getpid())
             if victim == "source" and rank == 1:
                 kill_when_landing(first, 2, pids.get(timeout=GUARD))
-        try:
-            pool.broadcast(src=0, timeout=TIMEOUT, chunk_bytes=CHUNK)
-            report["broken"] = "completed"
-        except Exception as e:
-            report["broken"] = _error(e)
+        report["broken"] = outcome(lambda: pool.broadcast(src=0, timeout=TIMEOUT, chunk_bytes=CHUNK), "completed")
         if rank != 0:
-            try:
-                w.acquire(timeout=GUARD)
-                report["read torn"] = "acquired"
-            except Exception as e:
-                report["read torn"] = _error(e)
+            report["read torn"] = outcome(lambda: w.acquire(timeout=GUARD), "acquired")
         leave()
         if victim == "replica":
             join(init2, rank, 2)
@@ -405,48 +399,29 @@ def held_and_stalled(rank: int, init: str, out, events) -> None:
             for version in (2, 3):
                 with pool.update(timeout=TIMEOUT) as tensors:
                     write_version(tensors, version)
-                try:
-                    report[version] = pool.broadcast(src=0, timeout=TIMEOUT)
-                except Exception as e:
-                    report[version] = _error(e)
+                report[version] = outcome(lambda: pool.broadcast(src=0, timeout=TIMEOUT))
             try:
                 with pool.update(timeout=TIMEOUT) as tensors:
                     tensors["steps"].fill_(99)
                     raise RuntimeError("the trainer failed mid-update")
             except RuntimeError:
                 pass
-            try:
-                pool.broadcast(src=0, timeout=TIMEOUT)
-                report["torn"] = "sent"
-            except Exception as e:
-                report["torn"] = _error(e)
+            report["torn"] = outcome(lambda: pool.broadcast(src=0, timeout=TIMEOUT), "sent")
             with pool.update(timeout=TIMEOUT) as tensors:
                 write_version(tensors, 4)
-            try:
-                pool.broadcast(src=0, timeout=1.0)
-                report[4] = "sent"
-            except Exception as e:
-                report[4] = _error(e)
+            report[4] = outcome(lambda: pool.broadcast(src=0, timeout=1.0), "sent")
             events.put("source done")
         else:
             pool = cuda.Pool.replica(src=0, device="cpu", timeout=TIMEOUT)
             w = cuda.open_weights(pool.export(), timeout=GUARD)
             w.acquire(timeout=GUARD)
-            try:
-                pool.broadcast(src=0, timeout=0.5)
-                report[2] = "received"
-            except Exception as e:
-                report[2] = _error(e)
+            report[2] = outcome(lambda: pool.broadcast(src=0, timeout=0.5), "received")
             report["kept"] = (w.held, byte_equal(w, 1), pool.version, pool._native.torn)
             w.release()
             report[3] = pool.broadcast(src=0, timeout=TIMEOUT)
             with w.reading(timeout=GUARD) as version:
                 report["read"] = (version, byte_equal(w, version))
-            try:
-                pool.broadcast(src=0, timeout=TIMEOUT)
-                report["torn"] = "received"
-            except Exception as e:
-                report["torn"] = _error(e)
+            report["torn"] = outcome(lambda: pool.broadcast(src=0, timeout=TIMEOUT), "received")
             with w.reading(timeout=GUARD) as version:
                 report["after torn source"] = (version, byte_equal(w, version))
             events.get(timeout=GUARD)  # stalled through round 4

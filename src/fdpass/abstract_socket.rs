@@ -18,7 +18,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 /// The longest abstract name (`sun_path` less its leading NUL).
 pub const MAX_NAME: usize = 107;
 
-fn address(name: &str) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
+/// The address of `name` and its length, for `bind` or `connect`: made
+/// ahead, it lets a forked child connect with no allocation.
+pub fn address(name: &str) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
     if name.is_empty() || name.len() > MAX_NAME {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("abstract socket name of {} bytes (1 to {MAX_NAME})", name.len())));
     }

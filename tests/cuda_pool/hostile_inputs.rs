@@ -29,6 +29,17 @@ fn me_started() -> u64 {
     storage_sharing::proc_identity::me().1
 }
 
+/// A handle naming this process (the fake producer) at socket `name`.
+fn handle_of_ours(name: String) -> PoolHandle {
+    PoolHandle {
+        socket_name: name,
+        producer_pid: std::process::id() as i32,
+        producer_start: me_started(),
+        device: PoolDevice::Host,
+        kind: PoolKind::Vmm,
+    }
+}
+
 fn pool_mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains("ss-pool") || l.contains("forged")).count()
 }
@@ -103,13 +114,7 @@ fn open_forged(f: Forgery) -> storage_sharing::Error {
         // What was open before the consumer started stays open until counted.
         (listener, f.fds)
     });
-    let h = PoolHandle {
-        socket_name: name,
-        producer_pid: std::process::id() as i32,
-        producer_start: me_started(),
-        device: PoolDevice::Host,
-        kind: PoolKind::Vmm,
-    };
+    let h = handle_of_ours(name);
     let (fds, maps) = (open_fds(), pool_mappings());
     let e = Weights::open(&h, T).err().expect("a forged pool must be refused");
     let kept = server.join().unwrap();
@@ -149,13 +154,7 @@ fn a_well_formed_forgery_opens() {
         send_fds(conn.as_raw_fd(), &f.manifest, &[]).unwrap();
         conn
     });
-    let h = PoolHandle {
-        socket_name: name,
-        producer_pid: std::process::id() as i32,
-        producer_start: me_started(),
-        device: PoolDevice::Host,
-        kind: PoolKind::Vmm,
-    };
+    let h = handle_of_ours(name);
     let w = Weights::open(&h, T).unwrap();
     let _conn = server.join().unwrap();
     assert_eq!(w.tensors()[0].name, "w");
@@ -253,13 +252,7 @@ fn malformed_hellos_and_descriptors_are_refused() {
         send_fds(conn.as_raw_fd(), &bytes, &[]).unwrap();
         conn
     });
-    let h = PoolHandle {
-        socket_name: name,
-        producer_pid: std::process::id() as i32,
-        producer_start: me_started(),
-        device: PoolDevice::Host,
-        kind: PoolKind::Vmm,
-    };
+    let h = handle_of_ours(name);
     let e = Weights::open(&h, T).err().unwrap();
     drop(server.join().unwrap());
     assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
@@ -282,13 +275,7 @@ fn forged_handles_are_refused_before_or_at_the_socket() {
     // Someone listens, but not the pid the handle names.
     let name = abstract_socket::unique_name_with("ss_pool_test");
     let _listener = abstract_socket::listen(&name).unwrap();
-    let h = PoolHandle {
-        socket_name: name,
-        producer_pid: std::process::id() as i32 + 1,
-        producer_start: me_started(),
-        device: PoolDevice::Host,
-        kind: PoolKind::Vmm,
-    };
+    let h = PoolHandle { producer_pid: std::process::id() as i32 + 1, ..handle_of_ours(name) };
     let e = Weights::open(&h, T).err().unwrap();
     assert_eq!(e.kind(), ErrorKind::Permission, "{e}");
     assert!(e.message().contains("refused"), "{e}");
@@ -296,13 +283,7 @@ fn forged_handles_are_refused_before_or_at_the_socket() {
     // the producer exited and its pid went to this one.
     let name = abstract_socket::unique_name_with("ss_pool_test");
     let _listener = abstract_socket::listen(&name).unwrap();
-    let h = PoolHandle {
-        socket_name: name,
-        producer_pid: std::process::id() as i32,
-        producer_start: me_started() + 1,
-        device: PoolDevice::Host,
-        kind: PoolKind::Vmm,
-    };
+    let h = PoolHandle { producer_start: me_started() + 1, ..handle_of_ours(name) };
     let e = Weights::open(&h, T).err().unwrap();
     assert_eq!(e.kind(), ErrorKind::Permission, "{e}");
     assert!(e.message().contains("reused"), "{e}");

@@ -233,14 +233,7 @@ fn another_users_flood_of_connections_costs_this_users_opens_nothing() {
     // The stranger: a forked child that becomes uid 65534 and connects
     // and hangs up as fast as it can until killed. It makes only raw
     // system calls (the parent has threads).
-    let name = h.socket_name.clone();
-    // SAFETY: sockaddr_un is plain data.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (dst, src) in addr.sun_path[1..].iter_mut().zip(name.bytes()) {
-        *dst = src as libc::c_char;
-    }
-    let len = (std::mem::size_of::<libc::sa_family_t>() + 1 + name.len()) as libc::socklen_t;
+    let (addr, len) = abstract_socket::address(&h.socket_name).unwrap();
     // SAFETY: the child makes only async-signal-safe calls, then _exit.
     let flooder = unsafe { libc::fork() };
     assert!(flooder >= 0);

@@ -257,7 +257,9 @@ impl Serving {
         }
         // Whatever a consumer could write in the control block (a kernel
         // without write seals lets it) is undone when it goes.
-        self.inner.control.restore();
+        if !self.inner.control.write_protected() {
+            self.inner.control.restore();
+        }
     }
 
     fn accept_some(&mut self) {
@@ -334,13 +336,16 @@ impl Serving {
             refuse(&self.inner, fd, &format!("the pool has {max} consumers connected, its max_consumers"));
             return Ok(None);
         };
-        let manifest_len = super::lock(&self.inner.layout).frozen.as_ref().map_or(0, |m| m.len());
+        let (segments, manifest_len) = {
+            let layout = super::lock(&self.inner.layout);
+            (layout.segments.len(), layout.frozen.as_ref().map_or(0, |m| m.len()))
+        };
         let hello = Hello {
             status: STATUS_OK,
             kind: self.inner.opts.kind.code(),
             slot: slot as u32,
             slots: self.inner.opts.max_consumers as u32,
-            segments: super::lock(&self.inner.layout).segments.len() as u32,
+            segments: segments as u32,
             manifest_len: manifest_len as u64,
         };
         let mut c = Conn {

@@ -2,14 +2,16 @@
 strategies against storage_sharing's arena, side by side.
 
     python python/benchmarks/dataloader.py [--batches N] [--cases a,b,c]
-    python python/benchmarks/dataloader.py --new-user [--repeats N] [--shapes s1,s2]
+    python python/benchmarks/dataloader.py --new-user [--repeats N] [--shapes ID,ID]
 
 --new-user: the shapes a new user tries first (small items with PyTorch's
 default non-persistent workers over 5 epochs, an early break with a new
 iterator, persistent workers, 4 workers, an IterableDataset, pin_memory,
-large batches), stock PyTorch against enable(), each run a fresh spawned
+large batches), stock PyTorch against enable(), each run a fresh Python
 process, the two alternating, medians of --repeats runs. Columns: seconds
-for the whole run, stock / enable() (above 1: enable() is faster), peak
+for the whole run, stock / enable() (above 1: enable() is faster), the
+lowest and highest ratio of one stock run to the enable() run beside it
+(a range that spans 1.0: within this machine's noise), peak
 shared memory (growth of Shmem in /proc/meminfo: the whole machine's, so
 other work on it shows up) and peak fds of the main process.
 
@@ -21,9 +23,12 @@ with -9 (each run is a child process killed that way at the end).
 """
 
 import argparse
+import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import torch
@@ -134,8 +139,8 @@ class SmallStream(torch.utils.data.IterableDataset):
 
 
 class LargeItems(Dataset):
-    def __init__(self, n):
-        self.item = torch.randint(0, 255, (3, 224, 224), dtype=torch.uint8)
+    def __init__(self, n, dtype=torch.uint8):
+        self.item = torch.randint(0, 255, (3, 224, 224), dtype=torch.uint8).to(dtype)
         self.n = n
 
     def __len__(self):
@@ -145,19 +150,26 @@ class LargeItems(Dataset):
         return self.item
 
 
-# name: (dataset, items, batch_size, loader options, epochs, iterators broken early)
+# id: (what the row says, dataset, items, batch_size, loader options,
+# epochs, iterators broken early)
 SHAPES = {
-    "small, 2 workers, 5 epochs": ("small", 256, 32, {}, 5, 0),
-    "small, early break x20": ("small", 4096, 32, {}, 0, 20),
-    "small, persistent, 5 epochs": ("small", 256, 32, {"persistent_workers": True}, 5, 0),
-    "small, 4 workers, 5 epochs": ("small", 256, 32, {"num_workers": 4}, 5, 0),
-    "IterableDataset, 5 epochs": ("stream", 256, 32, {}, 5, 0),
-    "small, pin_memory, 5 epochs": ("small", 256, 32, {"pin_memory": True}, 5, 0),
-    "small, prefetch 8, 5 epochs": ("small", 256, 32, {"prefetch_factor": 8}, 5, 0),
-    "9.6 MB batches, 2 epochs": ("large", 1280, 64, {}, 2, 0),
-    "9.6 MB batches, persistent": ("large", 1280, 64, {"persistent_workers": True}, 2, 0),
+    "small": ("small, 2 workers, 5 epochs", "small", 256, 32, {}, 5, 0),
+    "break": ("small, early break x20", "small", 4096, 32, {}, 0, 20),
+    "persistent": ("small, persistent, 5 epochs", "small", 256, 32, {"persistent_workers": True}, 5, 0),
+    "workers4": ("small, 4 workers, 5 epochs", "small", 256, 32, {"num_workers": 4}, 5, 0),
+    "iterable": ("IterableDataset, 5 epochs", "stream", 256, 32, {}, 5, 0),
+    "pin": ("small, pin_memory, 5 epochs", "small", 256, 32, {"pin_memory": True}, 5, 0),
+    "prefetch": ("small, prefetch 8, 5 epochs", "small", 256, 32, {"prefetch_factor": 8}, 5, 0),
+    "large": ("9.6 MB batches, 2 epochs", "large", 6400, 64, {}, 2, 0),
+    "large-persistent": ("9.6 MB batches, persistent", "large", 6400, 64, {"persistent_workers": True}, 2, 0),
+    "huge": ("38.5 MB batches, 2 epochs", "huge", 3200, 64, {}, 2, 0),
 }
-DATASETS = {"small": SmallItems, "stream": SmallStream, "large": LargeItems}
+DATASETS = {
+    "small": SmallItems,
+    "stream": SmallStream,
+    "large": LargeItems,
+    "huge": lambda n: LargeItems(n, torch.float32),
+}
 
 
 def shmem():
@@ -168,13 +180,13 @@ def shmem():
     return 0
 
 
-def run_shape(name, arena, out):
-    """In a fresh child process: the shape's whole run, timed."""
+def run_shape(name, arena):
+    """The shape's whole run in this (fresh) process, timed; prints one JSON line."""
     if arena:
         import storage_sharing.torch as st
 
         st.enable()
-    kind, items, batch, opts, epochs, breaks = SHAPES[name]
+    _, kind, items, batch, opts, epochs, breaks = SHAPES[name]
     kw = {"num_workers": 2, **opts}
     loader = DataLoader(DATASETS[kind](items), batch_size=batch, **kw)
     base = shmem()
@@ -195,23 +207,28 @@ def run_shape(name, arena, out):
             sample()
             break
     elapsed = time.perf_counter() - start
-    out.put((elapsed, peak_shm, peak_fds))
+    print(json.dumps([elapsed, peak_shm, peak_fds]))
 
 
 def measure_shape(name, arena):
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    p = ctx.Process(target=run_shape, args=(name, arena, out))
-    p.start()
-    result = out.get(timeout=600)
-    p.join(60)
-    return result
+    # A new interpreter running this file, as a user's script runs: under
+    # multiprocessing's spawn the workers' shutdown on PyTorch 2.15 takes
+    # seconds (each worker dies of "terminate called without an active
+    # exception", stock or not), which would swamp the rows.
+    cmd = [sys.executable, os.path.abspath(__file__), "--run-shape", name] + (["--arena"] if arena else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} (arena={arena}) exited {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def new_user_table(shapes, repeats):
     import statistics
 
-    print(f"{'shape':30} {'stock s':>8} {'enable s':>9} {'stock/enable':>12} {'peak shm stock':>15} {'enable':>8} {'fds stock':>10} {'enable':>7}")
+    print(
+        f"{'shape':30} {'stock s':>8} {'enable s':>9} {'stock/enable':>12} {'range':>11} "
+        f"{'peak shm stock':>15} {'enable':>8} {'fds stock':>10} {'enable':>7}"
+    )
     for name in shapes:
         runs = {False: [], True: []}
         for r in range(repeats):
@@ -219,8 +236,12 @@ def new_user_table(shapes, repeats):
                 runs[arena].append(measure_shape(name, arena))
         med = {a: [statistics.median(x[k] for x in runs[a]) for k in range(3)] for a in runs}
         (ts, ms, fs), (te, me, fe) = med[False], med[True]
+        # The ratio of each alternating pair: a range that spans 1.0 means
+        # the row is within this machine's noise.
+        pairs = [s[0] / e[0] for s, e in zip(runs[False], runs[True])]
         print(
-            f"{name:30} {ts:8.2f} {te:9.2f} {ts / te:11.2f}x {ms / 2**20:13.1f}Mi {me / 2**20:6.1f}Mi {fs:10.0f} {fe:7.0f}",
+            f"{SHAPES[name][0]:30} {ts:8.2f} {te:9.2f} {ts / te:11.2f}x {min(pairs):5.2f}-{max(pairs):4.2f}x "
+            f"{ms / 2**20:13.1f}Mi {me / 2**20:6.1f}Mi {fs:10.0f} {fe:7.0f}",
             flush=True,
         )
 
@@ -230,9 +251,14 @@ def main():
     ap.add_argument("--batches", type=int, default=50)
     ap.add_argument("--cases", default="a,b,c")
     ap.add_argument("--new-user", action="store_true", help="stock PyTorch against enable() on the shapes a new user tries")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--run-shape", help=argparse.SUPPRESS)
+    ap.add_argument("--arena", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="ids, from: " + " ".join(SHAPES))
     args = ap.parse_args()
+    if args.run_shape:
+        run_shape(args.run_shape, args.arena)
+        return
     if args.new_user:
         new_user_table(args.shapes.split(","), args.repeats)
         return

@@ -28,6 +28,11 @@
 #                     file of tag vVERSION is downloaded from GitHub into the
 #                     version's cache folder (never into this repository)
 #   --no-pytorch-tests  only the pytest suite
+#   --deselect-from FILE
+#                     leave out of the pytest suite the tests FILE names, a
+#                     pytest node id (or its start) a line, # for comments
+#                     (scripts/oldest_torch_deselect.txt says why for the
+#                     oldest release)
 #   --allow-untested  run with STORAGE_SHARING_TORCH_ALLOW_UNTESTED=1, so
 #                     enable() tries a release outside TESTED_RANGE (how a
 #                     release is tried before the range takes it in); its
@@ -43,6 +48,7 @@ cache="${XDG_CACHE_HOME:-$HOME/.cache}/storage-sharing"
 delete_after=0
 wheel=""
 tests_dir=""
+deselect=()
 pytorch_tests=1
 allow_untested=0
 base_python=python3
@@ -54,6 +60,13 @@ while [ "$#" -gt 0 ]; do
     --wheel) wheel="${2:?$me: --wheel needs a file}"; shift 2 ;;
     --pytorch-tests) tests_dir="${2:?$me: --pytorch-tests needs a folder}"; shift 2 ;;
     --no-pytorch-tests) pytorch_tests=0; shift ;;
+    --deselect-from)
+        [ -f "${2:-}" ] || { echo "$me: --deselect-from needs a file" >&2; exit 2; }
+        while read -r line; do
+            [ -z "$line" ] || [ "${line:0:1}" = "#" ] || deselect+=(--deselect "$line")
+        done <"$2"
+        shift 2
+        ;;
     --allow-untested) allow_untested=1; shift ;;
     --python) base_python="${2:?$me: --python needs an interpreter}"; shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -165,7 +178,7 @@ run_version() {
     "$py" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$wheel"
     echo "== torch $version: pytest suite"
     (cd "$repo/python/tests" && timeout "${SS_TORCH_VERSIONS_TIMEOUT:-3600}" \
-        "$py" -m pytest -q -p no:cacheprovider -rfE --junitxml="$reports/pytest.xml") || true
+        "$py" -m pytest -q -p no:cacheprovider -rfE --junitxml="$reports/pytest.xml" "${deselect[@]}") || true
     local suite stock="-" ours="-" lost="-" source="not run" file_and_source
     suite="$(counts "$reports/pytest.xml")"
     if [ "$pytorch_tests" -eq 1 ]; then

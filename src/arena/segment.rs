@@ -490,6 +490,8 @@ fn shm_create(name: &str) -> Result<OwnedFd> {
     if fd < 0 {
         return Err(Error::last_os_error(format!("unable to create arena segment <{name}>")));
     }
+    // Says in which pid namespace the pid in the name lives (`ssctl gc`).
+    crate::shm::creator_record::stamp(fd);
     // SAFETY: a fresh descriptor we own.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }

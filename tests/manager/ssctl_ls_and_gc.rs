@@ -343,3 +343,46 @@ fn creator_in_another_pid_namespace_is_not_called_dead() {
         assert!(removed.is_empty(), "removed {removed:?} although the creator's namespace cannot be seen from here");
     }
 }
+
+/// Arena segments by name and the weights pool's named (legacy) segments
+/// carry the creator record too, as `torch_*` segments do: without it `ssctl
+/// gc` in a container can never call their creator dead, and a kill -9 there
+/// leaves them for good.
+#[test]
+fn arena_and_pool_segments_record_their_creators_pid_namespace() {
+    use storage_sharing::arena::{Arena, ArenaOptions, Strategy};
+    use storage_sharing::cuda::pool::{Pool, PoolDevice, PoolKind, PoolOptions};
+    use storage_sharing::shm::creator_record::{pid_namespace, recorded};
+
+    let probe = format!("/ss_xattr_probe_{}", std::process::id());
+    create_raw(&probe);
+    let supported = recorded(std::path::Path::new(&format!("/dev/shm{probe}"))).is_some();
+    unlink(&probe);
+    if !supported {
+        eprintln!("SKIPPED arena_and_pool_segments_record_their_creators_pid_namespace: /dev/shm keeps no user extended attributes here");
+        return;
+    }
+    let ours = pid_namespace();
+    assert!(ours.is_some());
+    let arena =
+        Arena::new(ArenaOptions { segment_size: 1 << 20, strategy: Strategy::Name, max_holds: 64, large_threshold: 256 << 10 }).unwrap();
+    let block = arena.alloc(4096, 64).unwrap();
+    let handle = arena.share(block).unwrap();
+    assert_eq!(recorded(std::path::Path::new(&format!("/dev/shm{}", handle.name))), ours, "arena segment {}", handle.name);
+    arena.unshare(&handle).unwrap();
+
+    let pool =
+        Pool::new(PoolOptions { device: PoolDevice::Host, kind: PoolKind::Legacy, segment_size: 1 << 16, max_consumers: 2 }).unwrap();
+    pool.alloc(1 << 16).unwrap();
+    let prefix = format!("ss_pool_{}_", std::process::id());
+    let names: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&prefix))
+        .collect();
+    assert!(!names.is_empty(), "the legacy pool made no named segment");
+    for n in &names {
+        assert_eq!(recorded(std::path::Path::new(&format!("/dev/shm/{n}"))), ours, "pool segment {n}");
+    }
+}

@@ -215,6 +215,8 @@ impl PoolBackend for HostBackend {
                     crate::manager::tell_freed(&manager, &name);
                     return Err(e);
                 }
+                // Says in which pid namespace the pid in the name lives (`ssctl gc`).
+                crate::shm::creator_record::stamp(raw);
                 // SAFETY: a fresh descriptor of ours.
                 let fd = unsafe { OwnedFd::from_raw_fd(raw) };
                 // From here the name is unlinked when `seg` drops, on any error too.

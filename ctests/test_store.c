@@ -1,11 +1,14 @@
 /* Stores through the C API: a store implemented here in C and used through
  * ss_store_callbacks_open (set, get with a value longer than the library's
  * first buffer, add, wait, timeouts, free_ctx once after the last
- * reference), the file store, and a TCPStore master with a client thread. */
+ * reference), the file store (and its lock timeout), and a TCPStore master
+ * with a client thread. */
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -305,6 +308,32 @@ static void test_file_store(void) {
     CHECK(system(cmd) == 0);
 }
 
+/* A stuck holder of the folder's lock (here this test, through a second
+ * open file description): writes give up after the lock timeout given. */
+static void test_file_store_lock_timeout(void) {
+    char dir[] = "/tmp/ss-ctest-lock-XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    ss_store *s = NULL;
+    CHECK_STATUS(ss_store_file_open_with_lock_timeout(dir, -1, &s), SS_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(ss_last_error_message(), "timeout_ms") != NULL && s == NULL);
+    CHECK_OK(ss_store_file_open_with_lock_timeout(dir, 200, &s));
+    CHECK_OK(ss_store_set(s, "k", "v", 1));
+    char lock[64];
+    snprintf(lock, sizeof lock, "%s/.lock", dir);
+    int held = open(lock, O_RDONLY | O_CLOEXEC);
+    CHECK(held >= 0 && flock(held, LOCK_EX) == 0);
+    CHECK_STATUS(ss_store_set(s, "k", "w", 1), SS_ERR_TIMEOUT);
+    CHECK(strstr(ss_last_error_message(), "lock") != NULL);
+    int64_t value = 0;
+    CHECK_STATUS(ss_store_add(s, "n", 1, &value), SS_ERR_TIMEOUT);
+    close(held);
+    CHECK_OK(ss_store_set(s, "k", "w", 1));
+    ss_store_free(s);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+}
+
 static void *tcp_rank1(void *arg) {
     int port = *(int *)arg;
     ss_store *c = NULL;
@@ -345,6 +374,7 @@ static void test_tcp_store(void) {
 int main(void) {
     test_callbacks();
     test_file_store();
+    test_file_store_lock_timeout();
     test_tcp_store();
     ss_store_free(NULL);
     printf("test_store: ok\n");

@@ -2583,6 +2583,22 @@ ss_status ss_map_new_copy(const void *src, size_t nbytes, ss_map **out);
 ss_status ss_store_file_open(const char *path, ss_store **out);
 
 /**
+ * As [`ss_store_file_open`], with the longest a write (`set`, `add`,
+ * `compare_set`, `delete`) waits for the folder's lock: `timeout_ms`
+ * milliseconds, then `SS_ERR_TIMEOUT` naming the lock (0: as long as the
+ * holder keeps it; negative: `SS_ERR_INVALID_ARGUMENT`). A lock is held
+ * for one write at a time, so a wait longer than a few milliseconds means
+ * a holder is stuck; `ss_store_file_open` waits 300 s.
+ *
+ * # Safety
+ * `path` is NULL or a NUL-terminated string; `out` is NULL or points to a
+ * writable `ss_store*`.
+ */
+ss_status ss_store_file_open_with_lock_timeout(const char *path,
+                                               int64_t timeout_ms,
+                                               ss_store **out);
+
+/**
  * Opens (creating if missing) the file `path` in PyTorch's own FileStore
  * format, as `torch.distributed.FileStore(path, world_size)`: ranks using
  * PyTorch's FileStore (or `init_process_group` with `file://path`) and

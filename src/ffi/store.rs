@@ -123,6 +123,30 @@ pub unsafe extern "C" fn ss_store_file_open(path: *const c_char, out: *mut *mut 
     })
 }
 
+/// As [`ss_store_file_open`], with the longest a write (`set`, `add`,
+/// `compare_set`, `delete`) waits for the folder's lock: `timeout_ms`
+/// milliseconds, then `SS_ERR_TIMEOUT` naming the lock (0: as long as the
+/// holder keeps it; negative: `SS_ERR_INVALID_ARGUMENT`). A lock is held
+/// for one write at a time, so a wait longer than a few milliseconds means
+/// a holder is stuck; `ss_store_file_open` waits 300 s.
+///
+/// # Safety
+/// `path` is NULL or a NUL-terminated string; `out` is NULL or points to a
+/// writable `ss_store*`.
+#[no_mangle]
+pub unsafe extern "C" fn ss_store_file_open_with_lock_timeout(path: *const c_char, timeout_ms: i64, out: *mut *mut SsStore) -> ss_status {
+    ffi_status!("ss_store_file_open_with_lock_timeout", {
+        out_arg(out, "out")?;
+        let lock_timeout = timeout_arg(timeout_ms)?;
+        // SAFETY: NULL or a NUL-terminated string.
+        let path = unsafe { str_arg(path, "path") }?;
+        let store: StoreRef = Arc::new(FileStore::open_with_lock_timeout(path, lock_timeout)?);
+        // SAFETY: checked above.
+        unsafe { write_store(out, store) };
+        Ok(())
+    })
+}
+
 /// Opens (creating if missing) the file `path` in PyTorch's own FileStore
 /// format, as `torch.distributed.FileStore(path, world_size)`: ranks using
 /// PyTorch's FileStore (or `init_process_group` with `file://path`) and

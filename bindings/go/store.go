@@ -91,6 +91,27 @@ func OpenFileStore(path string) (*Store, error) {
 	return wrapStore(h), nil
 }
 
+// OpenFileStoreWithLockTimeout is OpenFileStore where a write waits for the
+// folder's lock at most lockTimeout (0: as long as the holder keeps it;
+// OpenFileStore waits 300 s), then fails with ErrTimeout.
+func OpenFileStoreWithLockTimeout(path string, lockTimeout time.Duration) (*Store, error) {
+	const op = "ss_store_file_open_with_lock_timeout"
+	ms, err := timeoutMs(op, lockTimeout)
+	if err != nil {
+		return nil, err
+	}
+	p, err := cString(op, "path", path)
+	if err != nil {
+		return nil, err
+	}
+	defer freeCString(p)
+	var h *C.ss_store
+	if err := call(op, func() C.ss_status { return C.ss_store_file_open_with_lock_timeout(p, ms, &h) }); err != nil {
+		return nil, err
+	}
+	return wrapStore(h), nil
+}
+
 // OpenTCPStore joins (or with isMaster serves) a PyTorch c10d TCPStore at
 // host:port, as torch.distributed.TCPStore(host, port, worldSize, isMaster,
 // timeout) does. Port 0 with isMaster picks a free port (TCPPort). With

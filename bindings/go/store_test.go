@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -114,6 +115,34 @@ func TestFileStoreShared(t *testing.T) {
 	a.Close()
 	if err := a.Set("k", nil); !errors.Is(err, ErrClosed) {
 		t.Fatalf("set after close: %v", err)
+	}
+}
+
+// A stuck holder of the folder's lock (this test, through its own open
+// file): writes give up after the lock timeout, and succeed once it goes.
+func TestFileStoreLockTimeout(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := OpenFileStoreWithLockTimeout(dir, -time.Second); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("negative lock timeout: %v", err)
+	}
+	s, err := OpenFileStoreWithLockTimeout(dir, 200*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	lock, err := os.Open(dir + "/.lock")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Set("k", []byte("v")); !errors.Is(err, ErrTimeout) {
+		t.Fatalf("set while the lock is held: %v", err)
+	}
+	lock.Close()
+	if err := s.Set("k", []byte("v")); err != nil {
+		t.Fatalf("set once the lock is free: %v", err)
 	}
 }
 

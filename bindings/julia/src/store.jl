@@ -34,15 +34,23 @@ Base.close(s::KVStore) = free_store!(s)
 Base.isopen(s::KVStore) = s.handle != C_NULL
 
 """
-    store_file_open(path) -> KVStore
+    store_file_open(path; lock_timeout_ms=nothing) -> KVStore
 
 The store in folder `path` (created if missing), shared by the processes
-of one host that open the same path. Use a fresh folder per job.
+of one host that open the same path. Use a fresh folder per job. A write
+waits for the folder's lock at most `lock_timeout_ms` (0: as long as the
+holder keeps it; default 300 s), then throws a timeout `SSError`.
 """
-function store_file_open(path::AbstractString)
+function store_file_open(path::AbstractString; lock_timeout_ms::Union{Nothing,Integer}=nothing)
     out = Ref{Ptr{Cvoid}}(C_NULL)
-    st = ccall((:ss_store_file_open, libstorage_sharing()), Cint, (Cstring, Ptr{Ptr{Cvoid}}), path, out)
-    check("ss_store_file_open", st)
+    if lock_timeout_ms === nothing
+        st = ccall((:ss_store_file_open, libstorage_sharing()), Cint, (Cstring, Ptr{Ptr{Cvoid}}), path, out)
+        check("ss_store_file_open", st)
+    else
+        st = ccall((:ss_store_file_open_with_lock_timeout, libstorage_sharing()), Cint, (Cstring, Int64, Ptr{Ptr{Cvoid}}),
+                   path, lock_timeout_ms, out)
+        check("ss_store_file_open_with_lock_timeout", st)
+    end
     return KVStore(out[])
 end
 

@@ -15,13 +15,19 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import _replica_workers as rw  # noqa: E402
 
-# On PyTorch 2.4 these rounds hang (seen with 2.4.1: every rank waits and
-# none reports; the cause is not found yet, a group left and joined again
-# in one process is the suspect): they run on newer releases, and the
+# On PyTorch 2.4 these rounds stall (seen with 2.4.1): after a round that
+# timed out or lost a peer, the source's main thread sits in the gloo
+# group's destructor (destroy_process_group) joining a worker thread that
+# is still inside gloo::broadcast (waitSend) for the abandoned round, which
+# only ends at the group timeout. They run on newer releases, and the
 # 20-broadcast test runs on 2.4 too.
 REBUILDS_GROUPS = pytest.mark.skipif(
     tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5),
-    reason="hangs on PyTorch 2.4 (seen with 2.4.1, cause not found yet); runs on newer releases",
+    reason=(
+        "PyTorch 2.4 gloo keeps running a collective whose wait timed out (or whose peer died) on its "
+        "worker thread until the group timeout, and destroy_process_group joins that thread: leaving "
+        "the group after such a round blocks up to the group timeout; runs on newer releases"
+    ),
 )
 
 import storage_sharing as ss  # noqa: E402

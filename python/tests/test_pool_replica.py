@@ -15,18 +15,19 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import _replica_workers as rw  # noqa: E402
 
-# On PyTorch 2.4 these rounds stall (seen with 2.4.1): after a round that
-# timed out or lost a peer, the source's main thread sits in the gloo
-# group's destructor (destroy_process_group) joining a worker thread that
-# is still inside gloo::broadcast (waitSend) for the abandoned round, which
-# only ends at the group timeout. They run on newer releases, and the
-# 20-broadcast test runs on 2.4 too.
+# On PyTorch 2.4 these rounds deadlock in destroy_process_group (gdb on
+# 2.4.1): the main thread holds the GIL inside the gloo group's destructor,
+# joining a worker thread, while that worker thread drops the last
+# reference to a collective's work whose tensor still has a Python object
+# and waits for the GIL to free it; where a round timed out or lost a peer,
+# the worker is first stuck in the abandoned collective until the group
+# timeout. They run on newer releases; the 20-broadcast test runs on 2.4.
 REBUILDS_GROUPS = pytest.mark.skipif(
     tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5),
     reason=(
-        "PyTorch 2.4 gloo keeps running a collective whose wait timed out (or whose peer died) on its "
-        "worker thread until the group timeout, and destroy_process_group joins that thread: leaving "
-        "the group after such a round blocks up to the group timeout; runs on newer releases"
+        "PyTorch 2.4 deadlock: destroy_process_group holds the GIL while joining a gloo worker thread "
+        "that needs the GIL to free a work's tensor (after a timed-out round it first waits out the "
+        "group timeout in the abandoned collective); runs on newer releases"
     ),
 )
 

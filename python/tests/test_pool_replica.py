@@ -15,13 +15,20 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import _replica_workers as rw  # noqa: E402
 
-# On PyTorch 2.4 these rounds hang (seen with 2.4.1: every rank waits and
-# none reports; the cause is not found yet, a group left and joined again
-# in one process is the suspect): they run on newer releases, and the
-# 20-broadcast test runs on 2.4 too.
+# On PyTorch 2.4 these rounds deadlock in destroy_process_group (gdb on
+# 2.4.1): the main thread holds the GIL inside the gloo group's destructor,
+# joining a worker thread, while that worker thread drops the last
+# reference to a collective's work whose tensor still has a Python object
+# and waits for the GIL to free it; where a round timed out or lost a peer,
+# the worker is first stuck in the abandoned collective until the group
+# timeout. They run on newer releases; the 20-broadcast test runs on 2.4.
 REBUILDS_GROUPS = pytest.mark.skipif(
     tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5),
-    reason="hangs on PyTorch 2.4 (seen with 2.4.1, cause not found yet); runs on newer releases",
+    reason=(
+        "PyTorch 2.4 deadlock: destroy_process_group holds the GIL while joining a gloo worker thread "
+        "that needs the GIL to free a work's tensor (after a timed-out round it first waits out the "
+        "group timeout in the abandoned collective); runs on newer releases"
+    ),
 )
 
 import storage_sharing as ss  # noqa: E402

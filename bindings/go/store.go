@@ -78,17 +78,9 @@ func timeoutMs(op string, d time.Duration) (C.int64_t, error) {
 // by the processes of one host that open the same path. Use a fresh folder
 // per job: keys of an earlier job stay.
 func OpenFileStore(path string) (*Store, error) {
-	const op = "ss_store_file_open"
-	p, err := cString(op, "path", path)
-	if err != nil {
-		return nil, err
-	}
-	defer freeCString(p)
-	var h *C.ss_store
-	if err := call(op, func() C.ss_status { return C.ss_store_file_open(p, &h) }); err != nil {
-		return nil, err
-	}
-	return wrapStore(h), nil
+	return openFileStore("ss_store_file_open", path, func(p *C.char, h **C.ss_store) C.ss_status {
+		return C.ss_store_file_open(p, h)
+	})
 }
 
 // OpenFileStoreWithLockTimeout is OpenFileStore where a write waits for the
@@ -100,13 +92,20 @@ func OpenFileStoreWithLockTimeout(path string, lockTimeout time.Duration) (*Stor
 	if err != nil {
 		return nil, err
 	}
+	return openFileStore(op, path, func(p *C.char, h **C.ss_store) C.ss_status {
+		return C.ss_store_file_open_with_lock_timeout(p, ms, h)
+	})
+}
+
+// openFileStore runs one of the C file-store openers on path.
+func openFileStore(op, path string, open func(p *C.char, h **C.ss_store) C.ss_status) (*Store, error) {
 	p, err := cString(op, "path", path)
 	if err != nil {
 		return nil, err
 	}
 	defer freeCString(p)
 	var h *C.ss_store
-	if err := call(op, func() C.ss_status { return C.ss_store_file_open_with_lock_timeout(p, ms, &h) }); err != nil {
+	if err := call(op, func() C.ss_status { return open(p, &h) }); err != nil {
 		return nil, err
 	}
 	return wrapStore(h), nil
